@@ -1,0 +1,125 @@
+"""ZeRO++ quantization kernels: block quantization (qwZ int8, qgZ int4), fused reductions,
+and the qgZ swizzle.
+
+Each call dispatches on its tensor: CUDA tensors go to the Triton kernels when Triton is
+importable and the block size fits them, everything else to the pure-torch reference. The
+two are bit-identical (see `reference` for the payload layout and the numeric contract).
+`ZEROPP_KERNELS=reference|triton` forces one backend, read at every call.
+
+The Triton module is imported only when a call selects it, so CPU-only runs never import
+Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from functools import cache
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from zeropp.kernels import reference
+from zeropp.kernels.reference import (
+    SUPPORTED_BITS,
+    SUPPORTED_DTYPES,
+    PayloadLayout,
+    payload_layout,
+    quantized_nbytes,
+    swizzle,
+    unswizzle,
+)
+
+__all__ = [
+    "BACKEND_ENV_VAR",
+    "SUPPORTED_BITS",
+    "SUPPORTED_DTYPES",
+    "PayloadLayout",
+    "backend_for",
+    "dequantize_blockwise",
+    "dequantize_blockwise_many",
+    "dequantize_reduce",
+    "dequantize_reduce_quantize",
+    "payload_layout",
+    "quantize_blockwise",
+    "quantized_nbytes",
+    "swizzle",
+    "unswizzle",
+]
+
+BACKEND_ENV_VAR = "ZEROPP_KERNELS"
+_BACKEND_CHOICES = ("reference", "triton")
+
+
+@cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_backend() -> ModuleType:
+    return importlib.import_module("zeropp.kernels.triton_kernels")
+
+
+def backend_for(tensor: Tensor, block_size: int) -> ModuleType:
+    """The kernel module (`reference` or `triton_kernels`) that handles `tensor`."""
+    forced = os.environ.get(BACKEND_ENV_VAR, "").strip().lower()
+    if forced and forced not in _BACKEND_CHOICES:
+        raise ValueError(
+            f"{BACKEND_ENV_VAR} must be 'reference' or 'triton', got {os.environ[BACKEND_ENV_VAR]!r}"
+        )
+    if forced == "reference":
+        return reference
+    if forced == "triton":
+        if not _triton_installed():
+            raise RuntimeError(f"{BACKEND_ENV_VAR}=triton but the 'triton' package is not installed")
+        return _triton_backend()
+    if isinstance(tensor, Tensor) and tensor.is_cuda and _triton_installed():
+        backend = _triton_backend()
+        if block_size <= backend.MAX_BLOCK_SIZE:
+            return backend
+    return reference
+
+
+def quantize_blockwise(x: Tensor, bits: int, block_size: int) -> Tensor:
+    """Flatten `x` and quantize it block-wise into one uint8 payload of
+    `quantized_nbytes(x.numel(), bits, block_size)` bytes: [codes | fp32 scales]."""
+    return backend_for(x, block_size).quantize_blockwise(x, bits, block_size)
+
+
+def dequantize_blockwise(
+    payload: Tensor,
+    numel: int,
+    bits: int,
+    block_size: int,
+    dtype: torch.dtype,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Inverse of `quantize_blockwise`: `numel` values in `dtype`, written into `out` if given."""
+    return backend_for(payload, block_size).dequantize_blockwise(
+        payload, numel, bits, block_size, dtype, out
+    )
+
+
+def dequantize_blockwise_many(
+    payloads: Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype
+) -> Tensor:
+    """Dequantize k payloads (k, nbytes) at once into (k, numel) values in `dtype`."""
+    return backend_for(payloads, block_size).dequantize_blockwise_many(
+        payloads, numel, bits, block_size, dtype
+    )
+
+
+def dequantize_reduce(payloads: Tensor, numel: int, bits: int, block_size: int) -> Tensor:
+    """fp32 sum of k dequantized payloads (k, nbytes): the last step of qgZ."""
+    return backend_for(payloads, block_size).dequantize_reduce(payloads, numel, bits, block_size)
+
+
+def dequantize_reduce_quantize(
+    payloads: Tensor, numel: int, bits_in: int, bits_out: int, block_size: int
+) -> Tensor:
+    """Dequantize k payloads, sum in fp32, requantize to `bits_out`: qgZ's middle step."""
+    return backend_for(payloads, block_size).dequantize_reduce_quantize(
+        payloads, numel, bits_in, bits_out, block_size
+    )

@@ -1,0 +1,602 @@
+"""Megatron-compatible command line for pretrain_zeropp_gpt.py.
+
+The DeepSpeed ZeRO++ tutorial launches training with a Megatron-DeepSpeed command line
+(``--num-layers 40 --hidden-size 6144 ... --zero-stage 3 --deepspeed_config ds.json --fp16``);
+this module accepts that command line unchanged. Three steps, in this order:
+
+    args = parse_args(argv)                      # argparse only; records which flags were given
+    reconcile_with_ds_config(args, ds_json)      # CLI vs DeepSpeed JSON: agree or fail loudly
+    validate_args(args, world_size)              # checks, then derived values
+
+``reconcile_with_ds_config`` may also run after ``validate_args``: it then validates again so
+the derived values follow the JSON. ``validate_args`` is idempotent.
+
+Every problem raises ``ArgumentError`` (a ``ValueError``) with one line naming the flag or JSON
+key and the offending values; the entry point prints it and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_lite.lr_schedule import DECAY_STYLES
+
+SUPPORTED_ZERO_STAGES = (0, 3)
+
+# DeepSpeed JSON values that must be integers rather than any number.
+_INTEGER_DESTS = frozenset(
+    {"micro_batch_size", "global_batch_size", "zero_stage", "loss_scale_window", "hysteresis"}
+)
+_REQUIRED_MODEL_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+_POSITIVE_IF_SET = (
+    "micro_batch_size", "global_batch_size", "num_layers", "hidden_size", "num_attention_heads",
+    "seq_length", "ffn_hidden_size", "max_position_embeddings", "make_vocab_size_divisible_by",
+    "checkpoint_num_layers", "train_iters", "lr_decay_iters", "log_interval", "eval_interval",
+    "save_interval", "exit_interval", "ranks_per_node", "tensor_model_parallel_size",
+    "pipeline_model_parallel_size", "adam_eps", "init_method_std", "layernorm_epsilon",
+    "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis",
+)
+_NON_NEGATIVE_IF_SET = (
+    "lr", "min_lr", "weight_decay", "clip_grad", "eval_iters", "num_workers", "lr_warmup_iters",
+)
+_PROBABILITIES = ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2")
+
+
+class ArgumentError(ValueError):
+    """A command-line or DeepSpeed-config problem, described in one line."""
+
+
+# -------------------- Parser -------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser, with ``--help`` grouped by concern."""
+    parser = argparse.ArgumentParser(
+        prog="pretrain_zeropp_gpt.py",
+        description="Megatron-style GPT pretraining on a ZeRO-3 / ZeRO++ engine.",
+        # Prefix matching would let "--deepspeed" swallow "--deepspeed_c"; accept exact names only.
+        allow_abbrev=False,
+    )
+    _add_model_args(parser.add_argument_group("model"))
+    _add_training_args(parser.add_argument_group("training"))
+    _add_learning_rate_args(parser.add_argument_group("learning rate"))
+    _add_data_args(parser.add_argument_group("data"))
+    _add_mixed_precision_args(parser.add_argument_group("mixed precision"))
+    _add_checkpointing_args(parser.add_argument_group("checkpointing"))
+    _add_distributed_args(parser.add_argument_group("distributed/ZeRO"))
+    _add_logging_args(parser.add_argument_group("logging"))
+    return parser
+
+
+def _add_model_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--num-layers", type=int, default=None, help="Transformer blocks.")
+    group.add_argument("--hidden-size", type=int, default=None, help="Model width.")
+    group.add_argument("--num-attention-heads", type=int, default=None, help="Attention heads.")
+    group.add_argument("--seq-length", type=int, default=None, help="Tokens per sample.")
+    group.add_argument("--max-position-embeddings", type=int, default=None,
+                       help="Position table size (default: --seq-length).")
+    group.add_argument("--ffn-hidden-size", type=int, default=None,
+                       help="MLP inner width (default: 4 x --hidden-size).")
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                       help="Pad the vocabulary to a multiple of this (default: 128).")
+    group.add_argument("--hidden-dropout", type=float, default=0.1,
+                       help="Dropout after attention and MLP (default: 0.1).")
+    group.add_argument("--attention-dropout", type=float, default=0.1,
+                       help="Dropout on attention probabilities (default: 0.1).")
+    group.add_argument("--init-method-std", type=float, default=0.02,
+                       help="Std of the normal weight init (default: 0.02).")
+    group.add_argument("--layernorm-epsilon", type=float, default=1e-5,
+                       help="LayerNorm epsilon (default: 1e-5).")
+
+
+def _add_training_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--micro-batch-size", "--batch-size", dest="micro_batch_size", type=int,
+                       default=None, help="Samples per rank per forward pass "
+                       "(or train_micro_batch_size_per_gpu in the DeepSpeed config).")
+    group.add_argument("--global-batch-size", type=int, default=None,
+                       help="Samples per optimizer step over all ranks "
+                       "(default: micro batch x data-parallel size).")
+    group.add_argument("--train-iters", type=int, default=None, help="Optimizer steps to run.")
+    group.add_argument("--weight-decay", type=float, default=0.01,
+                       help="AdamW weight decay (default: 0.01).")
+    group.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1 (default: 0.9).")
+    group.add_argument("--adam-beta2", type=float, default=0.999,
+                       help="Adam beta2 (default: 0.999).")
+    group.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon (default: 1e-8).")
+    group.add_argument("--clip-grad", type=float, default=1.0,
+                       help="Global gradient-norm clip; 0 disables (default: 1.0).")
+    group.add_argument("--seed", type=int, default=1234, help="Random seed.")
+    group.add_argument("--checkpoint-activations", action="store_true",
+                       help="Recompute each block's activations in backward.")
+    group.add_argument("--deepspeed-activation-checkpointing", action="store_true",
+                       help="Accepted for Megatron-DeepSpeed compatibility; recomputation is "
+                       "turned on by --checkpoint-activations.")
+    group.add_argument("--checkpoint-num-layers", type=int, default=1,
+                       help="Blocks per activation-checkpoint segment (default: 1).")
+    group.add_argument("--exit-interval", type=int, default=None,
+                       help="Stop after the iteration that is a multiple of this.")
+    group.add_argument("--dry-run", action="store_true",
+                       help="Validate, build model and data, then exit before the first step.")
+
+
+def _add_learning_rate_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
+    group.add_argument("--min-lr", type=float, default=0.0,
+                       help="Learning rate after decay (default: 0).")
+    group.add_argument("--lr-decay-style", choices=DECAY_STYLES, default="linear",
+                       help="Shape of the decay after warmup (default: linear).")
+    group.add_argument("--lr-warmup-iters", type=int, default=None,
+                       help="Iterations of linear warmup from 0 (default: 0).")
+    group.add_argument("--lr-warmup-fraction", type=float, default=None,
+                       help="Warmup as a fraction of --lr-decay-iters.")
+    group.add_argument("--lr-decay-iters", type=int, default=None,
+                       help="Iteration at which the lr reaches --min-lr (default: --train-iters).")
+
+
+def _add_data_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--data-path", nargs="*", default=None,
+                       help="Indexed-dataset prefix, or a weighted blend: 0.3 PREFIX 0.7 PREFIX.")
+    group.add_argument("--split", default="969,30,1",
+                       help="Train,validation,test weights (default: 969,30,1).")
+    group.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
+                       help="Tokenizer name (default: GPT2BPETokenizer).")
+    group.add_argument("--vocab-file", default=None, help="BPE vocabulary (vocab.json).")
+    group.add_argument("--merge-file", default=None, help="BPE merges (merges.txt).")
+    group.add_argument("--tokenizer-model", default=None, help="SentencePiece or HF tokenizer.")
+    group.add_argument("--num-workers", type=int, default=2,
+                       help="DataLoader worker processes (default: 2).")
+    group.add_argument("--data-cache-dir", default=None,
+                       help="Where sample-index caches are written (default: next to the data).")
+
+
+def _add_mixed_precision_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--fp16", action="store_true", help="fp16 compute, fp32 master weights.")
+    group.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 master weights.")
+    group.add_argument("--loss-scale", type=float, default=None,
+                       help="Static fp16 loss scale (default: dynamic).")
+    group.add_argument("--initial-loss-scale", type=float, default=2.0**16,
+                       help="First dynamic loss scale (default: 65536).")
+    group.add_argument("--min-loss-scale", type=float, default=1.0,
+                       help="Floor of the dynamic loss scale (default: 1).")
+    group.add_argument("--loss-scale-window", type=int, default=1000,
+                       help="Overflow-free steps before the scale doubles (default: 1000).")
+    group.add_argument("--hysteresis", type=int, default=2,
+                       help="Overflows tolerated before the scale halves (default: 2).")
+
+
+def _add_checkpointing_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--save", default=None, help="Directory to write checkpoints to.")
+    group.add_argument("--load", default=None, help="Directory to resume from.")
+    group.add_argument("--save-interval", type=int, default=None, help="Iterations per checkpoint.")
+
+
+def _add_distributed_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                       help="Must be 1: this engine is data-parallel ZeRO only.")
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                       help="Must be 1: this engine is data-parallel ZeRO only.")
+    group.add_argument("--zero-stage", type=int, default=3,
+                       help="0 = plain data parallel, 3 = ZeRO-3 with the ZeRO++ options of the "
+                       "DeepSpeed config (default: 3).")
+    group.add_argument("--deepspeed", action="store_true",
+                       help="Accepted for Megatron-DeepSpeed compatibility; always on.")
+    group.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
+                       default=None, help="DeepSpeed JSON config (ZeRO++ keys, batch, fp16).")
+    group.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
+                       help="Set by the launcher (default: $LOCAL_RANK or 0).")
+    group.add_argument("--ranks-per-node", type=int, default=None, help="Simulated node size.")
+
+
+def _add_logging_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--log-interval", type=int, default=100,
+                       help="Iterations between log lines (default: 100).")
+    group.add_argument("--eval-interval", type=int, default=1000,
+                       help="Iterations between evaluations (default: 1000).")
+    group.add_argument("--eval-iters", type=int, default=100, help="Batches per evaluation.")
+    group.add_argument("--wandb-project", default=None, help="W&B project; enables W&B.")
+    group.add_argument("--wandb-exp-name", default=None, help="W&B run name.")
+    group.add_argument("--wandb-save-dir", default=None, help="W&B run directory root.")
+    group.add_argument("--tensorboard-dir", default=None, help="Enables TensorBoard scalars.")
+    group.add_argument("--metrics-file", default=None,
+                       help="Append one JSON object per log interval to this file.")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv`` (default ``sys.argv[1:]``); nothing is validated yet.
+
+    Besides the flags, the namespace carries bookkeeping used by the later steps:
+    ``explicit_args`` (dests the user typed), ``ds_config_sources`` (dest -> (JSON key, file)
+    that supplied it), ``ds_gradient_accumulation_steps`` and ``derived_values``.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.explicit_args = _explicitly_given_dests(argv, dests=vars(args))
+    _ensure_bookkeeping(args)
+    return args
+
+
+def _ensure_bookkeeping(args: argparse.Namespace) -> None:
+    # A namespace built by hand (not by parse_args) counts every value as a default.
+    for name, empty in (("explicit_args", frozenset()), ("ds_config_sources", {}),
+                        ("ds_gradient_accumulation_steps", None), ("derived_values", {})):
+        if not hasattr(args, name):
+            setattr(args, name, empty)
+
+
+def _ds_source(args: argparse.Namespace) -> str:
+    return args.deepspeed_config or "the DeepSpeed config"
+
+
+def _explicitly_given_dests(argv: list[str] | None, dests: dict[str, Any]) -> frozenset[str]:
+    # argparse only fills attributes a namespace lacks, so a namespace pre-filled with a
+    # sentinel keeps the sentinel exactly where the user typed nothing.
+    not_given = object()
+    namespace = argparse.Namespace(**dict.fromkeys(dests, not_given))
+    parsed = build_parser().parse_args(argv, namespace=namespace)
+    return frozenset(dest for dest, value in vars(parsed).items() if value is not not_given)
+
+
+# -------------------- Reconciliation with the DeepSpeed JSON -----------------------------------
+
+
+def reconcile_with_ds_config(args: argparse.Namespace, ds: dict[str, Any]) -> None:
+    """Make the CLI and the DeepSpeed JSON agree on every value both can set.
+
+    A value set in both places must be equal (else ``ArgumentError`` naming both places and
+    both values); a value set in one place is taken from there. If ``validate_args`` already
+    ran, it runs again so derived values (global batch, accumulation steps) follow the JSON.
+    """
+    if not isinstance(ds, dict):
+        raise ArgumentError(f"the DeepSpeed config must be a JSON object, got {type(ds).__name__}")
+    _ensure_bookkeeping(args)
+    source = _ds_source(args)
+    _take_or_compare(args, ds, "micro_batch_size", ("train_micro_batch_size_per_gpu",), source)
+    _take_or_compare(args, ds, "global_batch_size", ("train_batch_size",), source)
+    accumulation = _json_value(ds, ("gradient_accumulation_steps",), source)
+    if accumulation is not None:
+        if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+            raise ArgumentError(f"gradient_accumulation_steps in {source} must be a positive "
+                                f"integer, got {json.dumps(accumulation)}")
+        args.ds_gradient_accumulation_steps = accumulation
+    _take_or_compare(args, ds, "clip_grad", ("gradient_clipping",), source)
+    _reconcile_precision(args, ds, source)
+    _reconcile_loss_scaling(args, ds, source)
+    _take_or_compare(args, ds, "zero_stage", ("zero_optimization", "stage"), source)
+    _reconcile_optimizer(args, ds, source)
+    if getattr(args, "world_size", None) is not None:
+        validate_args(args, args.world_size)
+
+
+def _reconcile_precision(args: argparse.Namespace, ds: dict[str, Any], source: str) -> None:
+    _take_or_compare(args, ds, "fp16", ("fp16", "enabled"), source)
+    # DeepSpeed still accepts the legacy section name "bfloat16".
+    bf16_section = "bf16" if "bf16" in ds else "bfloat16"
+    _take_or_compare(args, ds, "bf16", (bf16_section, "enabled"), source)
+    if args.fp16 and args.bf16:
+        raise ArgumentError(
+            f"fp16 and bf16 are both enabled ({_describe(args, 'fp16')} and "
+            f"{_describe(args, 'bf16')}); choose one"
+        )
+
+
+def _reconcile_loss_scaling(args: argparse.Namespace, ds: dict[str, Any], source: str) -> None:
+    # DeepSpeed spells "dynamic" as loss_scale 0 and the initial scale as a power of two.
+    _take_or_compare(args, ds, "loss_scale", ("fp16", "loss_scale"), source,
+                     convert=lambda value: None if value == 0 else float(value))
+    _take_or_compare(args, ds, "initial_loss_scale", ("fp16", "initial_scale_power"), source,
+                     convert=lambda power: 2.0 ** power)
+    _take_or_compare(args, ds, "min_loss_scale", ("fp16", "min_loss_scale"), source)
+    _take_or_compare(args, ds, "loss_scale_window", ("fp16", "loss_scale_window"), source)
+    _take_or_compare(args, ds, "hysteresis", ("fp16", "hysteresis"), source)
+
+
+def _reconcile_optimizer(args: argparse.Namespace, ds: dict[str, Any], source: str) -> None:
+    params = ("optimizer", "params")
+    _take_or_compare(args, ds, "lr", (*params, "lr"), source)
+    _take_or_compare(args, ds, "weight_decay", (*params, "weight_decay"), source)
+    _take_or_compare(args, ds, "adam_eps", (*params, "eps"), source)
+    betas = _json_value(ds, (*params, "betas"), source)
+    if betas is None:
+        return
+    if not isinstance(betas, list) or len(betas) != 2:
+        raise ArgumentError(f"optimizer.params.betas in {source} must be a list of two numbers, "
+                            f"got {json.dumps(betas)}")
+    for index, dest in enumerate(("adam_beta1", "adam_beta2")):
+        _take_or_compare(args, {"betas": betas[index]}, dest, ("betas",), source,
+                         key_name=f"optimizer.params.betas[{index}]")
+
+
+def _take_or_compare(
+    args: argparse.Namespace,
+    ds: dict[str, Any],
+    dest: str,
+    path: tuple[str, ...],
+    source: str,
+    convert: Callable[[Any], Any] | None = None,
+    key_name: str | None = None,
+) -> None:
+    raw = _json_value(ds, path, source)
+    if raw is None:
+        return
+    key_name = key_name or ".".join(path)
+    current = getattr(args, dest)
+    _check_json_type(raw, dest, is_flag=isinstance(current, bool), key=key_name, source=source)
+    value = convert(raw) if convert else raw
+    if dest in args.explicit_args and current != value:
+        cli = _flag(dest) if isinstance(current, bool) else f"{_flag(dest)} {current}"
+        shown = json.dumps(raw)
+        if value is not None and value != raw:  # e.g. initial_scale_power 16 (= 65536)
+            shown += f" (= {value:g})"
+        raise ArgumentError(f"{cli} disagrees with {key_name} {shown} in {source}")
+    setattr(args, dest, value)
+    args.ds_config_sources[dest] = (key_name, source)
+
+
+def _check_json_type(raw: Any, dest: str, is_flag: bool, key: str, source: str) -> None:
+    if is_flag:
+        valid, wanted = isinstance(raw, bool), "true or false"
+    elif dest in _INTEGER_DESTS:
+        valid, wanted = isinstance(raw, int) and not isinstance(raw, bool), "an integer"
+    else:
+        valid, wanted = isinstance(raw, (int, float)) and not isinstance(raw, bool), "a number"
+    if not valid:
+        raise ArgumentError(f"{key} in {source} must be {wanted}, got {json.dumps(raw)}")
+
+
+def _json_value(ds: dict[str, Any], path: tuple[str, ...], source: str) -> Any:
+    node: Any = ds
+    for depth, key in enumerate(path):
+        if not isinstance(node, dict):
+            section = ".".join(path[:depth])
+            raise ArgumentError(f"{section} in {source} must be a JSON object")
+        if key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+# -------------------- Validation and derived values --------------------------------------------
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Check ``args`` for ``world_size`` ranks and fill derived values; returns ``args``.
+
+    Derived: ``data_parallel_size``, ``global_batch_size`` (default micro x dp),
+    ``gradient_accumulation_steps``, ``params_dtype``, ``ffn_hidden_size``,
+    ``max_position_embeddings``, ``lr_warmup_iters`` (from ``--lr-warmup-fraction``),
+    ``lr_decay_iters`` (default ``--train-iters``), ``local_rank``, ``data_blend`` (list of
+    (normalised weight, prefix) or None) and ``split_fractions`` (train, valid, test).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ArgumentError(f"world size must be a positive integer, got {world_size!r}")
+    _ensure_bookkeeping(args)
+    _forget_derived_values(args)
+    _check_required_model_shape(args)
+    _check_ranges(args)
+    _check_parallelism(args, world_size)
+    _derive_model_shape(args)
+    _check_precision(args)
+    _derive_batch_sizes(args, world_size)
+    _derive_lr_schedule(args)
+    _derive_data(args)
+    _check_run_control(args)
+    args.world_size = world_size
+    return args
+
+
+def _forget_derived_values(args: argparse.Namespace) -> None:
+    # A re-validation must recompute what the previous one filled in, unless someone has since
+    # set the value (the DeepSpeed JSON or the caller).
+    for dest, value in args.derived_values.items():
+        if dest not in args.ds_config_sources and getattr(args, dest) == value:
+            setattr(args, dest, None)
+    args.derived_values = {}
+
+
+def _derive(args: argparse.Namespace, dest: str, value: Any) -> None:
+    setattr(args, dest, value)
+    args.derived_values[dest] = value
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _describe(args: argparse.Namespace, dest: str) -> str:
+    """Where a value came from, for error messages: '--flag 4' or 'key 4 in ds.json'."""
+    value = getattr(args, dest)
+    if dest in args.ds_config_sources:
+        key, source = args.ds_config_sources[dest]
+        return f"{key} in {source}" if isinstance(value, bool) else f"{key} {value} in {source}"
+    if dest in args.derived_values:
+        return f"derived {dest.replace('_', ' ')} {value}"
+    return _flag(dest) if isinstance(value, bool) else f"{_flag(dest)} {value}"
+
+
+def _check_parallelism(args: argparse.Namespace, world_size: int) -> None:
+    for dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if getattr(args, dest) != 1:
+            raise ArgumentError(f"this engine is data-parallel ZeRO only; {_flag(dest)} must be 1, "
+                                f"got {getattr(args, dest)}")
+    if args.zero_stage not in SUPPORTED_ZERO_STAGES:
+        raise ArgumentError(f"{_describe(args, 'zero_stage')} is not supported: use 0 (plain data "
+                            "parallel) or 3 (ZeRO-3, with the ZeRO++ options of the DeepSpeed "
+                            "config)")
+    if args.ranks_per_node is not None and world_size % args.ranks_per_node:
+        raise ArgumentError(f"--ranks-per-node {args.ranks_per_node} does not divide the world "
+                            f"size {world_size}")
+    args.data_parallel_size = world_size
+    if args.local_rank is None:
+        local_rank = os.environ.get("LOCAL_RANK", "0")
+        if not local_rank.isdigit():
+            raise ArgumentError(f"environment variable LOCAL_RANK={local_rank!r} is not an integer")
+        args.local_rank = int(local_rank)
+
+
+def _check_required_model_shape(args: argparse.Namespace) -> None:
+    for dest in _REQUIRED_MODEL_SHAPE:
+        if getattr(args, dest) is None:
+            raise ArgumentError(f"{_flag(dest)} is required")
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    for dest in _POSITIVE_IF_SET:
+        value = getattr(args, dest)
+        if value is not None and value <= 0:
+            raise ArgumentError(f"{_describe(args, dest)} must be positive")
+    for dest in _NON_NEGATIVE_IF_SET:
+        value = getattr(args, dest)
+        if value is not None and value < 0:
+            raise ArgumentError(f"{_describe(args, dest)} must not be negative")
+    for dest in _PROBABILITIES:
+        if not 0.0 <= getattr(args, dest) < 1.0:
+            raise ArgumentError(f"{_describe(args, dest)} must lie in [0, 1)")
+
+
+def _derive_model_shape(args: argparse.Namespace) -> None:
+    if args.hidden_size % args.num_attention_heads:
+        raise ArgumentError(f"--hidden-size {args.hidden_size} is not divisible by "
+                            f"--num-attention-heads {args.num_attention_heads}")
+    if args.ffn_hidden_size is None:
+        _derive(args, "ffn_hidden_size", 4 * args.hidden_size)
+    if args.max_position_embeddings is None:
+        _derive(args, "max_position_embeddings", args.seq_length)
+    if args.seq_length > args.max_position_embeddings:
+        raise ArgumentError(f"--seq-length {args.seq_length} exceeds "
+                            f"--max-position-embeddings {args.max_position_embeddings}")
+
+
+def _check_precision(args: argparse.Namespace) -> None:
+    if args.fp16 and args.bf16:
+        raise ArgumentError("--fp16 and --bf16 are mutually exclusive; choose one")
+    args.params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 \
+        else torch.float32
+
+
+def _derive_batch_sizes(args: argparse.Namespace, world_size: int) -> None:
+    accumulation_from_ds = args.ds_gradient_accumulation_steps
+    if args.micro_batch_size is None:
+        _derive_micro_batch_size(args, world_size, accumulation_from_ds)
+    if args.global_batch_size is None:
+        _derive(args, "global_batch_size",
+                args.micro_batch_size * world_size * (accumulation_from_ds or 1))
+    samples_per_micro_step = args.micro_batch_size * world_size
+    if args.global_batch_size % samples_per_micro_step:
+        raise ArgumentError(
+            f"{_describe(args, 'global_batch_size')} is not divisible by "
+            f"{_describe(args, 'micro_batch_size')} x data-parallel size {world_size} "
+            f"(= {samples_per_micro_step})"
+        )
+    args.gradient_accumulation_steps = args.global_batch_size // samples_per_micro_step
+    accumulation = args.gradient_accumulation_steps
+    if accumulation_from_ds is not None and accumulation_from_ds != accumulation:
+        raise ArgumentError(
+            f"gradient_accumulation_steps {accumulation_from_ds} in {_ds_source(args)} "
+            f"disagrees with {_describe(args, 'global_batch_size')} / "
+            f"({_describe(args, 'micro_batch_size')} x data-parallel size {world_size}) "
+            f"= {accumulation}"
+        )
+
+
+def _derive_micro_batch_size(args: argparse.Namespace, world_size: int,
+                             accumulation_from_ds: int | None) -> None:
+    # DeepSpeed semantics: any two of (train batch, micro batch, accumulation) give the third.
+    if args.global_batch_size is None or accumulation_from_ds is None:
+        raise ArgumentError("--micro-batch-size is required (or train_micro_batch_size_per_gpu "
+                            "in the DeepSpeed config)")
+    samples_per_micro_batch = accumulation_from_ds * world_size
+    if args.global_batch_size % samples_per_micro_batch:
+        raise ArgumentError(
+            f"{_describe(args, 'global_batch_size')} is not divisible by "
+            f"gradient_accumulation_steps {accumulation_from_ds} x data-parallel size "
+            f"{world_size} (= {samples_per_micro_batch})"
+        )
+    _derive(args, "micro_batch_size", args.global_batch_size // samples_per_micro_batch)
+
+
+def _derive_lr_schedule(args: argparse.Namespace) -> None:
+    training = not args.dry_run
+    if training and args.train_iters is None:
+        raise ArgumentError("--train-iters is required for training")
+    if training and args.lr is None:
+        raise ArgumentError("--lr is required for training (or optimizer.params.lr in the "
+                            "DeepSpeed config)")
+    if args.lr is not None and args.min_lr > args.lr:
+        raise ArgumentError(f"--min-lr {args.min_lr} exceeds {_describe(args, 'lr')}")
+    if args.lr_warmup_iters is not None and args.lr_warmup_fraction is not None:
+        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} and --lr-warmup-fraction "
+                            f"{args.lr_warmup_fraction} are mutually exclusive; give one")
+    if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction <= 1.0:
+        raise ArgumentError(f"--lr-warmup-fraction {args.lr_warmup_fraction} must lie in [0, 1]")
+    if args.lr_decay_iters is None and args.train_iters is not None:
+        _derive(args, "lr_decay_iters", args.train_iters)
+    if args.lr_warmup_fraction is not None:
+        if args.lr_decay_iters is None:
+            raise ArgumentError("--lr-warmup-fraction needs --lr-decay-iters or --train-iters")
+        _derive(args, "lr_warmup_iters", int(args.lr_warmup_fraction * args.lr_decay_iters))
+    elif args.lr_warmup_iters is None:
+        _derive(args, "lr_warmup_iters", 0)
+    if args.lr_decay_iters is not None and args.lr_decay_style != "constant" \
+            and args.lr_warmup_iters > args.lr_decay_iters:
+        raise ArgumentError(f"{_describe(args, 'lr_warmup_iters')} exceeds "
+                            f"{_describe(args, 'lr_decay_iters')}")
+
+
+def _derive_data(args: argparse.Namespace) -> None:
+    args.data_blend = parse_data_blend(args.data_path)
+    args.split_fractions = parse_split(args.split)
+
+
+def parse_data_blend(data_path: list[str] | None) -> list[tuple[float, str]] | None:
+    """``["A"]`` -> ``[(1.0, "A")]``; ``["0.3", "A", "0.7", "B"]`` -> normalised weights."""
+    if not data_path:
+        return None
+    if len(data_path) == 1:
+        return [(1.0, data_path[0])]
+    if len(data_path) % 2:
+        raise ArgumentError(f"--data-path takes one prefix or weight-prefix pairs such as "
+                            f"'0.3 A 0.7 B'; got {len(data_path)} values")
+    weights = []
+    for text in data_path[0::2]:
+        try:
+            weight = float(text)
+        except ValueError:
+            raise ArgumentError(f"--data-path weight {text!r} is not a number") from None
+        if not math.isfinite(weight) or weight < 0:
+            raise ArgumentError(f"--data-path weight {text!r} must be a finite non-negative number")
+        weights.append(weight)
+    total = sum(weights)
+    if total == 0:
+        raise ArgumentError("--data-path weights sum to zero")
+    prefixes = data_path[1::2]
+    return [(weight / total, prefix) for weight, prefix in zip(weights, prefixes, strict=True)]
+
+
+def parse_split(split: str) -> tuple[float, float, float]:
+    """``"969,30,1"`` (or ``"969/30/1"``) -> normalised (train, valid, test) fractions."""
+    parts = split.replace("/", ",").split(",")
+    if len(parts) > 3:
+        raise ArgumentError(f"--split {split!r} has more than three parts (train,valid,test)")
+    try:
+        weights = [float(part) for part in parts]
+    except ValueError:
+        raise ArgumentError(f"--split {split!r} must be comma-separated numbers") from None
+    if any(not math.isfinite(weight) or weight < 0 for weight in weights) or sum(weights) == 0:
+        raise ArgumentError(f"--split {split!r} needs non-negative weights with a positive sum")
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    return (weights[0] / total, weights[1] / total, weights[2] / total)
+
+
+def _check_run_control(args: argparse.Namespace) -> None:
+    if args.save_interval is not None and args.save is None:
+        raise ArgumentError(f"--save-interval {args.save_interval} needs --save DIR")
+    if args.deepspeed_config is not None and not os.path.isfile(args.deepspeed_config):
+        raise ArgumentError(f"--deepspeed_config {args.deepspeed_config}: no such file")

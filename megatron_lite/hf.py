@@ -1,0 +1,212 @@
+"""Conversion between `GPTModel` and Hugging Face `GPT2LMHeadModel` checkpoints.
+
+The two architectures are the same network under different names, with three differences in
+storage that the converter handles:
+
+- HF GPT-2 keeps its projections in `Conv1D` modules whose weight is (in, out), the
+  transpose of `nn.Linear`'s (out, in).
+- Our embedding table is padded to a multiple of `make_vocab_size_divisible_by`; the padded
+  rows are dropped on export and, on import, get the values our own initialization gives
+  them, so an imported model equals a freshly initialized one wherever HF has no data.
+- Both tie the LM head to the token embeddings, so only the embedding is stored.
+
+Everything is local: a directory is read with `local_files_only=True`, nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel
+
+from megatron_lite.model import GPTConfig, GPTModel
+
+# Activations numerically identical to F.gelu(approximate="tanh"), the one GPTModel uses.
+TANH_GELU_NAMES = ("gelu_new", "gelu_pytorch_tanh")
+# GPT-2's tokenizer puts <|endoftext|> (its BOS and EOS) at the last of its 50257 ids.
+GPT2_END_OF_TEXT_ID = 50256
+
+
+@dataclass(frozen=True)
+class _TensorPair:
+    """One parameter under both naming schemes; `transpose` marks a Conv1D weight."""
+
+    ours: str
+    theirs: str
+    transpose: bool = False
+
+
+def from_hf(path_or_model: str | os.PathLike | GPT2LMHeadModel, *,
+            make_vocab_size_divisible_by: int = 128, seed: int = 1234) -> GPTModel:
+    """Build an fp32 CPU `GPTModel` holding the weights of a Hugging Face GPT-2.
+
+    `path_or_model` is a local checkpoint directory (config.json + weights) or a
+    `GPT2LMHeadModel` instance. `seed` only decides the padded vocabulary rows, which HF
+    does not have, and becomes the seed of the returned model's config.
+    """
+    hf_model = _load_hf_model(path_or_model)
+    config = gpt_config_from_hf(hf_model.config,
+                                make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                                seed=seed)
+    with torch.device("meta"):
+        model = GPTModel(config)
+    model.to_empty(device="cpu")
+    model.init_weights()  # gives the padded vocabulary rows their values
+    hf_state = hf_model.state_dict()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for pair in _tensor_pairs(config.num_layers):
+            source = hf_state[pair.theirs].detach().to(device="cpu", dtype=torch.float32)
+            if pair.transpose:
+                source = source.t()
+            target = params[pair.ours]
+            if pair.ours == "embedding.word_embeddings.weight":
+                target = target[: config.vocab_size]
+            _check_same_shape(pair, source, target)
+            target.copy_(source)
+    return model
+
+
+def to_hf(model: GPTModel, out_dir: str | os.PathLike) -> None:
+    """Write `model` as a GPT-2 checkpoint directory (config.json + model.safetensors)
+    that `GPT2LMHeadModel.from_pretrained(out_dir)` loads.
+
+    The model must hold full parameters (not sharded, not on the meta device); tensors are
+    written in the parameters' own dtype.
+    """
+    config = model.config
+    params = dict(model.named_parameters())
+    tensors: dict[str, torch.Tensor] = {}
+    for pair in _tensor_pairs(config.num_layers):
+        param = params[pair.ours]
+        if param.is_meta:
+            raise ValueError(f"{pair.ours} is on the meta device; materialize the model "
+                             f"before exporting it")
+        tensor = param.detach().to("cpu")
+        if pair.ours == "embedding.word_embeddings.weight":
+            tensor = tensor[: config.vocab_size]
+        if pair.transpose:
+            tensor = tensor.t()
+        tensors[pair.theirs] = tensor.contiguous()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config = hf_config_from_gpt(config)
+    hf_config.dtype = next(iter(params.values())).dtype
+    hf_config.save_pretrained(out)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def gpt_config_from_hf(hf_config: GPT2Config, *, make_vocab_size_divisible_by: int = 128,
+                       seed: int = 1234) -> GPTConfig:
+    """The `GPTConfig` of an HF GPT-2 config; ValueError for features GPTModel lacks."""
+    _check_representable(hf_config)
+    return GPTConfig(
+        num_layers=hf_config.n_layer,
+        hidden_size=hf_config.n_embd,
+        num_attention_heads=hf_config.n_head,
+        vocab_size=hf_config.vocab_size,
+        max_position_embeddings=hf_config.n_positions,
+        ffn_hidden_size=hf_config.n_inner,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        hidden_dropout=float(hf_config.resid_pdrop),
+        attention_dropout=float(hf_config.attn_pdrop),
+        init_method_std=hf_config.initializer_range,
+        layernorm_epsilon=hf_config.layer_norm_epsilon,
+        seed=seed,
+    )
+
+
+def hf_config_from_gpt(config: GPTConfig) -> GPT2Config:
+    """The HF `GPT2Config` describing `GPTModel(config)` (real vocabulary, no padding)."""
+    # GPT-2's end-of-text id only exists in vocabularies as large as GPT-2's own.
+    special_id = GPT2_END_OF_TEXT_ID if config.vocab_size > GPT2_END_OF_TEXT_ID else None
+    return GPT2Config(
+        vocab_size=config.vocab_size,
+        n_positions=config.max_position_embeddings,
+        n_embd=config.hidden_size,
+        n_layer=config.num_layers,
+        n_head=config.num_attention_heads,
+        n_inner=config.ffn_hidden_size,
+        activation_function="gelu_new",
+        resid_pdrop=config.hidden_dropout,
+        embd_pdrop=config.hidden_dropout,
+        attn_pdrop=config.attention_dropout,
+        layer_norm_epsilon=config.layernorm_epsilon,
+        initializer_range=config.init_method_std,
+        bos_token_id=special_id,
+        eos_token_id=special_id,
+        tie_word_embeddings=True,
+        architectures=["GPT2LMHeadModel"],
+    )
+
+
+def _load_hf_model(path_or_model: str | os.PathLike | GPT2LMHeadModel) -> GPT2LMHeadModel:
+    if isinstance(path_or_model, GPT2LMHeadModel):
+        return path_or_model
+    if not isinstance(path_or_model, (str, os.PathLike)):
+        raise TypeError(f"expected a checkpoint directory or a GPT2LMHeadModel, got "
+                        f"{type(path_or_model).__name__}")
+    path = Path(path_or_model)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint directory "
+                                f"(no config.json)")
+    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    _check_representable(hf_config)  # fail before reading gigabytes of weights
+    return GPT2LMHeadModel.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+
+
+def _check_representable(hf_config: object) -> None:
+    if getattr(hf_config, "model_type", None) != "gpt2":
+        raise ValueError(f"not a GPT-2 checkpoint: model_type is "
+                         f"{getattr(hf_config, 'model_type', None)!r}, expected 'gpt2'")
+    unsupported = {
+        "activation_function": hf_config.activation_function not in TANH_GELU_NAMES,
+        "scale_attn_weights": not hf_config.scale_attn_weights,
+        "scale_attn_by_inverse_layer_idx": hf_config.scale_attn_by_inverse_layer_idx,
+        "reorder_and_upcast_attn": hf_config.reorder_and_upcast_attn,
+        "add_cross_attention": hf_config.add_cross_attention,
+        "tie_word_embeddings": not hf_config.tie_word_embeddings,
+    }
+    for key, is_unsupported in unsupported.items():
+        if is_unsupported:
+            raise ValueError(f"GPT-2 config has {key}={getattr(hf_config, key)!r}, "
+                             f"which GPTModel cannot represent")
+    # GPTModel has one hidden dropout for the embeddings and the residual branches.
+    if hf_config.embd_pdrop != hf_config.resid_pdrop:
+        raise ValueError(f"GPT-2 config has embd_pdrop={hf_config.embd_pdrop} != "
+                         f"resid_pdrop={hf_config.resid_pdrop}; GPTModel uses one "
+                         f"hidden dropout for both")
+
+
+def _tensor_pairs(num_layers: int) -> list[_TensorPair]:
+    """Every stored tensor of GPT-2 with its GPTModel name, in state-dict order."""
+    pairs = [
+        _TensorPair("embedding.word_embeddings.weight", "transformer.wte.weight"),
+        _TensorPair("embedding.position_embeddings.weight", "transformer.wpe.weight"),
+    ]
+    for i in range(num_layers):
+        ours, theirs = f"layers.{i}.", f"transformer.h.{i}."
+        for our_module, their_module, has_conv1d_weight in (
+            ("input_layernorm", "ln_1", False),
+            ("attention.query_key_value", "attn.c_attn", True),
+            ("attention.dense", "attn.c_proj", True),
+            ("post_attention_layernorm", "ln_2", False),
+            ("mlp.dense_h_to_4h", "mlp.c_fc", True),
+            ("mlp.dense_4h_to_h", "mlp.c_proj", True),
+        ):
+            pairs.append(_TensorPair(f"{ours}{our_module}.weight",
+                                     f"{theirs}{their_module}.weight", has_conv1d_weight))
+            pairs.append(_TensorPair(f"{ours}{our_module}.bias", f"{theirs}{their_module}.bias"))
+    pairs.append(_TensorPair("final_layernorm.weight", "transformer.ln_f.weight"))
+    pairs.append(_TensorPair("final_layernorm.bias", "transformer.ln_f.bias"))
+    return pairs
+
+
+def _check_same_shape(pair: _TensorPair, source: torch.Tensor, target: torch.Tensor) -> None:
+    if source.shape != target.shape:
+        raise ValueError(f"{pair.theirs} has shape {tuple(source.shape)} but {pair.ours} "
+                         f"expects {tuple(target.shape)}")

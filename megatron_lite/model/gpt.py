@@ -1,0 +1,288 @@
+"""Megatron-LM's GPT-2: pre-LayerNorm transformer with learned positions and a tied LM head.
+
+Module tree (the sharding engine attaches its hooks to these modules, so the names are part
+of the interface):
+
+    GPTModel
+      embedding: Embedding            word_embeddings (padded_vocab, h), position_embeddings
+      layers: ModuleList[TransformerLayer]
+        input_layernorm -> attention (query_key_value, dense) -> + residual
+        post_attention_layernorm -> mlp (dense_h_to_4h, gelu, dense_4h_to_h) -> + residual
+      final_layernorm
+    logits = final_layernorm(x) @ embedding.word_embeddings.weight.T
+
+The fused query_key_value projection produces [q | k | v], each h wide with the heads
+contiguous inside it: the layout of Hugging Face GPT-2's c_attn, so converting between the
+two is a transpose of the Conv1D weight and nothing else.
+
+Initial values are a pure function of (config.seed, parameter name): `initial_value` is what
+lets a sharded engine materialize only its own slice of a meta-device model and still get
+the same model at any world size.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from megatron_lite.model.config import GPTConfig
+
+# Output projections write into the residual stream once per layer, so Megatron (after GPT-2)
+# scales their init by 1/sqrt(2L) to keep the residual's variance independent of depth.
+SCALED_INIT_MODULES = ("attention.dense", "mlp.dense_4h_to_h")
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embeddings, followed by dropout."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings,
+                                                config.hidden_size)
+        self.dropout_p = config.hidden_dropout
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        tokens = self.word_embeddings(input_ids)  # (B, T, C)
+        positions = self.position_embeddings(position_ids)  # (B or 1, T, C)
+        return F.dropout(tokens + positions, self.dropout_p, self.training)  # (B, T, C)
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head self-attention with one fused QKV projection."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.dropout_p = config.attention_dropout
+        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        qkv = self.query_key_value(x)  # (B, T, 3*C)
+        q, k, v = qkv.split(C, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        dropout_p = self.dropout_p if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.dense(y)  # (B, T, C)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward block with GPT-2's tanh-approximated GELU."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        assert config.ffn_hidden_size is not None  # filled in by GPTConfig.__post_init__
+        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.ffn_hidden_size)
+        self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.dense_h_to_4h(x)  # (B, T, F)
+        # tanh approximation: bit-compatible with HF GPT-2's "gelu_new" checkpoints
+        x = F.gelu(x, approximate="tanh")
+        return self.dense_4h_to_h(x)  # (B, T, C)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LN block: x + drop(attn(ln(x))), then x + drop(mlp(ln(x)))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.attention = SelfAttention(config)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size,
+                                                     eps=config.layernorm_epsilon)
+        self.mlp = MLP(config)
+        self.dropout_p = config.hidden_dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        attention_out = self.attention(self.input_layernorm(x))  # (B, T, C)
+        x = x + F.dropout(attention_out, self.dropout_p, self.training)
+        mlp_out = self.mlp(self.post_attention_layernorm(x))  # (B, T, C)
+        return x + F.dropout(mlp_out, self.dropout_p, self.training)  # (B, T, C)
+
+
+@dataclass(frozen=True)
+class _InitRule:
+    """How one parameter starts: normal(0, std) when std is set, else filled with constant."""
+
+    shape: tuple[int, ...]
+    std: float | None = None
+    constant: float = 0.0
+
+
+class GPTModel(nn.Module):
+    """GPT-2 language model; forward maps token ids (B, T) to logits (B, T, padded_vocab).
+
+    Built on a real device it is initialized at once; built under `torch.device("meta")`
+    it allocates nothing, and `to_empty(device=...)` followed by `init_weights()` gives the
+    identical model.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embedding = Embedding(config)
+        self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(config.num_layers))
+        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        # Recorded now, while every parameter still has its full shape: a sharding engine may
+        # later swap parameters for flat shards, and initial values must not change with it.
+        self._init_rules = {name: self._init_rule(name, param)
+                            for name, param in self.named_parameters()}
+        if not self.embedding.word_embeddings.weight.is_meta:
+            self.init_weights()
+
+    # ----------------------------------------------------------------------------------
+    # forward
+
+    def forward(self, input_ids: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        position_ids = self._checked_positions(input_ids, position_ids)  # (B or 1, T)
+        x = self.embedding(input_ids, position_ids)  # (B, T, C)
+        x = self._run_layers(x)  # (B, T, C)
+        x = self.final_layernorm(x)  # (B, T, C)
+        # Tied LM head: the output projection is the token embedding table itself.
+        return F.linear(x, self.embedding.word_embeddings.weight)  # (B, T, padded_vocab)
+
+    def _checked_positions(self, input_ids: torch.Tensor,
+                           position_ids: torch.Tensor | None) -> torch.Tensor:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be 2-D (batch, seq), got shape "
+                             f"{tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+        seq_length = input_ids.shape[1]
+        if seq_length > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {seq_length} exceeds max_position_embeddings "
+                f"({self.config.max_position_embeddings})"
+            )
+        if position_ids is None:
+            return torch.arange(seq_length, device=input_ids.device).unsqueeze(0)  # (1, T)
+        if position_ids.dim() != 2 or position_ids.shape[-1] != seq_length:
+            raise ValueError(f"position_ids must have shape (batch, {seq_length}) or "
+                             f"(1, {seq_length}), got {tuple(position_ids.shape)}")
+        return position_ids
+
+    def _run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        recompute = (self.config.checkpoint_activations and self.training
+                     and torch.is_grad_enabled())
+        if not recompute:
+            return _forward_layers(self.layers, x)
+        chunk_size = self.config.checkpoint_num_layers
+        for start in range(0, len(self.layers), chunk_size):
+            chunk = self.layers[start:start + chunk_size]
+            # early_stop=False: the recompute must run every layer of the chunk to its end so
+            # that each layer's forward hooks fire again (the sharding engine re-gathers and
+            # releases weights from them); early stopping would cut the last layer short.
+            x = checkpoint(functools.partial(_forward_layers, chunk), x,
+                           use_reentrant=False, early_stop=False)
+        return x
+
+    # ----------------------------------------------------------------------------------
+    # initialization
+
+    def initial_value(self, name: str, param: torch.Tensor | None = None) -> torch.Tensor:
+        """The full initial value (fp32, CPU) of the parameter called `name`.
+
+        A function of config.seed and the name only, never of construction order, device or
+        of what the sharding engine has done to the parameter since. When `param` is given
+        (e.g. a flattened view of it) the value is reshaped to param's shape.
+        """
+        rule = self._init_rules.get(name)
+        if rule is None:
+            raise KeyError(f"GPTModel has no parameter named {name!r}")
+        if rule.std is None:
+            value = torch.full(rule.shape, rule.constant, dtype=torch.float32)
+        else:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(_parameter_seed(self.config.seed, name))
+            value = torch.empty(rule.shape, dtype=torch.float32)
+            value.normal_(mean=0.0, std=rule.std, generator=generator)
+        if param is None:
+            return value
+        if param.numel() != value.numel():
+            raise ValueError(f"{name}: param has {param.numel()} elements, the parameter "
+                             f"has {value.numel()} (shape {rule.shape})")
+        return value.view(param.shape)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Overwrite every parameter, in place and in its own dtype/device, with its
+        initial value (call after `to_empty` on a meta-built model)."""
+        for name, param in self.named_parameters():
+            if param.is_meta:
+                raise RuntimeError(f"{name} is on the meta device; call "
+                                   f"model.to_empty(device=...) before init_weights()")
+            param.copy_(self.initial_value(name, param))
+
+    def _init_rule(self, name: str, param: torch.Tensor) -> _InitRule:
+        module_name, _, kind = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        shape = tuple(param.shape)
+        std = self.config.init_method_std
+        if isinstance(module, nn.LayerNorm):
+            return _InitRule(shape, constant=1.0 if kind == "weight" else 0.0)
+        if isinstance(module, nn.Embedding):
+            return _InitRule(shape, std=std)
+        if isinstance(module, nn.Linear) and kind == "bias":
+            return _InitRule(shape, constant=0.0)
+        if isinstance(module, nn.Linear) and module_name.endswith(SCALED_INIT_MODULES):
+            return _InitRule(shape, std=std / math.sqrt(2.0 * self.config.num_layers))
+        if isinstance(module, nn.Linear):
+            return _InitRule(shape, std=std)
+        raise TypeError(f"no initialization rule for {name} ({type(module).__name__})")
+
+    # ----------------------------------------------------------------------------------
+
+    def num_parameters(self) -> int:
+        """Number of distinct parameters (the tied head shares the embedding's)."""
+        return sum(param.numel() for param in self.parameters())
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the tokens where loss_mask is nonzero, in fp32.
+
+    logits (B, T, V) in any dtype; labels (B, T) token ids; loss_mask (B, T) of 0/1 (bool or
+    float). A batch whose mask is all zero yields 0 with zero gradient rather than NaN, so an
+    all-padding micro-batch cannot poison the accumulated gradient.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be (batch, seq, vocab), got shape {tuple(logits.shape)}")
+    if labels.shape != logits.shape[:2] or loss_mask.shape != logits.shape[:2]:
+        raise ValueError(f"labels {tuple(labels.shape)} and loss_mask "
+                         f"{tuple(loss_mask.shape)} must both have shape "
+                         f"{tuple(logits.shape[:2])}")
+    vocab = logits.shape[-1]
+    # fp32 softmax: in fp16/bf16 the log-sum-exp over 50K logits loses the small probabilities
+    token_losses = F.cross_entropy(logits.float().reshape(-1, vocab), labels.reshape(-1),
+                                   reduction="none")  # (B*T,)
+    mask = loss_mask.reshape(-1).float()  # (B*T,)
+    return (token_losses * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _forward_layers(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    # layer(x), not layer.forward(x): module hooks must fire, also when recomputing.
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+def _parameter_seed(model_seed: int, name: str) -> int:
+    # The CPU generator (mt19937) keeps only the low 32 bits of its seed, so seed and name
+    # are hashed together into 32 bits rather than packed side by side. crc32, not hash():
+    # Python salts str hashes per process, and every rank must derive the same value.
+    return zlib.crc32(f"{model_seed}/{name}".encode())

@@ -1,0 +1,463 @@
+"""Tests of the ZeRO++ quantization kernels (zeropp.kernels).
+
+The torch reference is checked against hand-made payloads, an independent numpy quantizer
+and the per-block error bound; the Triton kernels are checked byte for byte against the
+reference (on CUDA, or on CPU through Triton's interpreter when Triton is installed).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import struct
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import zeropp.kernels as kernels
+from zeropp.kernels import reference
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Half an ulp of the output dtype relative to the value, and its smallest subnormal step.
+OUTPUT_RELATIVE_ROUNDING = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+OUTPUT_ABSOLUTE_ROUNDING = {torch.float32: 0.0, torch.float16: 2.0**-25, torch.bfloat16: 0.0}
+AWKWARD_SHAPES = ((1, 1), (7, 3), (255, 64), (257, 256), (1000, 2048), (4097, 1), (999, 6))
+
+
+def _sample(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Values spanning several orders of magnitude, finite in fp16."""
+    gen = torch.Generator().manual_seed(seed)
+    magnitudes = 3.0 ** torch.randint(-8, 8, (numel,), generator=gen)
+    return (torch.randn(numel, generator=gen) * magnitudes).to(dtype)
+
+
+def _numpy_quantize(x: torch.Tensor, bits: int, block_size: int) -> bytes:
+    """Independent numpy statement of the payload format (see zeropp.kernels.reference)."""
+    values = x.reshape(-1).float().numpy()
+    qmax = 2 ** (bits - 1) - 1
+    nblocks = math.ceil(values.size / block_size)
+    padded = np.zeros(nblocks * block_size, dtype=np.float32)
+    padded[: values.size] = values
+    blocks = padded.reshape(nblocks, block_size)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        absmax = np.abs(blocks).max(axis=1)
+        scales = (absmax / np.float32(qmax)).astype(np.float32)
+        scales[~np.isfinite(absmax)] = np.nan
+        usable = scales > 0
+        codes = np.rint(blocks / np.where(usable, scales, np.float32(1))[:, None])
+        codes = np.clip(codes, -qmax, qmax)
+        codes[~usable] = 0
+    codes = codes.astype(np.int8).ravel()
+    if bits == 8:
+        data = codes.view(np.uint8)
+    else:
+        nibbles = (codes + 8).astype(np.uint8)
+        if nibbles.size % 2:
+            nibbles = np.append(nibbles, np.uint8(8))
+        data = nibbles[0::2] | (nibbles[1::2] << 4)
+    return data.tobytes() + scales.astype("<f4").tobytes()
+
+
+def _payload_scales(payload: torch.Tensor, numel: int, bits: int, block_size: int) -> np.ndarray:
+    layout = kernels.payload_layout(numel, bits, block_size)
+    return np.frombuffer(payload.numpy().tobytes()[layout.data_nbytes :], dtype="<f4")
+
+
+def _assert_within_block_bound(
+    x: torch.Tensor, restored: torch.Tensor, scales: np.ndarray, block_size: int
+) -> None:
+    """|x - restored| <= scale/2 per block, plus fp32 slack and the output dtype's rounding."""
+    original = x.reshape(-1).double().numpy()
+    back = restored.double().numpy()
+    per_value_scale = np.repeat(scales.astype(np.float64), block_size)[: original.size]
+    tolerance = (
+        per_value_scale * (0.5 + 2.0**-12)
+        + np.abs(original) * 2.0**-22
+        + np.abs(back) * OUTPUT_RELATIVE_ROUNDING[restored.dtype]
+        + OUTPUT_ABSOLUTE_ROUNDING[restored.dtype]
+    )
+    error = np.abs(original - back)
+    worst = int(np.argmax(error - tolerance))
+    assert error[worst] <= tolerance[worst], (
+        f"value {worst}: |{original[worst]} - {back[worst]}| > {tolerance[worst]}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("numel", "bits", "block_size", "expected"),
+    [
+        (1000, 8, 256, 4 * 256 + 4 * 4),
+        (1000, 4, 256, 4 * 128 + 4 * 4),
+        (7, 4, 3, 5 + 3 * 4),  # 9 padded nibbles -> 5 bytes
+        (1, 8, 2048, 2048 + 4),
+        (0, 4, 64, 0),
+    ],
+)
+def test_quantized_nbytes(numel: int, bits: int, block_size: int, expected: int) -> None:
+    assert kernels.quantized_nbytes(numel, bits, block_size) == expected
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [((10, 2, 4), "bits"), ((10, 8, 0), "block_size"), ((-1, 8, 4), "numel"), ((10, 8.0, 4), "bits")],
+)
+def test_quantized_nbytes_rejects_bad_arguments(args: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        kernels.quantized_nbytes(*args)
+
+
+def test_int8_layout_of_hand_made_blocks() -> None:
+    # Scales 1, 2 and 0.5 are exact, so every code is known: 2.5 -> 2 and 0.5 -> 0 and
+    # 1.5 -> 2 check round-half-to-even; the last block is padded with zeros.
+    x = torch.tensor([127.0, -3.4, 0.6, 2.5, -254.0, 1.0, 0.0, 3.0, 63.5])
+    payload = kernels.quantize_blockwise(x, bits=8, block_size=4)
+    codes = [127, -3, 1, 2, -127, 0, 0, 2, 127, 0, 0, 0]
+    expected = bytes(c & 0xFF for c in codes) + struct.pack("<3f", 1.0, 2.0, 0.5)
+    assert payload.dtype == torch.uint8 and payload.dim() == 1
+    assert payload.numpy().tobytes() == expected
+    assert payload.numel() == kernels.quantized_nbytes(9, 8, 4)
+
+
+def test_int4_layout_packs_even_index_in_low_nibble() -> None:
+    x = torch.tensor([7.0, -3.4, 0.6, 2.5, -14.0, 1.0, 0.0, 3.0, 3.5])
+    payload = kernels.quantize_blockwise(x, bits=4, block_size=4)
+    # Codes [7,-3,1,2 | -7,0,0,2 | 7,pad,pad,pad] stored as q + 8, even index low.
+    data = bytes([0x5F, 0xA9, 0x81, 0xA8, 0x8F, 0x88])
+    assert payload.numpy().tobytes() == data + struct.pack("<3f", 1.0, 2.0, 0.5)
+
+
+def test_int4_odd_block_packs_across_block_boundary() -> None:
+    # Block size 3: values 0..2 are block 0, value 3 starts block 1 inside byte 1.
+    x = torch.tensor([7.0, -7.0, 1.0, 14.0])
+    payload = kernels.quantize_blockwise(x, bits=4, block_size=3)
+    # Nibbles 15, 1, 9 | 15, 8, 8: byte 1 holds the last code of block 0 and the first of 1.
+    assert payload.numpy().tobytes() == bytes([0x1F, 0xF9, 0x88]) + struct.pack("<2f", 1.0, 2.0)
+    restored = kernels.dequantize_blockwise(payload, 4, 4, 3, torch.float32)
+    assert restored.tolist() == [7.0, -7.0, 1.0, 14.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trip and independent reference.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_bound_for_awkward_shapes(bits: int, dtype: torch.dtype) -> None:
+    for seed, (numel, block_size) in enumerate(AWKWARD_SHAPES):
+        x = _sample(numel, dtype, seed)
+        payload = kernels.quantize_blockwise(x, bits, block_size)
+        assert payload.numel() == kernels.quantized_nbytes(numel, bits, block_size)
+        assert payload.numpy().tobytes() == _numpy_quantize(x, bits, block_size)
+        restored = kernels.dequantize_blockwise(payload, numel, bits, block_size, dtype)
+        assert restored.dtype == dtype and restored.shape == (numel,)
+        scales = _payload_scales(payload, numel, bits, block_size)
+        _assert_within_block_bound(x, restored, scales, block_size)
+
+
+@pytest.mark.parametrize(("bits", "block_size"), [(8, 2048), (4, 256)])
+def test_round_trip_of_a_large_odd_length(bits: int, block_size: int) -> None:
+    x = _sample(1_000_003, torch.bfloat16, seed=7)
+    payload = kernels.quantize_blockwise(x, bits, block_size)
+    assert payload.numpy().tobytes() == _numpy_quantize(x, bits, block_size)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        restored = kernels.dequantize_blockwise(payload, x.numel(), bits, block_size, out_dtype)
+        scales = _payload_scales(payload, x.numel(), bits, block_size)
+        _assert_within_block_bound(x, restored, scales, block_size)
+
+
+def test_any_shape_is_quantized_as_its_flattening() -> None:
+    x = _sample(17 * 257, torch.float16).view(17, 257)
+    assert torch.equal(kernels.quantize_blockwise(x, 4, 64), kernels.quantize_blockwise(x.view(-1), 4, 64))
+
+
+def test_dequantize_writes_into_out() -> None:
+    x = _sample(1000, torch.float32)
+    payload = kernels.quantize_blockwise(x, 8, 64)
+    out = torch.full((10, 100), 99.0, dtype=torch.float16)
+    result = kernels.dequantize_blockwise(payload, 1000, 8, 64, torch.float16, out=out)
+    assert result is out
+    assert torch.equal(out.view(-1), kernels.dequantize_blockwise(payload, 1000, 8, 64, torch.float16))
+    with pytest.raises(ValueError, match="out.dtype"):
+        kernels.dequantize_blockwise(payload, 1000, 8, 64, torch.float32, out=out)
+    with pytest.raises(ValueError, match="elements"):
+        kernels.dequantize_blockwise(payload, 1000, 8, 64, torch.float16, out=out[:5])
+
+
+def test_all_zero_blocks_have_zero_scale_and_restore_exactly() -> None:
+    x = _sample(64 * 5, torch.float32)
+    x[64:192] = 0.0  # blocks 1 and 2
+    for bits in (8, 4):
+        payload = kernels.quantize_blockwise(x, bits, 64)
+        scales = _payload_scales(payload, x.numel(), bits, 64)
+        assert scales[1] == 0.0 and scales[2] == 0.0 and (scales[[0, 3, 4]] > 0).all()
+        restored = kernels.dequantize_blockwise(payload, x.numel(), bits, 64, torch.float32)
+        assert not torch.isnan(restored).any()
+        assert torch.equal(restored[64:192], torch.zeros(128))
+    zeros = torch.zeros(1000, dtype=torch.bfloat16)
+    restored = kernels.dequantize_blockwise(
+        kernels.quantize_blockwise(zeros, 4, 3), 1000, 4, 3, torch.bfloat16
+    )
+    assert torch.equal(restored, zeros)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_non_finite_values_turn_their_block_into_nan(dtype: torch.dtype) -> None:
+    x = _sample(64 * 4, dtype)
+    x[70] = float("nan")  # block 1
+    x[200] = float("-inf")  # block 3
+    for bits in (8, 4):
+        payload = kernels.quantize_blockwise(x, bits, 64)
+        scales = _payload_scales(payload, x.numel(), bits, 64)
+        assert np.isnan(scales[[1, 3]]).all() and np.isfinite(scales[[0, 2]]).all()
+        restored = kernels.dequantize_blockwise(payload, x.numel(), bits, 64, dtype)
+        assert torch.isnan(restored[64:128]).all() and torch.isnan(restored[192:]).all()
+        finite = torch.cat([restored[:64], restored[128:192]])
+        assert torch.isfinite(finite).all()
+        _assert_within_block_bound(
+            torch.cat([x[:64], x[128:192]]), finite, scales[[0, 2]], 64
+        )
+        summed = kernels.dequantize_reduce(torch.stack([payload, payload]), x.numel(), bits, 64)
+        assert torch.isnan(summed[64:128]).all() and torch.isfinite(summed[:64]).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched dequantization and reductions.
+# ---------------------------------------------------------------------------------------------
+
+
+def _payload_batch(k: int, numel: int, bits: int, block_size: int) -> torch.Tensor:
+    return torch.stack(
+        [kernels.quantize_blockwise(_sample(numel, torch.float32, seed), bits, block_size)
+         for seed in range(k)]
+    )
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("numel", "block_size"), [(1001, 64), (7, 3), (5, 2048)])
+def test_dequantize_many_equals_one_by_one(bits: int, numel: int, block_size: int) -> None:
+    payloads = _payload_batch(3, numel, bits, block_size)
+    for dtype in DTYPES:
+        many = kernels.dequantize_blockwise_many(payloads, numel, bits, block_size, dtype)
+        one_by_one = torch.stack(
+            [kernels.dequantize_blockwise(p, numel, bits, block_size, dtype) for p in payloads]
+        )
+        assert many.shape == (3, numel) and torch.equal(many, one_by_one)
+
+
+@pytest.mark.parametrize("bits_in", [8, 4])
+@pytest.mark.parametrize("bits_out", [8, 4])
+@pytest.mark.parametrize(("numel", "block_size"), [(1001, 64), (7, 3), (4096, 2048)])
+def test_reductions_equal_dequantize_then_sum(
+    bits_in: int, bits_out: int, numel: int, block_size: int
+) -> None:
+    payloads = _payload_batch(4, numel, bits_in, block_size)
+    expected_sum = torch.zeros(numel)
+    for payload in payloads:  # payload order, fp32, from zero: the documented contract
+        expected_sum = expected_sum + kernels.dequantize_blockwise(
+            payload, numel, bits_in, block_size, torch.float32
+        )
+    total = kernels.dequantize_reduce(payloads, numel, bits_in, block_size)
+    assert total.dtype == torch.float32 and torch.equal(total, expected_sum)
+    fused = kernels.dequantize_reduce_quantize(payloads, numel, bits_in, bits_out, block_size)
+    assert fused.numel() == kernels.quantized_nbytes(numel, bits_out, block_size)
+    assert torch.equal(fused, kernels.quantize_blockwise(expected_sum, bits_out, block_size))
+
+
+# ---------------------------------------------------------------------------------------------
+# Swizzle.
+# ---------------------------------------------------------------------------------------------
+
+
+def _swizzle_by_index_list(flat: torch.Tensor, nodes: int, ranks_per_node: int) -> torch.Tensor:
+    slice_numel = flat.numel() // (nodes * ranks_per_node)
+    order = []
+    for local in range(ranks_per_node):
+        for node in range(nodes):
+            start = (node * ranks_per_node + local) * slice_numel
+            order.extend(range(start, start + slice_numel))
+    return flat[torch.tensor(order, dtype=torch.long)]
+
+
+@pytest.mark.parametrize(("nodes", "ranks_per_node"), [(2, 2), (3, 4), (4, 3), (2, 8)])
+def test_swizzle_matches_index_list_and_unswizzle_inverts(nodes: int, ranks_per_node: int) -> None:
+    flat = torch.arange(nodes * ranks_per_node * 5, dtype=torch.float32)
+    swizzled = kernels.swizzle(flat, nodes, ranks_per_node)
+    assert torch.equal(swizzled, _swizzle_by_index_list(flat, nodes, ranks_per_node))
+    assert not torch.equal(swizzled, flat)
+    assert torch.equal(kernels.unswizzle(swizzled, nodes, ranks_per_node), flat)
+    assert torch.equal(kernels.swizzle(kernels.unswizzle(flat, nodes, ranks_per_node),
+                                       nodes, ranks_per_node), flat)
+
+
+@pytest.mark.parametrize(("nodes", "ranks_per_node"), [(1, 8), (6, 1), (1, 1)])
+def test_swizzle_is_identity_copy_with_one_node_or_one_rank_per_node(
+    nodes: int, ranks_per_node: int
+) -> None:
+    flat = torch.randn(nodes * ranks_per_node * 3).to(torch.bfloat16)
+    for reorder in (kernels.swizzle, kernels.unswizzle):
+        result = reorder(flat, nodes, ranks_per_node)
+        assert torch.equal(result, flat)
+        assert result.data_ptr() != flat.data_ptr()
+
+
+def test_swizzle_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="not divisible"):
+        kernels.swizzle(torch.zeros(10), 2, 2)
+    with pytest.raises(ValueError, match="1-D"):
+        kernels.swizzle(torch.zeros(4, 4), 2, 2)
+    with pytest.raises(ValueError, match="nodes"):
+        kernels.unswizzle(torch.zeros(4), 0, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks and dispatch.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_one_precise_error() -> None:
+    x = torch.randn(16, 16)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.quantize_blockwise(x.t(), 8, 16)
+    with pytest.raises(ValueError, match="x.dtype"):
+        kernels.quantize_blockwise(torch.ones(8, dtype=torch.int32), 8, 4)
+    with pytest.raises(ValueError, match="bits"):
+        kernels.quantize_blockwise(x, 3, 16)
+    payload = kernels.quantize_blockwise(x, 8, 16)
+    with pytest.raises(ValueError, match="bytes per row"):
+        kernels.dequantize_blockwise(payload[:-1], 256, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="uint8"):
+        kernels.dequantize_blockwise(payload.to(torch.int8), 256, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.dequantize_blockwise(payload, 256, 8, 16, torch.float64)
+    with pytest.raises(ValueError, match="2 dimension"):
+        kernels.dequantize_reduce(payload, 256, 8, 16)
+
+
+def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu_tensor = torch.zeros(4)
+    monkeypatch.delenv(kernels.BACKEND_ENV_VAR, raising=False)
+    assert kernels.backend_for(cpu_tensor, 64) is reference
+    monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "reference")
+    assert kernels.backend_for(cpu_tensor, 64) is reference
+    monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "cuda")
+    with pytest.raises(ValueError, match=kernels.BACKEND_ENV_VAR):
+        kernels.quantize_blockwise(cpu_tensor, 8, 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels against the reference.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def triton_device():
+    """(triton_kernels module, device): CUDA if present, else Triton's CPU interpreter."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed; the Triton kernels cannot be compared")
+    if torch.cuda.is_available():
+        yield importlib.import_module("zeropp.kernels.triton_kernels"), torch.device("cuda")
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        # Kernels become interpreted when decorated, so (re)import with the variable set.
+        patch.setenv("TRITON_INTERPRET", "1")
+        sys.modules.pop("zeropp.kernels.triton_kernels", None)
+        module = importlib.import_module("zeropp.kernels.triton_kernels")
+        yield module, torch.device("cpu")
+    sys.modules.pop("zeropp.kernels.triton_kernels", None)
+
+
+TRITON_SHAPES = ((1, 1), (7, 3), (300, 6), (257, 64), (1000, 2048))
+
+
+def _assert_same_payload(actual: torch.Tensor, expected: torch.Tensor, layout) -> None:
+    """Byte equality, except that NaN scales only need to be NaN."""
+    actual, expected = actual.cpu(), expected.cpu()
+    assert actual.shape == expected.shape
+    data = slice(0, layout.data_nbytes)
+    assert torch.equal(actual[data], expected[data])
+    scales = [reference.decode_scales(p.view(1, -1), layout) for p in (actual, expected)]
+    torch.testing.assert_close(scales[0], scales[1], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_quantize_dequantize_match_reference(triton_device, bits, dtype) -> None:
+    triton_kernels, device = triton_device
+    for seed, (numel, block_size) in enumerate(TRITON_SHAPES):
+        x = _sample(numel, dtype, seed).to(device)
+        layout = kernels.payload_layout(numel, bits, block_size)
+        expected = reference.quantize_blockwise(x, bits, block_size)
+        payload = triton_kernels.quantize_blockwise(x, bits, block_size)
+        _assert_same_payload(payload, expected, layout)
+        for out_dtype in (dtype, torch.float32):
+            restored = triton_kernels.dequantize_blockwise(payload, numel, bits, block_size, out_dtype)
+            assert torch.equal(
+                restored, reference.dequantize_blockwise(payload, numel, bits, block_size, out_dtype)
+            )
+
+
+# The interpreter evaluates masked-off lanes too (inf - inf, fp16 overflow) and numpy warns.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_triton_handles_extremes_like_reference(triton_device) -> None:
+    triton_kernels, device = triton_device
+    x = _sample(64 * 6, torch.float32).to(device)
+    x[:64] = torch.linspace(-1.0, 1.0, 64) * 3.39e38  # bf16/fp16 outputs round to +-inf
+    x[64:128] = torch.linspace(-1.0, 1.0, 64) * 1e-39  # subnormal values and scale
+    x[128:192] = 0.0
+    x[200] = float("nan")
+    x[300] = float("inf")
+    for bits in (8, 4):
+        # Scale exactly 1 and every other value a tie: checks round-half-to-even.
+        qmax = 2 ** (bits - 1) - 1
+        x[320:] = torch.cat([torch.tensor([float(qmax)]), torch.arange(63) % 14 - 6.5]).to(device)
+        layout = kernels.payload_layout(x.numel(), bits, 64)
+        payload = triton_kernels.quantize_blockwise(x, bits, 64)
+        _assert_same_payload(payload, reference.quantize_blockwise(x, bits, 64), layout)
+        scales = _payload_scales(payload.cpu(), x.numel(), bits, 64)
+        assert np.isfinite(scales[:2]).all() and 0 < scales[1] < np.finfo(np.float32).tiny
+        for dtype in DTYPES:
+            restored = triton_kernels.dequantize_blockwise(payload, x.numel(), bits, 64, dtype)
+            expected = reference.dequantize_blockwise(payload, x.numel(), bits, 64, dtype)
+            torch.testing.assert_close(restored, expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize(("numel", "block_size"), [(7, 3), (1000, 64), (300, 6)])
+def test_triton_reductions_match_reference(triton_device, numel, block_size) -> None:
+    triton_kernels, device = triton_device
+    for bits_in in (8, 4):
+        payloads = _payload_batch(3, numel, bits_in, block_size).to(device)
+        many = triton_kernels.dequantize_blockwise_many(
+            payloads, numel, bits_in, block_size, torch.bfloat16
+        )
+        assert torch.equal(
+            many,
+            reference.dequantize_blockwise_many(payloads, numel, bits_in, block_size, torch.bfloat16),
+        )
+        total = triton_kernels.dequantize_reduce(payloads, numel, bits_in, block_size)
+        assert torch.equal(total, reference.dequantize_reduce(payloads, numel, bits_in, block_size))
+        for bits_out in (8, 4):
+            fused = triton_kernels.dequantize_reduce_quantize(
+                payloads, numel, bits_in, bits_out, block_size
+            )
+            expected = reference.dequantize_reduce_quantize(
+                payloads, numel, bits_in, bits_out, block_size
+            )
+            assert torch.equal(fused, expected)
+
+
+def test_forced_triton_backend_dispatches_to_it(triton_device, monkeypatch) -> None:
+    triton_kernels, device = triton_device
+    monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "triton")
+    x = _sample(515, torch.float16).to(device)
+    assert kernels.backend_for(x, 128) is triton_kernels
+    payload = kernels.quantize_blockwise(x, 4, 128)
+    assert torch.equal(payload, reference.quantize_blockwise(x, 4, 128))

@@ -1,0 +1,537 @@
+"""Tests for zeropp.config: DeepSpeed JSON -> EngineConfig.
+
+DeepSpeed itself is the independent reference where it can be: its batch-size resolution, its
+ZeRO/fp16/scheduler defaults and its acceptance of the shipped config files. Those tests skip
+when deepspeed is not importable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zeropp.config import (
+    ACCEPTED,
+    ALIASES,
+    UNSUPPORTED,
+    BF16Config,
+    ConfigError,
+    EngineConfig,
+    FP16Config,
+    OptimizerConfig,
+    SchedulerConfig,
+    ZeroConfig,
+    read_json_config,
+)
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+ZEROPP_KEYS = ("zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients")
+# file -> (stage, qwZ, hpZ size, qgZ)
+EXPECTED_CONFIGS = {
+    "ds_zero0_config.json": (0, False, 1, False),
+    "ds_zero3_config.json": (3, False, 1, False),
+    "ds_zeropp_config.json": (3, True, 16, True),
+    "ds_zeropp_qwz.json": (3, True, 1, False),
+    "ds_zeropp_hpz.json": (3, False, 16, False),
+    "ds_zeropp_qgz.json": (3, False, 1, True),
+    "ds_zeropp_cpu2x2.json": (3, True, 2, True),
+}
+SECTIONS = (EngineConfig, FP16Config, BF16Config, OptimizerConfig, SchedulerConfig, ZeroConfig)
+
+
+def zero(**keys: Any) -> dict[str, Any]:
+    return {"zero_optimization": keys}
+
+
+def error_of(raw: Any, world_size: int | None = None) -> str:
+    with pytest.raises(ConfigError) as caught:
+        EngineConfig.from_json(raw, world_size=world_size)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.fixture(scope="module")
+def deepspeed_config():
+    return pytest.importorskip("deepspeed.runtime.config")
+
+
+# --- the shipped config files -------------------------------------------------------------
+
+
+def test_config_directory_holds_exactly_the_documented_files():
+    assert {path.name for path in CONFIG_DIR.glob("*.json")} == set(EXPECTED_CONFIGS)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_CONFIGS))
+def test_config_file_loads_with_its_components(name):
+    config = EngineConfig.from_json(CONFIG_DIR / name)
+    zero_config = config.zero_optimization
+    observed = (zero_config.stage, zero_config.zero_quantized_weights,
+                zero_config.zero_hpz_partition_size, zero_config.zero_quantized_gradients)
+    assert observed == EXPECTED_CONFIGS[name]
+    assert zero_config.reduce_bucket_size == 10_000_000  # the tutorial's value
+    assert zero_config.contiguous_gradients and zero_config.overlap_comm
+    assert config.compute_dtype == "float32"  # precision comes from the command line
+    assert config.train_micro_batch_size_per_gpu is None
+    assert EngineConfig.from_json(config.to_dict()) == config
+
+
+def test_zero3_configs_differ_only_in_zeropp_keys():
+    def without_zeropp(name: str) -> dict[str, Any]:
+        raw = json.loads((CONFIG_DIR / name).read_text())
+        for key in ZEROPP_KEYS:
+            raw["zero_optimization"].pop(key)
+        return raw
+
+    stage3 = [name for name, expected in EXPECTED_CONFIGS.items() if expected[0] == 3]
+    baseline = without_zeropp("ds_zero3_config.json")
+    for name in stage3:
+        assert without_zeropp(name) == baseline, name
+
+
+def test_deepspeed_itself_reads_the_config_files_the_same_way(deepspeed_config):
+    shared = ("stage", "reduce_bucket_size", "reduce_scatter", "contiguous_gradients",
+              "overlap_comm", *ZEROPP_KEYS)
+    for name in EXPECTED_CONFIGS:
+        raw = json.loads((CONFIG_DIR / name).read_text())
+        ours = EngineConfig.from_json(raw).zero_optimization
+        raw["train_micro_batch_size_per_gpu"] = 1
+        reference = deepspeed_config.DeepSpeedConfig(raw).zero_config
+        for key in shared:
+            assert getattr(ours, key) == getattr(reference, key), (name, key)
+        assert ours.stage3_prefetch_bucket_size == reference.prefetch_bucket_size
+        assert ours.stage3_param_persistence_threshold == reference.param_persistence_threshold
+
+
+# --- defaults agree with DeepSpeed's ------------------------------------------------------
+
+
+def test_zero_defaults_match_deepspeed(deepspeed_config):
+    reference = deepspeed_config.get_zero_config({"zero_optimization": {"stage": 3}})
+    ours = ZeroConfig(stage=3)
+    renamed = {"stage3_prefetch_bucket_size": "prefetch_bucket_size",
+               "stage3_max_live_parameters": "max_live_parameters",
+               "stage3_max_reuse_distance": "max_reuse_distance",
+               "stage3_param_persistence_threshold": "param_persistence_threshold",
+               "stage3_gather_16bit_weights_on_model_save": "gather_16bit_weights_on_model_save"}
+    for key in ("reduce_bucket_size", "reduce_scatter", "contiguous_gradients", "overlap_comm",
+                *ZEROPP_KEYS, *renamed):
+        assert getattr(ours, key) == getattr(reference, renamed.get(key, key)), key
+
+
+def test_fp16_defaults_match_deepspeed(deepspeed_config):
+    constants = pytest.importorskip("deepspeed.runtime.constants")
+    ours = FP16Config()
+    for key in ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                "consecutive_hysteresis", "min_loss_scale", "auto_cast"):
+        assert getattr(ours, key) == getattr(constants, f"FP16_{key.upper()}_DEFAULT"), key
+
+
+def test_scheduler_and_optimizer_defaults_match_deepspeed_signatures(deepspeed_config):
+    schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    required = {"WarmupLR": {}, "WarmupDecayLR": {"total_num_steps": 5000},
+                "WarmupCosineLR": {"total_num_steps": 5000}}
+    for kind, given in required.items():
+        filled = SchedulerConfig(type=kind, params=given).params
+        signature = inspect.signature(getattr(schedules, kind).__init__).parameters
+        expected = {name: parameter.default for name, parameter in signature.items()
+                    if name not in ("self", "optimizer", "last_batch_iteration")}
+        assert filled == {**expected, **given}, kind
+
+    fused_adam = pytest.importorskip("deepspeed.ops.adam").FusedAdam
+    signature = inspect.signature(fused_adam.__init__).parameters
+    params = OptimizerConfig(type="Adam").params
+    for key in ("lr", "eps", "weight_decay"):
+        assert params[key] == signature[key].default
+    assert tuple(params["betas"]) == signature["betas"].default
+    assert signature["adam_w_mode"].default is True  # why "Adam" is normalized to AdamW
+
+
+def test_every_deepspeed_zero_key_is_classified(deepspeed_config):
+    zero_module = pytest.importorskip("deepspeed.runtime.zero.config")
+    spellings = set()
+    for name, info in zero_module.DeepSpeedZeroConfig.model_fields.items():
+        spellings |= {name, info.alias} - {None}
+    for key in sorted(spellings):
+        try:
+            EngineConfig.from_json(zero(**{"stage": 3, key: None}))
+        except ConfigError as error:
+            assert "unknown key" not in str(error), key
+
+
+# --- value rules ----------------------------------------------------------------------------
+
+
+def test_integral_floats_are_integers():
+    config = EngineConfig.from_json(zero(stage=3, reduce_bucket_size=1e7,
+                                         stage3_max_live_parameters=5e8))
+    assert config.zero_optimization.reduce_bucket_size == 10_000_000
+    assert type(config.zero_optimization.reduce_bucket_size) is int
+    assert config.zero_optimization.stage3_max_live_parameters == 500_000_000
+
+
+@pytest.mark.parametrize("raw, message", [
+    (zero(reduce_bucket_size=-5), "zero_optimization.reduce_bucket_size: expected a positive integer, got -5"),
+    (zero(reduce_bucket_size=1.5), "zero_optimization.reduce_bucket_size: expected a positive integer, got 1.5"),
+    (zero(reduce_bucket_size="1e7"), 'zero_optimization.reduce_bucket_size: expected a positive integer, got "1e7"'),
+    (zero(reduce_bucket_size=True), "zero_optimization.reduce_bucket_size: expected a positive integer, got true"),
+    (zero(reduce_bucket_size=0), "zero_optimization.reduce_bucket_size: expected a positive integer, got 0"),
+    (zero(stage3_prefetch_bucket_size=-1), "zero_optimization.stage3_prefetch_bucket_size: expected a non-negative integer, got -1"),
+    (zero(overlap_comm="true"), 'zero_optimization.overlap_comm: expected true or false, got "true"'),
+    (zero(overlap_comm=1), "zero_optimization.overlap_comm: expected true or false, got 1"),
+    (zero(stage=3, zero_quantized_weights_bits=6), "zero_optimization.zero_quantized_weights_bits: expected one of 8, 4, got 6"),
+    (zero(stage=3, zero_quantized_gradients_bits=2), "zero_optimization.zero_quantized_gradients_bits: expected one of 4, 8, got 2"),
+    (zero(stage=3, zero_hpz_partition_size=0), "zero_optimization.zero_hpz_partition_size: expected a positive integer, got 0"),
+    (zero(zero_quantization_block_size=0), "zero_optimization.zero_quantization_block_size: expected a positive integer, got 0"),
+    (zero(stage=5), "zero_optimization.stage: expected one of 0, 1, 2, 3, got 5"),
+    ({"gradient_clipping": -1.0}, "gradient_clipping: expected a non-negative number, got -1.0"),
+    ({"gradient_clipping": math.inf}, "gradient_clipping: expected a non-negative number, got Infinity"),
+    ({"communication_data_type": "int8"}, 'communication_data_type: expected one of "fp32", "fp16", "bf16", got "int8"'),
+    ({"fp16": {"loss_scale_window": 0}}, "fp16.loss_scale_window: expected a positive integer, got 0"),
+    ({"zero_optimization": True}, "zero_optimization: expected an object, got true"),
+    ({"steps_per_print": None}, "steps_per_print: expected a positive integer, got null"),
+])
+def test_bad_values_name_key_path_and_value(raw, message):
+    assert error_of(raw) == message
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 17, 100, 4096])
+def test_any_positive_block_size_is_accepted(block_size):
+    config = EngineConfig.from_json(zero(stage=3, zero_quantization_block_size=block_size))
+    assert config.zero_optimization.zero_quantization_block_size == block_size
+
+
+@pytest.mark.parametrize("key", ["train_batch_size", "train_micro_batch_size_per_gpu",
+                                 "gradient_accumulation_steps"])
+def test_auto_batch_values_must_be_resolved(key):
+    message = error_of({key: "auto"})
+    assert message.startswith(f'{key}: "auto" is a Hugging Face Trainer placeholder')
+    assert "resolve it to a positive integer" in message
+
+
+def test_communication_data_type_is_normalized():
+    assert EngineConfig.from_json({"communication_data_type": "FP32"}).communication_data_type == "fp32"
+
+
+# --- unknown keys -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw, message", [
+    (zero(zero_quantised_weights=True),
+     "zero_optimization.zero_quantised_weights: unknown key (did you mean 'zero_quantized_weights'?)"),
+    ({"train_batch_sise": 8}, "train_batch_sise: unknown key (did you mean 'train_batch_size'?)"),
+    ({"zero_optimisation": {}}, "zero_optimisation: unknown key (did you mean 'zero_optimization'?)"),
+    ({"fp16": {"loss_scale_windw": 10}}, "fp16.loss_scale_windw: unknown key (did you mean 'loss_scale_window'?)"),
+    ({"optimizer": {"type": "AdamW", "params": {"weight_decy": 0.1}}},
+     "optimizer.params.weight_decy: unknown key (did you mean 'weight_decay'?)"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 10}}},
+     "scheduler.params.warmup_num_step: unknown key (did you mean 'warmup_num_steps'?)"),
+    ({"activation_checkpointing": {"partition_activation": True}},
+     "activation_checkpointing.partition_activation: unknown key (did you mean 'partition_activations'?)"),
+    ({"tensorboard": {"enabeld": True}}, "tensorboard.enabeld: unknown key (did you mean 'enabled'?)"),
+    (zero(prefetch_bucket_sizes=1), "zero_optimization.prefetch_bucket_sizes: unknown key (did you mean 'prefetch_bucket_size'?)"),
+    ({"xyzzy": 1}, "xyzzy: unknown key"),
+    ({"fp16.enabled": True}, "fp16.enabled: unknown key"),
+])
+def test_unknown_keys_name_the_nearest_known_key(raw, message):
+    assert error_of(raw) == message
+
+
+# --- unsupported and accepted DeepSpeed keys ----------------------------------------------
+
+
+@pytest.mark.parametrize("raw, message", [
+    (zero(stage=3, offload_param={"device": "cpu"}),
+     "zero_optimization.offload_param is not supported by this engine (ZeRO-3/ZeRO++ on device memory only)"),
+    (zero(stage=3, offload_optimizer={"device": "nvme"}),
+     "zero_optimization.offload_optimizer is not supported by this engine (ZeRO-3/ZeRO++ on device memory only)"),
+    (zero(stage=3, mics_shard_size=8), "zero_optimization.mics_shard_size=8 is not supported by this engine (MiCS"),
+    ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast=true is not supported by this engine"),
+    ({"activation_checkpointing": {"cpu_checkpointing": True}},
+     "activation_checkpointing.cpu_checkpointing=true is not supported by this engine"),
+    ({"compression_training": {}}, "compression_training is not supported by this engine"),
+    ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention is not supported by this engine"),
+    ({"pipeline": {"stages": 2}}, "pipeline is not supported by this engine (pipeline parallelism"),
+    ({"amp": {"enabled": True}}, "amp is not supported by this engine (NVIDIA Apex AMP"),
+    ({"elasticity": {"enabled": True}}, "elasticity is not supported by this engine"),
+    ({"flops_profiler": {"enabled": True}}, "flops_profiler.enabled=true is not supported by this engine"),
+    ({"prescale_gradients": True}, "prescale_gradients=true is not supported by this engine"),
+    ({"gradient_predivide_factor": 2}, "gradient_predivide_factor=2.0 is not supported by this engine"),
+    ({"bf16": {"enabled": True, "check_overflow": True}}, "bf16.check_overflow=true is not supported"),
+    # booleans and numbers never stand in for each other, even where Python says 0 == False
+    (zero(stage=3, cpu_offload=0), "zero_optimization.cpu_offload=0 is not supported by this engine"),
+    ({"sequence_parallel_size": True}, "sequence_parallel_size=true is not supported by this engine"),
+])
+def test_unsupported_features_are_errors_with_reason(raw, message):
+    error = error_of(raw)
+    assert error.startswith(message)
+    path = message.split(" ", 1)[0].split("=")[0]
+    assert f"is not supported by this engine ({UNSUPPORTED[path].reason})" in error
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_stages_1_and_2_are_unsupported(stage):
+    assert error_of(zero(stage=stage)) == (
+        f"zero_optimization.stage={stage} is not supported by this engine "
+        "(0 = plain data parallel, 3 = ZeRO-3 with optional qwZ/hpZ/qgZ)")
+
+
+@pytest.mark.parametrize("raw", [
+    zero(stage=3, offload_param={"device": "none"}, offload_optimizer=None),
+    zero(stage=3, cpu_offload=False, mics_shard_size=-1, load_from_fp32_weights=True),
+    {"fp16": {"enabled": True, "auto_cast": False}},
+    {"activation_checkpointing": {"cpu_checkpointing": False, "partition_activations": True,
+                                  "number_checkpoints": 4, "contiguous_memory_optimization": False,
+                                  "synchronize_checkpoint_boundary": False, "profile": False}},
+    {"flops_profiler": {"enabled": False, "profile_step": 1, "module_depth": -1, "detailed": True}},
+    {"amp": {"enabled": False, "opt_level": "O1"}, "elasticity": {"enabled": False}},
+    {"tensorboard": {"enabled": True, "output_path": "tb/", "job_name": "run"},
+     "wandb": {"enabled": True, "project": "zeropp", "group": None, "team": None},
+     "csv_monitor": {"enabled": False, "output_path": "csv/"},
+     "comms_logger": {"enabled": True, "verbose": False, "prof_ops": ["all_gather"]}},
+    {"prescale_gradients": False, "gradient_predivide_factor": 1, "memory_breakdown": False},
+    zero(stage=3, allgather_bucket_size=5e8, allgather_partitions=True, sub_group_size=1e9,
+         round_robin_gradients=False, ignore_unused_parameters=True),
+])
+def test_harmless_and_switched_off_keys_are_accepted(raw):
+    EngineConfig.from_json(raw)
+
+
+def test_keys_inside_accepted_blocks_are_type_checked():
+    assert error_of({"wandb": {"enabled": "yes"}}) == 'wandb.enabled: expected true or false, got "yes"'
+
+
+def test_tables_are_disjoint_documented_and_point_at_real_keys():
+    field_paths = {
+        (f"{section.SECTION}.{spec.name}" if section.SECTION else spec.name)
+        for section in SECTIONS for spec in dataclasses.fields(section)}
+    assert not set(ACCEPTED) & set(UNSUPPORTED)
+    assert not set(ACCEPTED) & field_paths
+    assert not set(ALIASES) & (field_paths | set(ACCEPTED) | set(UNSUPPORTED))
+    for alias, target in ALIASES.items():
+        assert target in field_paths | set(ACCEPTED) | set(UNSUPPORTED), alias
+    assert all(entry.meaning.strip() for entry in ACCEPTED.values())
+    assert all(entry.reason.strip() for entry in UNSUPPORTED.values())
+    for section in SECTIONS:
+        for spec in dataclasses.fields(section):
+            doc = spec.metadata["doc"]
+            assert doc.strip() and "\n" not in doc, (section.__name__, spec.name)
+
+
+# --- aliases --------------------------------------------------------------------------------
+
+
+def test_deepspeed_aliases_map_onto_canonical_fields():
+    config = EngineConfig.from_json({
+        "bfloat16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "prefetch_bucket_size": 123, "max_live_parameters": 456,
+                              "param_persistence_threshold": 7, "max_reuse_distance": 8,
+                              "stage3_gather_fp16_weights_on_model_save": True}})
+    zero_config = config.zero_optimization
+    assert config.bf16.enabled and config.compute_dtype == "bfloat16"
+    assert (zero_config.stage3_prefetch_bucket_size, zero_config.stage3_max_live_parameters,
+            zero_config.stage3_param_persistence_threshold, zero_config.stage3_max_reuse_distance) == (123, 456, 7, 8)
+    assert zero_config.stage3_gather_16bit_weights_on_model_save
+
+
+def test_alias_and_canonical_key_together_is_an_error():
+    message = error_of(zero(stage3_prefetch_bucket_size=1, prefetch_bucket_size=2))
+    assert message == ("zero_optimization.prefetch_bucket_size: same setting as "
+                       "'stage3_prefetch_bucket_size', which is also given; keep one")
+
+
+# --- reading files ------------------------------------------------------------------------
+
+
+def test_json_syntax_error_reports_line_and_column(tmp_path):
+    path = tmp_path / "broken.json"
+    # The comma after 10 is missing; the parser stops at the next key: line 3, column 3.
+    path.write_text('{\n  "steps_per_print": 10\n  "gradient_clipping": 1.0\n}\n')
+    assert error_of(path) == f"{path}:3:3: Expecting ',' delimiter"
+
+
+def test_missing_file_is_file_not_found(tmp_path):
+    missing = tmp_path / "absent.json"
+    with pytest.raises(FileNotFoundError, match="absent.json"):
+        EngineConfig.from_json(missing)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ('{"zero_optimization": {"stage": 3, "stage": 0}}', "duplicate key 'stage'"),
+    ('{"gradient_clipping": NaN}', "NaN is not valid JSON"),
+    ("[1, 2]", "the top level must be a JSON object, got list"),
+])
+def test_malformed_json_is_rejected(tmp_path, text, fragment):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    assert fragment in error_of(path)
+
+
+def test_directory_is_rejected(tmp_path):
+    assert error_of(tmp_path).startswith(f"{tmp_path}: not a regular file")
+
+
+def test_dict_input_is_copied():
+    raw = zero(stage=3, zero_hpz_partition_size=2)
+    copied = read_json_config(raw)
+    copied["zero_optimization"]["stage"] = 0
+    assert raw["zero_optimization"]["stage"] == 3
+    config = EngineConfig.from_json(raw)
+    raw["zero_optimization"]["zero_hpz_partition_size"] = 8
+    assert config.zero_optimization.zero_hpz_partition_size == 2
+
+
+# --- batch sizes --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch, world_size, expected", [
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 2, (32, 4, 4)),
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 4, (32, 4, 2)),
+    ({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 5}, 4, (60, 3, 5)),
+    ({"train_batch_size": 16}, 4, (16, 4, 1)),
+    ({"train_micro_batch_size_per_gpu": 2}, 8, (16, 2, 1)),
+    ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, 4, (24, 2, 3)),
+])
+def test_batch_resolution(batch, world_size, expected):
+    assert EngineConfig.from_json(batch).resolve_batch(world_size) == expected
+    resolved = EngineConfig.from_json(batch, world_size=world_size)
+    assert (resolved.train_batch_size, resolved.train_micro_batch_size_per_gpu,
+            resolved.gradient_accumulation_steps) == expected
+
+
+@pytest.mark.parametrize("batch, world_size, message", [
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 2,
+     "train_batch_size 32 != train_micro_batch_size_per_gpu 4 * gradient_accumulation_steps 2 * world_size 2 = 16"),
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, 2,
+     "train_batch_size 30 is not divisible by train_micro_batch_size_per_gpu 4 * world_size 2 = 8"),
+    ({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4}, 2,
+     "train_batch_size 4 is not divisible by train_micro_batch_size_per_gpu 4 * world_size 2 = 8"),
+    ({"train_batch_size": 10, "gradient_accumulation_steps": 3}, 2,
+     "train_batch_size 10 is not divisible by gradient_accumulation_steps 3 * world_size 2 = 6"),
+    ({"gradient_accumulation_steps": 4}, 2, "train_batch_size or train_micro_batch_size_per_gpu must be set"),
+    ({"train_batch_size": 8}, 0, "world_size: expected a positive integer, got 0"),
+])
+def test_batch_inconsistency_names_the_numbers(batch, world_size, message):
+    assert error_of(batch, world_size=world_size).startswith(message)
+
+
+def test_batch_resolution_agrees_with_deepspeed(deepspeed_config, monkeypatch):
+    def deepspeed_outcome(batch: dict[str, int], world_size: int) -> tuple[int, int, int] | None:
+        monkeypatch.setattr(deepspeed_config.dist, "get_rank", lambda *args, **kwargs: 0)
+        monkeypatch.setattr(deepspeed_config.dist, "get_world_size", lambda *args, **kwargs: world_size)
+        try:
+            reference = deepspeed_config.DeepSpeedConfig(dict(batch))
+        except AssertionError:
+            return None
+        return (reference.train_batch_size, reference.train_micro_batch_size_per_gpu,
+                reference.gradient_accumulation_steps)
+
+    compared = 0
+    for total, micro, steps, world_size in itertools.product(
+            (None, 6, 8, 12, 30), (None, 1, 2, 4), (None, 1, 3), (1, 2, 4)):
+        keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+        batch = {key: value for key, value in zip(keys, (total, micro, steps), strict=True) if value is not None}
+        expected = deepspeed_outcome(batch, world_size)
+        try:
+            observed = EngineConfig.from_json(batch).resolve_batch(world_size)
+        except ConfigError:
+            observed = None
+        assert observed == expected, (batch, world_size)
+        compared += expected is not None
+    assert compared > 40  # the grid exercises the resolving branches, not only the errors
+
+
+# --- cross-field rules, dtype, construction, round trip -----------------------------------
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+     "fp16.enabled and bf16.enabled are both true; enable at most one"),
+    (zero(stage=0, zero_hpz_partition_size=8),
+     "zero_optimization.zero_hpz_partition_size: hpZ extends ZeRO-3 and needs stage 3, got stage 0"),
+    (zero(stage=0, zero_quantized_weights=True),
+     "zero_optimization.zero_quantized_weights: qwZ extends ZeRO-3 and needs stage 3, got stage 0"),
+    (zero(zero_quantized_gradients=True),
+     "zero_optimization.zero_quantized_gradients: qgZ extends ZeRO-3 and needs stage 3, got stage 0"),
+    (zero(stage=3, zero_quantized_gradients_error_feedback=True),
+     "zero_optimization.zero_quantized_gradients_error_feedback: needs zero_quantized_gradients true"),
+])
+def test_cross_field_rules(raw, message):
+    assert error_of(raw) == message
+
+
+def test_other_bit_widths_are_accepted():
+    config = EngineConfig.from_json(zero(stage=3, zero_quantized_weights=True, zero_quantized_weights_bits=4,
+                                         zero_quantized_gradients=True, zero_quantized_gradients_bits=8))
+    assert (config.zero_optimization.zero_quantized_weights_bits,
+            config.zero_optimization.zero_quantized_gradients_bits) == (4, 8)
+
+
+@pytest.mark.parametrize("raw, dtype", [
+    ({}, "float32"), ({"fp16": {"enabled": True}}, "float16"), ({"bf16": {"enabled": True}}, "bfloat16")])
+def test_compute_dtype(raw, dtype):
+    assert EngineConfig.from_json(raw).compute_dtype == dtype
+
+
+def test_direct_construction_is_validated_and_frozen():
+    assert ZeroConfig(stage=3, reduce_bucket_size=1e7).reduce_bucket_size == 10_000_000
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage=2 is not supported"):
+        ZeroConfig(stage=2)
+    with pytest.raises(ConfigError, match=r"fp16.auto_cast=true is not supported"):
+        FP16Config(enabled=True, auto_cast=True)
+    config = EngineConfig(fp16={"enabled": True})
+    assert isinstance(config.fp16, FP16Config) and config.compute_dtype == "float16"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.steps_per_print = 1  # type: ignore[misc]
+
+
+def test_optimizer_normalization_and_rules():
+    adam = OptimizerConfig(type="adam", params={"lr": 3e-4, "torch_adam": True})
+    assert adam.type == "AdamW"
+    assert adam.params == {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    assert error_of({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}).startswith(
+        "optimizer.params.adam_w_mode=false is not supported by this engine")
+    assert error_of({"optimizer": {"type": "Lamb"}}).startswith(
+        'optimizer.type="Lamb" is not supported by this engine')
+    assert error_of({"optimizer": {"params": {"betas": [0.9, 1.0]}}}) == (
+        "optimizer.params.betas: expected two numbers in [0, 1), got [0.9, 1.0]")
+    assert error_of({"optimizer": {"params": {"lr": "auto"}}}).startswith('optimizer.params.lr: "auto"')
+
+
+def test_scheduler_rules():
+    assert error_of({"scheduler": {"type": "WarmupCosineLR"}}) == (
+        "scheduler.params.total_num_steps: required for this type and missing")
+    assert error_of({"scheduler": {"type": "OneCycle"}}).startswith(
+        'scheduler.type: expected one of "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", got "OneCycle"')
+    assert error_of({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 10}}}) == (
+        "scheduler.params: total_num_steps 10 is smaller than warmup_num_steps 1000")
+    assert error_of({"scheduler": {"params": {"warmup_type": "cosine"}}}) == (
+        'scheduler.params.warmup_type: expected one of "log", "linear", got "cosine"')
+
+
+def test_round_trip_through_json_text(tmp_path):
+    raw = {
+        "train_batch_size": 64, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+        "fp16": {"enabled": True, "loss_scale_window": 500, "initial_scale_power": 12, "hysteresis": 4},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 5000, "warmup_num_steps": 100}},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 1e7, "zero_quantized_weights": True,
+                              "zero_hpz_partition_size": 8, "zero_quantized_gradients": True,
+                              "zero_quantization_block_size": 128, "prefetch_bucket_size": 2e7},
+        "communication_data_type": "fp32", "wall_clock_breakdown": True, "steps_per_print": 5,
+        "tensorboard": {"enabled": False},
+    }
+    config = EngineConfig.from_json(raw, world_size=4)
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(config.to_dict()))
+    assert EngineConfig.from_json(path) == config
+    assert config.to_dict()["zero_optimization"]["stage3_prefetch_bucket_size"] == 20_000_000
+    assert config.gradient_accumulation_steps == 8

@@ -1,0 +1,59 @@
+"""Small models for engine tests: blocks in a ModuleList, a tied head at the root."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class ToyLM(nn.Module):
+    """Awkward sizes on purpose (17 x 257 and friends): nothing divides the world size."""
+
+    def __init__(self, vocab: int = 257, width: int = 17, hidden: int = 41, layers: int = 3,
+                 checkpoint: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(ToyBlock(width, hidden) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.checkpoint = checkpoint
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            if self.checkpoint and self.training and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
+        return F.linear(self.norm(x), self.embed.weight)  # tied head
+
+
+def toy_model(seed: int = 0, **kwargs) -> ToyLM:
+    torch.manual_seed(seed)
+    model = ToyLM(**kwargs)
+    with torch.no_grad():  # non-trivial LayerNorm parameters so their gradients matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def toy_batches(steps: int, micro: int, batch: int, seq: int = 9, vocab: int = 257, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (steps, micro, batch, seq + 1), generator=g)
+
+
+def toy_loss(logits, tokens):
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(),
+                           tokens[:, 1:].reshape(-1))

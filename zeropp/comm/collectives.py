@@ -1,0 +1,132 @@
+"""Exact collectives as pure functions over tensors and groups, with byte accounting.
+
+Each returns a ``Pending`` handle; ``wait()`` blocks until the result is in the output
+tensor. With ``async_op=True`` on gloo the transfer runs on gloo's own threads and on NCCL on
+its internal stream, so it overlaps the compute issued before ``wait()``.
+The quantized collectives in ``zeropp.comm.quantized`` keep exactly these contracts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from zeropp.comm.accounting import (
+    CommStats,
+    all_gather_bytes,
+    all_reduce_bytes,
+    reduce_scatter_bytes,
+)
+
+# torch 2.13 renamed the tensor collectives; keep working on older releases too.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class CommGroup:
+    """A process group plus the facts the engine and the accounting need about it."""
+
+    group: object  # a ProcessGroup, or None for the default group
+    size: int
+    rank: int  # this rank's index inside the group
+    spans_nodes: bool
+
+
+class Pending:
+    """A collective in flight; ``wait()`` finishes it and runs its completion step once."""
+
+    def __init__(self, work: object | None, finish: Callable[[], None] | None = None) -> None:
+        self._work = work
+        self._finish = finish
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        if self._finish is not None:
+            self._finish()
+        self.done = True
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_gather(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: CommGroup,
+    stats: CommStats,
+    phase: str,
+    async_op: bool = True,
+) -> Pending:
+    """``output`` (group.size * shard.numel()) <- the shards of all ranks, in rank order."""
+    if output.numel() != shard.numel() * group.size:
+        raise ValueError(
+            f"all_gather: output has {output.numel()} elements, expected "
+            f"{group.size} x {shard.numel()}"
+        )
+    stats.record(phase, group.spans_nodes, all_gather_bytes(_nbytes(shard), group.size))
+    if group.size == 1:
+        output.copy_(shard)
+        return Pending(None)
+    work = _all_gather_single(output, shard, group=group.group, async_op=async_op)
+    return Pending(work if async_op else None)
+
+
+def reduce_scatter_sum(
+    output: torch.Tensor,
+    full: torch.Tensor,
+    group: CommGroup,
+    stats: CommStats,
+    phase: str,
+    async_op: bool = True,
+) -> Pending:
+    """``output`` <- this rank's slice of the element-wise SUM of ``full`` over the group.
+
+    Sum, not average: the engine divides exactly once, at the optimizer step (and gloo has no
+    AVG for integer tensors).
+    """
+    if full.numel() != output.numel() * group.size:
+        raise ValueError(
+            f"reduce_scatter: input has {full.numel()} elements, expected "
+            f"{group.size} x {output.numel()}"
+        )
+    stats.record(phase, group.spans_nodes, reduce_scatter_bytes(_nbytes(full), group.size))
+    if group.size == 1:
+        output.copy_(full)
+        return Pending(None)
+    work = _reduce_scatter_single(
+        output, full, op=dist.ReduceOp.SUM, group=group.group, async_op=async_op
+    )
+    return Pending(work if async_op else None)
+
+
+def all_to_all(
+    output: torch.Tensor,
+    send: torch.Tensor,
+    group: CommGroup,
+    stats: CommStats,
+    phase: str,
+    async_op: bool = True,
+) -> Pending:
+    """Chunk j of ``send`` goes to group rank j; chunk j of ``output`` comes from rank j."""
+    stats.record(phase, group.spans_nodes, reduce_scatter_bytes(_nbytes(send), group.size))
+    if group.size == 1:
+        output.copy_(send)
+        return Pending(None)
+    work = dist.all_to_all_single(output, send, group=group.group, async_op=async_op)
+    return Pending(work if async_op else None)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: CommGroup, stats: CommStats, phase: str) -> None:
+    """In-place SUM over the group (blocking)."""
+    stats.record(phase, group.spans_nodes, all_reduce_bytes(_nbytes(tensor), group.size))
+    if group.size > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group.group)

@@ -1,0 +1,687 @@
+"""DeepSpeed JSON -> typed, validated engine configuration.
+
+Users drive this engine with the DeepSpeed config they already know (the ZeRO++ tutorial's
+``zero_optimization`` block, ``fp16``, ``optimizer``, ...). This module turns that JSON into
+frozen dataclasses and refuses anything it cannot honour, so a run never silently differs from
+what its config says:
+
+* every key is exactly one of: a dataclass field (the engine acts on it), an ``ACCEPTED`` key
+  (harmless here; the table says what happens to it), an ``UNSUPPORTED`` key (a DeepSpeed
+  feature this engine lacks; accepted only at a value that leaves it off) or an ``ALIASES``
+  key (another spelling of a key);
+* anything else is an unknown key, reported with the nearest known spelling;
+* values are checked strictly: integral floats such as ``1e7`` count as integers, but strings,
+  booleans for numbers, numbers for booleans and Hugging Face ``"auto"`` placeholders do not.
+
+Errors are ``ConfigError`` with one line naming the key path and the offending value. Batch
+sizes are resolved against the data-parallel world size by DeepSpeed's rules
+(``EngineConfig.resolve_batch``). Whether ``zero_hpz_partition_size`` divides the ranks per
+node depends on the launch and is checked by the topology, not here.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import json
+import math
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from os import PathLike
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple, NoReturn, TypeVar
+
+
+class ConfigError(ValueError):
+    """A config problem, described in one line that names the key path and the value."""
+
+
+def read_json_config(path_or_dict: str | PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
+    """Return the config as a fresh dict: a mapping is deep-copied, a path is parsed strictly.
+
+    Parse errors carry ``file:line:column``; duplicate keys and NaN/Infinity are rejected
+    because Python's json module would otherwise accept them silently.
+    """
+    if isinstance(path_or_dict, Mapping):
+        return copy.deepcopy(dict(path_or_dict))
+    if not isinstance(path_or_dict, (str, PathLike)):
+        raise ConfigError(f"config: expected a file path or a dict, got {type(path_or_dict).__name__}")
+    path = Path(path_or_dict)
+    if not path.is_file():
+        if path.exists():
+            raise ConfigError(f"{path}: not a regular file, expected a DeepSpeed JSON config")
+        raise FileNotFoundError(f"DeepSpeed config file not found: {path}")
+
+    def reject_constant(name: str) -> NoReturn:
+        raise ConfigError(f"{path}: {name} is not valid JSON; write a finite number")
+
+    def reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:  # json would keep the last one and hide the conflict
+                raise ConfigError(f"{path}: duplicate key '{key}' in one JSON object")
+            seen.add(key)
+        return dict(pairs)
+
+    try:
+        text = path.read_text(encoding="utf-8")
+        loaded = json.loads(text, object_pairs_hook=reject_duplicates, parse_constant=reject_constant)
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path}:{error.lineno}:{error.colno}: {error.msg}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be a JSON object, got {type(loaded).__name__}")
+    return loaded
+
+
+# Value checks: each takes (key path, raw value) and returns the normalized value or raises.
+Check = Callable[[str, Any], Any]
+
+
+def _show(value: Any) -> str:
+    """Render a value as JSON, so messages quote what the user wrote."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _fail(path: str, expected: str, value: Any) -> NoReturn:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        raise ConfigError(f'{path}: "auto" is a Hugging Face Trainer placeholder; resolve it to '
+                          f"{expected} before the engine reads the config")
+    raise ConfigError(f"{path}: expected {expected}, got {_show(value)}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _integer(minimum: int, expected: str) -> Check:
+    def check(path: str, value: Any) -> int:
+        # JSON writers (and people) write 5e8 for 500000000: integral floats are integers.
+        integral = _is_number(value) and math.isfinite(value) and float(value).is_integer()
+        if not integral or int(value) < minimum:
+            _fail(path, expected, value)
+        return int(value)
+
+    return check
+
+
+def _real(minimum: float, inclusive: bool, expected: str, maximum: float = math.inf) -> Check:
+    def check(path: str, value: Any) -> float:
+        valid = _is_number(value) and math.isfinite(value) and minimum <= value <= maximum
+        if not valid or (not inclusive and value == minimum):
+            _fail(path, expected, value)
+        return float(value)
+
+    return check
+
+
+_positive_int = _integer(1, "a positive integer")
+_non_negative_int = _integer(0, "a non-negative integer")
+_positive_float = _real(0.0, False, "a positive number")
+_non_negative_float = _real(0.0, True, "a non-negative number")
+_unit_interval = _real(0.0, True, "a number in [0, 1]", maximum=1.0)
+
+
+def _boolean(path: str, value: Any) -> bool:
+    # "true" strings and 0/1 are rejected: a quoted flag is usually a templating mistake.
+    if not isinstance(value, bool):
+        _fail(path, "true or false", value)
+    return value
+
+
+def _optional(check: Check) -> Check:
+    return lambda path, value: None if value is None else check(path, value)
+
+
+def _one_of(*choices: Any) -> Check:
+    """Exact choices; strings match case-insensitively and normalize to the listed spelling."""
+    expected = "one of " + ", ".join(_show(choice) for choice in choices)
+
+    def check(path: str, value: Any) -> Any:
+        for choice in choices:
+            if isinstance(choice, str) and isinstance(value, str) and value.lower() == choice.lower():
+                return choice
+            if _is_number(choice) and _is_number(value) and value == choice:
+                return choice
+        _fail(path, expected, value)
+
+    return check
+
+
+def _string(path: str, value: Any) -> str:
+    if not isinstance(value, str):
+        _fail(path, "a string", value)
+    return value
+
+
+def _string_list(path: str, value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        _fail(path, "an array of strings", value)
+    return list(value)
+
+
+def _object(path: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        _fail(path, "an object", value)
+    return dict(value)
+
+
+def _unknown_key(path: str, candidates: set[str]) -> NoReturn:
+    key = path.rpartition(".")[2]
+    close = difflib.get_close_matches(key, sorted(candidates), n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise ConfigError(f"{path}: unknown key{hint}")
+
+
+# The key tables. Paths are dotted from the top of the JSON.
+class Accepted(NamedTuple):
+    check: Check
+    meaning: str  # what this engine does with the key
+
+
+class Unsupported(NamedTuple):
+    reason: str
+    inert: tuple[Any, ...] = ()  # values that leave the feature off, hence accepted
+
+
+DISABLED_BLOCK = object()  # inert marker: an object whose "enabled" is false
+
+
+def _under(section: str, entries: dict[str, Any]) -> dict[str, Any]:
+    return {f"{section}.{key}": entry for key, entry in entries.items()}
+
+
+def _same_meaning(meaning: str, **checks: Check) -> dict[str, Accepted]:
+    return {key: Accepted(check, meaning) for key, check in checks.items()}
+
+
+_STAGE3_SHORT_NAMES = (
+    "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters",
+    "max_reuse_distance", "gather_16bit_weights_on_model_save", "model_persistence_threshold",
+    "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential")
+ALIASES: dict[str, str] = {
+    "bfloat16": "bf16",
+    **_under("zero_optimization", {name: f"zero_optimization.stage3_{name}" for name in _STAGE3_SHORT_NAMES}),
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save":
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+}
+
+_CLI_LOGGING = "no effect: the command line configures the TensorBoard, W&B and CSV writers"
+_CLI_CHECKPOINTING = "no effect: --checkpoint-activations alone controls recomputation"
+_PROFILER_OFF = "no effect: the flops profiler stays disabled"
+_BYTE_ACCOUNTING = "no effect: the engine's own byte accounting reports communication volume"
+
+ACCEPTED: dict[str, Accepted] = {
+    "memory_breakdown": Accepted(_boolean, "no effect: DeepSpeed's memory printout is not reproduced"),
+    "zero_force_ds_cpu_optimizer": Accepted(_boolean, "no effect: concerns CPU offload, which is rejected"),
+    **_under("tensorboard", _same_meaning(_CLI_LOGGING, enabled=_boolean, output_path=_string,
+                                          job_name=_string)),
+    **_under("wandb", _same_meaning(_CLI_LOGGING, enabled=_boolean, group=_optional(_string),
+                                    team=_optional(_string), project=_string)),
+    **_under("csv_monitor", _same_meaning(_CLI_LOGGING, enabled=_boolean, output_path=_string,
+                                          job_name=_string)),
+    **_under("comms_logger", _same_meaning(_BYTE_ACCOUNTING, enabled=_boolean, verbose=_boolean,
+                                           prof_all=_boolean, prof_ops=_string_list, debug=_boolean)),
+    **_under("flops_profiler", _same_meaning(
+        _PROFILER_OFF, profile_step=_positive_int, module_depth=_integer(-1, "an integer >= -1"),
+        top_modules=_positive_int, detailed=_boolean, output_file=_optional(_string),
+        recompute_fwd_factor=_non_negative_float)),
+    **_under("activation_checkpointing", {
+        **_same_meaning(_CLI_CHECKPOINTING, number_checkpoints=_optional(_positive_int),
+                        contiguous_memory_optimization=_boolean,
+                        synchronize_checkpoint_boundary=_boolean, profile=_boolean),
+        "partition_activations": Accepted(_boolean, "no effect: there are no tensor-parallel ranks"),
+    }),
+    "checkpoint.tag_validation": Accepted(_one_of("Ignore", "Warn", "Fail"),
+                                          "no effect: the application checks checkpoint tags"),
+    "bf16.immediate_grad_update": Accepted(_boolean, "no effect: a stage 0-2 bf16 optimizer detail"),
+    **_under("zero_optimization", {
+        "allgather_bucket_size": Accepted(_non_negative_int, "no effect: stage 3 gathers module groups"),
+        "allgather_partitions": Accepted(_boolean, "no effect: shards are always all-gathered"),
+        "use_multi_rank_bucket_allreduce": Accepted(_boolean, "no effect: a stage 1/2 option"),
+        "sub_group_size": Accepted(_non_negative_int, "no effect: the optimizer steps a whole shard"),
+        "round_robin_gradients": Accepted(_boolean, "no effect: a stage 1/2 offload option"),
+        "ignore_unused_parameters": Accepted(_boolean, "no effect: a stage 2 check"),
+        "parameter_alignment": Accepted(_boolean, "no effect: flat buffers have their own padding"),
+        "memory_efficient_linear": Accepted(_boolean, "no effect: nn.Linear is never replaced"),
+        "override_module_apply": Accepted(_boolean, "no effect: module.apply is never wrapped"),
+        "log_trace_cache_warnings": Accepted(_boolean, "no effect: there is no trace cache"),
+        "enable_sanity_checks": Accepted(_boolean, "no effect: DeepSpeed-internal debug checks"),
+        "save_muon_momentum_buffer_in_memory": Accepted(_boolean, "no effect: concerns NVMe offload"),
+        "stage3_module_granularity_threshold": Accepted(
+            _non_negative_int, "no effect: the gather unit is always a whole module group"),
+        "stage3_use_all_reduce_for_fetch_params": Accepted(
+            _boolean, "no effect: parameters are always fetched by all-gather"),
+        "stage3_allgather_sequential": Accepted(
+            _boolean, "no effect: each module group is one flat buffer, gathered in one call"),
+    }),
+}
+
+_DEVICE_ONLY = "ZeRO-3/ZeRO++ on device memory only"
+_DATA_PARALLEL_ONLY = "this engine is data-parallel only"
+_NO_OFFLOAD = (None, {"device": "none"})
+_OFF = (DISABLED_BLOCK,)
+
+UNSUPPORTED: dict[str, Unsupported] = {
+    "amp": Unsupported("NVIDIA Apex AMP; use the fp16 or bf16 block", _OFF),
+    "torch_autocast": Unsupported("torch.autocast; use the fp16 or bf16 block", _OFF),
+    "compression_training": Unsupported("quantization-aware training and pruning"),
+    "quantize_training": Unsupported("MoQ quantization-aware training", _OFF),
+    "weight_quantization": Unsupported("inference weight quantization; qwZ quantizes on the wire"),
+    "sparse_attention": Unsupported("sparse attention; the GPT model uses dense attention"),
+    "pipeline": Unsupported(f"pipeline parallelism; {_DATA_PARALLEL_ONLY}"),
+    "tensor_parallel": Unsupported(f"tensor parallelism; {_DATA_PARALLEL_ONLY}"),
+    "sequence_parallel_size": Unsupported(f"sequence parallelism; {_DATA_PARALLEL_ONLY}", (1,)),
+    "elasticity": Unsupported("elastic batch sizing; set the batch keys directly", _OFF),
+    "data_efficiency": Unsupported("data sampling and routing; the GPT dataset orders data", _OFF),
+    "curriculum_learning": Unsupported("curriculum learning", _OFF),
+    "progressive_layer_drop": Unsupported("progressive layer dropping", _OFF),
+    "eigenvalue": Unsupported("Hessian eigenvalue estimation", _OFF),
+    "autotuning": Unsupported("the DeepSpeed autotuner", _OFF),
+    "hybrid_engine": Unsupported("the RLHF hybrid engine", _OFF),
+    "compile": Unsupported("DeepCompile", ({},)),
+    "aio": Unsupported(f"NVMe I/O for offload; {_DEVICE_ONLY}"),
+    "comet": Unsupported("the Comet monitor; use the W&B or TensorBoard writers", _OFF),
+    "prescale_gradients": Unsupported("gradients are averaged once, after reduction", (False,)),
+    "gradient_predivide_factor": Unsupported("gradients are averaged once, after reduction", (1.0,)),
+    "gradient_allreduce_op": Unsupported("gradients are always averaged", ("mean",)),
+    "fp16.auto_cast": Unsupported("input autocasting; the model casts its own activations", (False,)),
+    "fp16.fp16_master_weights_and_grads": Unsupported("master weights stay fp32", (False,)),
+    "bf16.bf16_master_weights_and_grads": Unsupported("master weights stay fp32", (False,)),
+    "bf16.bf16_optimizer_states": Unsupported("optimizer states stay fp32", (False,)),
+    "bf16.check_overflow": Unsupported("skipping bf16 steps on inf/nan gradients", (False,)),
+    "activation_checkpointing.cpu_checkpointing": Unsupported(
+        "checkpointed activations stay in device memory", (False,)),
+    "flops_profiler.enabled": Unsupported("the DeepSpeed flops profiler", (False,)),
+    "checkpoint.load_universal": Unsupported("universal checkpoints", (False,)),
+    "checkpoint.use_node_local_storage": Unsupported("node-local checkpoint storage", (False,)),
+    **_under("zero_optimization", {
+        "offload_param": Unsupported(_DEVICE_ONLY, _NO_OFFLOAD),
+        "offload_optimizer": Unsupported(_DEVICE_ONLY, _NO_OFFLOAD),
+        "cpu_offload": Unsupported(_DEVICE_ONLY, (None, False)),
+        "cpu_offload_param": Unsupported(_DEVICE_ONLY, (None, False)),
+        "cpu_offload_use_pin_memory": Unsupported(_DEVICE_ONLY, (None, False)),
+        "zenflow": Unsupported(f"ZenFlow offloaded updates; {_DEVICE_ONLY}", (None,)),
+        "mics_shard_size": Unsupported("MiCS; zero_hpz_partition_size gives node-local gathers", (-1,)),
+        "mics_hierarchical_params_gather": Unsupported("MiCS sharding", (False,)),
+        "zeropp_loco_param": Unsupported("LoCo; use zero_quantized_gradients_error_feedback", (None,)),
+        "zero_quantized_nontrainable_weights": Unsupported(
+            "weights stored quantized; qwZ quantizes only what crosses the wire", (False,)),
+        "stage3_model_persistence_threshold": Unsupported(
+            "a cap on persistent parameters; the per-group threshold alone decides", (sys.maxsize,)),
+        "elastic_checkpoint": Unsupported("elastic checkpoints", (False,)),
+        "legacy_stage1": Unsupported("the legacy stage 1 optimizer", (False,)),
+        "load_from_fp32_weights": Unsupported("checkpoints always restore fp32 master weights", (True,)),
+        "compute_grad_norm": Unsupported("the global gradient norm is always computed", (True,)),
+        "pipeline_loading_checkpoint": Unsupported("pipeline checkpoint loading", (False,)),
+        "leaf_module": Unsupported("leaf modules; the gather unit is already a module group", (None, {})),
+    }),
+}
+
+
+def _is_inert(value: Any, inert: Any) -> bool:
+    if inert is DISABLED_BLOCK:
+        return isinstance(value, Mapping) and value.get("enabled") is False
+    if isinstance(inert, bool) or isinstance(value, bool):
+        return value is inert  # keeps False from matching 0 and True from matching 1
+    return value == inert  # 1 == 1.0 as in JSON; dicts compare by content
+
+
+def _require_inert(path: str, value: Any) -> None:
+    entry = UNSUPPORTED.get(path)
+    if entry is None or any(_is_inert(value, inert) for inert in entry.inert):
+        return
+    shown = "" if isinstance(value, (Mapping, list)) else f"={_show(value)}"
+    allowed = " or ".join('an object with "enabled": false' if inert is DISABLED_BLOCK
+                          else _show(inert) for inert in entry.inert)
+    suffix = f"; accepted only as {allowed}" if allowed else ""
+    raise ConfigError(f"{path}{shown} is not supported by this engine ({entry.reason}){suffix}")
+
+
+def _children(section: str) -> set[str]:
+    """Names the tables know directly under ``section`` ("" is the top level)."""
+    prefix = f"{section}." if section else ""
+    return {key[len(prefix):].split(".", 1)[0]
+            for key in (*ALIASES, *ACCEPTED, *UNSUPPORTED) if key.startswith(prefix)}
+
+
+def _check_table_key(path: str, value: Any, siblings: set[str]) -> None:
+    """Validate a key that is no dataclass field: a table entry, an accepted block, or a typo."""
+    if path in UNSUPPORTED:
+        _require_inert(path, value)
+    elif path in ACCEPTED:
+        ACCEPTED[path].check(path, value)
+    elif _children(path):
+        for key, item in _object(path, value).items():
+            if "." in key:  # a dotted key would otherwise alias a nested table path
+                _unknown_key(f"{path}.{key}", set())
+            _check_table_key(f"{path}.{key}", item, _children(path))
+    else:
+        _unknown_key(path, siblings)
+
+
+# Typed sections. Each field carries its one-line doc and its check in the field metadata.
+def _field(default: Any, doc: str, check: Check, *, factory: bool = False) -> Any:
+    metadata = {"doc": doc, "check": check}
+    if factory:
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _join(section: str, key: str) -> str:
+    return f"{section}.{key}" if section else key
+
+
+SectionT = TypeVar("SectionT", bound="_Section")
+
+
+class _Section:
+    """Shared validation: every field runs its check, also when built directly in code."""
+
+    SECTION: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for spec in fields(self):  # type: ignore[arg-type]
+            path = _join(self.SECTION, spec.name)
+            value = spec.metadata["check"](path, getattr(self, spec.name))
+            _require_inert(path, value)
+            object.__setattr__(self, spec.name, value)
+        self._check_combination()
+
+    def _check_combination(self) -> None:
+        """Cross-field rules and normalization; a no-op where a section has none."""
+
+    @classmethod
+    def from_mapping(cls: type[SectionT], raw: Mapping[str, Any]) -> SectionT:
+        """Build from JSON keys: resolve aliases, route table keys, reject unknown keys."""
+        names = {spec.name for spec in fields(cls)}  # type: ignore[arg-type]
+        given: dict[str, Any] = {}
+        spelled: dict[str, str] = {}
+        for key, value in raw.items():
+            path = ALIASES.get(_join(cls.SECTION, key), _join(cls.SECTION, key))
+            name = path.rpartition(".")[2]
+            if "." in key:  # a dotted key would otherwise alias a nested table path
+                _unknown_key(_join(cls.SECTION, key), set())
+            if name not in names or path != _join(cls.SECTION, name):
+                _check_table_key(path, value, names | _children(cls.SECTION))
+            elif name in given:
+                raise ConfigError(f"{_join(cls.SECTION, key)}: same setting as '{spelled[name]}', "
+                                  "which is also given; keep one")
+            else:
+                given[name], spelled[name] = value, key
+        return cls(**given)
+
+
+def _section(section_cls: type[_Section]) -> Check:
+    def check(path: str, value: Any) -> Any:
+        if isinstance(value, section_cls):
+            return value
+        return section_cls.from_mapping(_object(path, value))
+
+    return check
+
+
+@dataclass(frozen=True)
+class FP16Config(_Section):
+    """fp16 mixed precision with dynamic loss scaling (DeepSpeed's ``fp16`` block)."""
+
+    SECTION: ClassVar[str] = "fp16"
+    enabled: bool = _field(False, "train in fp16 with fp32 master weights", _boolean)
+    loss_scale: float = _field(0.0, "static loss scale; 0 selects dynamic scaling", _non_negative_float)
+    initial_scale_power: int = _field(16, "dynamic scaling starts at 2**this", _non_negative_int)
+    loss_scale_window: int = _field(1000, "overflow-free steps before the scale doubles", _positive_int)
+    hysteresis: int = _field(2, "overflows tolerated before the scale halves", _positive_int)
+    consecutive_hysteresis: bool = _field(False, "refill hysteresis after each clean step", _boolean)
+    min_loss_scale: float = _field(1.0, "dynamic scaling never goes below this", _positive_float)
+    auto_cast: bool = _field(False, "DeepSpeed input autocasting; only false is supported", _boolean)
+
+
+@dataclass(frozen=True)
+class BF16Config(_Section):
+    """bf16 mixed precision (no loss scaling: bf16 has fp32's exponent range)."""
+
+    SECTION: ClassVar[str] = "bf16"
+    enabled: bool = _field(False, "train in bf16 with fp32 master weights", _boolean)
+
+
+_REQUIRED = object()  # marks a parameter without a default
+
+
+def _betas(path: str, value: Any) -> list[float]:
+    betas = value if isinstance(value, (list, tuple)) and len(value) == 2 else [math.nan]
+    if not all(_is_number(beta) and 0.0 <= beta < 1.0 for beta in betas):
+        _fail(path, "two numbers in [0, 1)", value)
+    return [float(beta) for beta in betas]
+
+
+_ADAM_PARAMS: dict[str, tuple[Check, Any]] = {
+    "lr": (_positive_float, 1e-3),
+    "betas": (_betas, [0.9, 0.999]),
+    "eps": (_positive_float, 1e-8),
+    "weight_decay": (_non_negative_float, 0.0),
+}
+
+
+def _fill_params(path: str, raw: Any, table: Mapping[str, tuple[Check, Any]]) -> dict[str, Any]:
+    """Check the given parameters and fill the missing ones with DeepSpeed's defaults."""
+    given = _object(path, raw)
+    for key in given.keys() - table.keys():
+        _unknown_key(f"{path}.{key}", set(table))
+    params = {}
+    for key, (check, default) in table.items():
+        if key in given:
+            params[key] = check(f"{path}.{key}", given[key])
+        elif default is _REQUIRED:
+            raise ConfigError(f"{path}.{key}: required for this type and missing")
+        else:
+            params[key] = copy.deepcopy(default)
+    return params
+
+
+@dataclass(frozen=True)
+class OptimizerConfig(_Section):
+    """The optimizer: AdamW (decoupled weight decay) over each rank's fp32 shard."""
+
+    SECTION: ClassVar[str] = "optimizer"
+    type: str = _field("AdamW", "AdamW; DeepSpeed's Adam with adam_w_mode true is the same", _string)
+    params: dict[str, Any] = _field(dict, "lr, betas, eps, weight_decay; missing ones filled",
+                                    _object, factory=True)
+
+    def _check_combination(self) -> None:
+        params = dict(self.params)
+        if self.type.lower() == "adam":
+            # DeepSpeed's Adam defaults to adam_w_mode=true, which makes it AdamW.
+            _boolean("optimizer.params.torch_adam", params.pop("torch_adam", False))
+            if not _boolean("optimizer.params.adam_w_mode", params.pop("adam_w_mode", True)):
+                raise ConfigError("optimizer.params.adam_w_mode=false is not supported by this engine "
+                                  "(L2-coupled weight decay; the optimizer is AdamW)")
+        elif self.type.lower() != "adamw":
+            raise ConfigError(f"optimizer.type={_show(self.type)} is not supported by this engine "
+                              "(AdamW, or Adam with adam_w_mode true)")
+        object.__setattr__(self, "type", "AdamW")
+        object.__setattr__(self, "params", _fill_params("optimizer.params", params, _ADAM_PARAMS))
+
+
+_WARMUP = {"warmup_num_steps": (_positive_int, 1000), "warmup_type": (_one_of("log", "linear"), "log")}
+_SCHEDULER_PARAMS: dict[str, dict[str, tuple[Check, Any]]] = {
+    # warmup_max_lr None: the optimizer's lr, as in DeepSpeed
+    "WarmupLR": {"warmup_min_lr": (_non_negative_float, 0.0),
+                 "warmup_max_lr": (_optional(_positive_float), None), **_WARMUP},
+    "WarmupDecayLR": {"total_num_steps": (_positive_int, _REQUIRED),
+                      "warmup_min_lr": (_non_negative_float, 0.0),
+                      "warmup_max_lr": (_positive_float, 0.001), **_WARMUP},
+    "WarmupCosineLR": {"total_num_steps": (_positive_int, _REQUIRED),
+                       "warmup_min_ratio": (_unit_interval, 0.0),
+                       "cos_min_ratio": (_unit_interval, 0.0001), **_WARMUP},
+}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(_Section):
+    """The learning-rate schedule, one of DeepSpeed's warmup schedules."""
+
+    SECTION: ClassVar[str] = "scheduler"
+    type: str = _field("WarmupLR", "WarmupLR, WarmupDecayLR or WarmupCosineLR",
+                       _one_of(*_SCHEDULER_PARAMS))
+    params: dict[str, Any] = _field(dict, "the schedule's parameters; missing ones filled",
+                                    _object, factory=True)
+
+    def _check_combination(self) -> None:
+        params = _fill_params("scheduler.params", self.params, _SCHEDULER_PARAMS[self.type])
+        object.__setattr__(self, "params", params)
+        total, warmup = params.get("total_num_steps"), params["warmup_num_steps"]
+        if total is not None and total < warmup:
+            raise ConfigError(f"scheduler.params: total_num_steps {total} is smaller than "
+                              f"warmup_num_steps {warmup}")
+
+
+def _stage(path: str, value: Any) -> int:
+    stage = _one_of(0, 1, 2, 3)(path, value)
+    if stage in (1, 2):
+        raise ConfigError(f"{path}={stage} is not supported by this engine "
+                          "(0 = plain data parallel, 3 = ZeRO-3 with optional qwZ/hpZ/qgZ)")
+    return stage
+
+
+@dataclass(frozen=True)
+class ZeroConfig(_Section):
+    """ZeRO-3 partitioning and the three ZeRO++ communication optimizations."""
+
+    SECTION: ClassVar[str] = "zero_optimization"
+    stage: int = _field(0, "0 = replicated data parallel, 3 = everything partitioned", _stage)
+    reduce_bucket_size: int = _field(500_000_000, "gradient elements per reduction bucket", _positive_int)
+    reduce_scatter: bool = _field(True, "reduce-scatter gradients rather than all-reduce", _boolean)
+    contiguous_gradients: bool = _field(True, "gradients land in one flat buffer", _boolean)
+    overlap_comm: bool = _field(True, "overlap reductions and gathers with compute", _boolean)
+    stage3_prefetch_bucket_size: int = _field(
+        50_000_000, "parameter elements gathered ahead of use; 0 disables prefetch", _non_negative_int)
+    stage3_max_live_parameters: int = _field(
+        1_000_000_000, "gathered parameter elements allowed at once", _non_negative_int)
+    stage3_max_reuse_distance: int = _field(
+        1_000_000_000, "keep a gathered group reused within this many elements", _non_negative_int)
+    stage3_param_persistence_threshold: int = _field(
+        100_000, "module groups smaller than this stay gathered", _non_negative_int)
+    stage3_gather_16bit_weights_on_model_save: bool = _field(
+        False, "also save the full 16-bit weights, gathered", _boolean)
+    zero_quantized_weights: bool = _field(False, "qwZ: block-quantized forward all-gather", _boolean)
+    zero_hpz_partition_size: int = _field(
+        1, "hpZ: ranks in the secondary partition (ranks per node); 1 = off", _positive_int)
+    zero_quantized_gradients: bool = _field(
+        False, "qgZ: quantized hierarchical all-to-all replaces reduce-scatter", _boolean)
+    zero_quantized_weights_bits: int = _field(8, "qwZ integer width: 8 or 4", _one_of(8, 4))
+    zero_quantized_gradients_bits: int = _field(4, "qgZ integer width: 4 or 8", _one_of(4, 8))
+    zero_quantization_block_size: int = _field(
+        256, "elements per fp32 scale in qwZ/qgZ; any positive size", _positive_int)
+    zero_quantized_gradients_error_feedback: bool = _field(
+        False, "qgZ: carry each rank's quantization error into the next step", _boolean)
+
+    def _check_combination(self) -> None:
+        zeropp = {"zero_quantized_weights": ("qwZ", self.zero_quantized_weights),
+                  "zero_hpz_partition_size": ("hpZ", self.zero_hpz_partition_size > 1),
+                  "zero_quantized_gradients": ("qgZ", self.zero_quantized_gradients)}
+        for key, (name, enabled) in zeropp.items():
+            if enabled and self.stage != 3:
+                raise ConfigError(f"zero_optimization.{key}: {name} extends ZeRO-3 and needs "
+                                  f"stage 3, got stage {self.stage}")
+        if self.zero_quantized_gradients_error_feedback and not self.zero_quantized_gradients:
+            raise ConfigError("zero_optimization.zero_quantized_gradients_error_feedback: "
+                              "needs zero_quantized_gradients true")
+
+
+_batch = _optional(_positive_int)
+
+
+@dataclass(frozen=True)
+class EngineConfig(_Section):
+    """The whole DeepSpeed JSON, validated. Build it with ``EngineConfig.from_json``."""
+
+    SECTION: ClassVar[str] = ""
+    train_batch_size: int | None = _field(None, "samples per optimizer step, all ranks", _batch)
+    train_micro_batch_size_per_gpu: int | None = _field(None, "samples per rank per pass", _batch)
+    gradient_accumulation_steps: int | None = _field(None, "micro-batches per step", _batch)
+    gradient_clipping: float = _field(0.0, "max global gradient norm; 0 = off", _non_negative_float)
+    fp16: FP16Config = _field(FP16Config, "fp16 mixed precision", _section(FP16Config), factory=True)
+    bf16: BF16Config = _field(BF16Config, "bf16 mixed precision", _section(BF16Config), factory=True)
+    optimizer: OptimizerConfig | None = _field(
+        None, "None leaves the optimizer to the command line", _optional(_section(OptimizerConfig)))
+    scheduler: SchedulerConfig | None = _field(
+        None, "None leaves the lr schedule to the command line", _optional(_section(SchedulerConfig)))
+    zero_optimization: ZeroConfig = _field(
+        ZeroConfig, "ZeRO stage and ZeRO++ options", _section(ZeroConfig), factory=True)
+    wall_clock_breakdown: bool = _field(False, "time forward, backward, step, collectives", _boolean)
+    steps_per_print: int = _field(10, "engine report every this many steps", _positive_int)
+    communication_data_type: str | None = _field(
+        None, "dtype of unquantized gradient reductions; None = compute dtype",
+        _optional(_one_of("fp32", "fp16", "bf16")))
+    prescale_gradients: bool = _field(False, "divide before reducing; only false", _boolean)
+    gradient_predivide_factor: float = _field(1.0, "pre-division factor; only 1.0", _positive_float)
+    zero_allow_untested_optimizer: bool = _field(
+        False, "no effect: the engine always runs its own partitioned optimizer", _boolean)
+    dump_state: bool = _field(False, "print the resolved config when the engine starts", _boolean)
+
+    def _check_combination(self) -> None:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
+
+    @classmethod
+    def from_json(cls, path_or_dict: str | PathLike[str] | Mapping[str, Any],
+                  world_size: int | None = None) -> EngineConfig:
+        """Parse and validate; given ``world_size``, also fill in all three batch keys."""
+        config = cls.from_mapping(read_json_config(path_or_dict))
+        if world_size is None:
+            return config
+        total, micro, steps = config.resolve_batch(world_size)
+        return dataclasses.replace(config, train_batch_size=total,
+                                   train_micro_batch_size_per_gpu=micro,
+                                   gradient_accumulation_steps=steps)
+
+    def resolve_batch(self, world_size: int) -> tuple[int, int, int]:
+        """(train_batch_size, micro batch per rank, accumulation steps) by DeepSpeed's rules.
+
+        train_batch_size = micro * accumulation * world_size. Any two keys determine the third;
+        train_batch_size alone or the micro batch alone imply one accumulation step.
+        """
+        world = _positive_int("world_size", world_size)
+        total, micro = self.train_batch_size, self.train_micro_batch_size_per_gpu
+        steps = self.gradient_accumulation_steps
+        if total is None and micro is None:
+            raise ConfigError("train_batch_size or train_micro_batch_size_per_gpu must be set "
+                              "(gradient_accumulation_steps alone does not fix the batch)")
+        if micro is not None and (steps is not None or total is None):
+            steps = 1 if steps is None else steps
+            derived = micro * steps * world
+            if total is not None and total != derived:
+                raise ConfigError(
+                    f"train_batch_size {total} != train_micro_batch_size_per_gpu {micro} * "
+                    f"gradient_accumulation_steps {steps} * world_size {world} = {derived}")
+            return derived, micro, steps
+        assert total is not None  # every combination without it returned above
+        if micro is not None:
+            divisor = f"train_micro_batch_size_per_gpu {micro} * world_size {world}"
+            return total, micro, _exact_quotient(total, micro * world, divisor)
+        steps = 1 if steps is None else steps
+        divisor = f"gradient_accumulation_steps {steps} * world_size {world}"
+        return total, _exact_quotient(total, steps * world, divisor), steps
+
+    @property
+    def compute_dtype(self) -> str:
+        """The forward/backward dtype: "float16", "bfloat16" or "float32"."""
+        if self.fp16.enabled:
+            return "float16"
+        return "bfloat16" if self.bf16.enabled else "float32"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (for checkpoints); ``from_json(to_dict())`` equals this config."""
+        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
+
+
+def _exact_quotient(total: int, divisor: int, divisor_text: str) -> int:
+    if total % divisor != 0:
+        raise ConfigError(f"train_batch_size {total} is not divisible by {divisor_text} = {divisor}")
+    return total // divisor

@@ -1,0 +1,119 @@
+"""The training engine users hold: DeepSpeed's ``forward / backward(loss) / step()`` contract.
+
+``backward`` scales the loss (fp16), runs backward through the sharded model and flushes the
+gradient reductions; ``step`` is called after every micro-batch and updates the weights only
+at the gradient-accumulation boundary, exactly as ``deepspeed.DeepSpeedEngine.step``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from zeropp.loss_scaler import LossScaler
+from zeropp.optimizer import PartitionedAdamW
+from zeropp.sharded_model import ShardedModel
+
+
+class ZeroEngine:
+    def __init__(
+        self,
+        sharded: ShardedModel,
+        optimizer: PartitionedAdamW,
+        loss_scaler: LossScaler,
+        gradient_accumulation_steps: int = 1,
+        gradient_clipping: float = 0.0,
+        lr_scheduler=None,
+        config=None,
+    ) -> None:
+        self.sharded = sharded
+        self.optimizer = optimizer
+        self.loss_scaler = loss_scaler
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.gradient_clipping = gradient_clipping
+        self.lr_scheduler = lr_scheduler
+        self.config = config
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self.last_step_overflowed = False
+
+    # ---- model ---------------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        return self.sharded.module
+
+    @property
+    def topology(self):
+        return self.sharded.topology
+
+    @property
+    def comm_stats(self):
+        return self.sharded.stats
+
+    def __call__(self, *args, **kwargs):
+        return self.sharded(*args, **kwargs)
+
+    forward = __call__
+
+    def train(self, mode: bool = True) -> ZeroEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ZeroEngine:
+        return self.train(False)
+
+    # ---- training ------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's mean loss (not divided by accumulation steps)."""
+        self.sharded.run_backward(loss.float() * self.loss_scaler.scale)
+        self.micro_steps += 1
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.micro_steps > 0 and self.micro_steps % self.gradient_accumulation_steps == 0
+
+    def step(self) -> bool:
+        """Update at the accumulation boundary; returns True when an update was applied."""
+        if not self.is_gradient_accumulation_boundary():
+            return False
+        divisor = (
+            self.sharded.world.size * self.gradient_accumulation_steps * self.loss_scaler.scale
+        )
+        norm, overflow = self.sharded.grad_norm_and_step(
+            self.optimizer, divisor, self.gradient_clipping
+        )
+        self.loss_scaler.update(overflow)
+        self.last_grad_norm = norm
+        self.last_step_overflowed = overflow
+        self.global_steps += 1
+        if overflow:
+            self.skipped_steps += 1
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return not overflow
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.last_grad_norm
+
+    def comm_bytes(self, reset: bool = True) -> dict[str, dict[str, int]]:
+        """Bytes sent by this rank since the last reset, by phase and locality."""
+        snapshot = self.comm_stats.snapshot()
+        if reset:
+            self.comm_stats.reset()
+        return snapshot
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[nn.Module]:
+        with self.sharded.gathered_parameters() as module:
+            yield module
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.sharded.full_state_dict()

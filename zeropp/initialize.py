@@ -1,0 +1,161 @@
+"""Entry points: ``init_distributed`` and ``initialize`` (the ``deepspeed.initialize`` twin)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeropp.comm import CommGroup, all_gather, reduce_scatter_sum
+from zeropp.engine import ZeroEngine
+from zeropp.loss_scaler import DynamicLossScaler, LossScaler
+from zeropp.optimizer import PartitionedAdamW
+from zeropp.sharded_model import ShardedModel, ShardingOptions
+from zeropp.topology import Topology, build_topology
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> None:
+    """Join the process group the launcher described (torchrun, deepspeed, or none).
+
+    With no launcher (plain ``python``), a world of one rank on localhost. The backend is NCCL
+    when CUDA is available, else gloo. ``timeout_s`` bounds every collective, so a dead rank
+    ends the job instead of hanging it.
+    """
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        if os.environ["WORLD_SIZE"] != "1":
+            raise RuntimeError("MASTER_PORT is not set: start multi-rank jobs with a launcher")
+        os.environ["MASTER_PORT"] = str(_free_port())
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class QuantizationOptions:
+    """ZeRO++ switches and their precision (defaults are the paper's)."""
+
+    quantized_weights: bool = False  # qwZ
+    hpz_size: int = 1  # hpZ (1 = off)
+    quantized_gradients: bool = False  # qgZ
+    weight_bits: int = 8
+    gradient_bits: int = 4
+    block_size: int = 256
+    error_feedback: bool = False
+
+
+def _collectives(topology: Topology, options: ShardingOptions, quant: QuantizationOptions):
+    """Pick the gather and reduce functions for this configuration (same contracts)."""
+    gather = partial(all_gather, async_op=options.overlap_comm)
+    reduce = partial(reduce_scatter_sum, async_op=options.overlap_comm)
+    if quant.quantized_weights or quant.quantized_gradients:
+        from zeropp.comm import quantized
+
+        if quant.quantized_weights:
+            gather = partial(
+                quantized.quantized_all_gather,
+                bits=quant.weight_bits,
+                block_size=quant.block_size,
+                async_op=options.overlap_comm,
+            )
+        if quant.quantized_gradients:
+            reduce = quantized.HierarchicalReduceScatter(
+                topology,
+                bits=quant.gradient_bits,
+                block_size=quant.block_size,
+                error_feedback=quant.error_feedback,
+            )
+    hpz = None
+    if quant.hpz_size > 1:
+        hpz = CommGroup(topology.hpz_group, quant.hpz_size, topology.hpz_rank, False)
+    return gather, reduce, hpz
+
+
+def build_engine(
+    model: nn.Module,
+    *,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    dtype: torch.dtype = torch.float32,
+    gradient_accumulation_steps: int = 1,
+    gradient_clipping: float = 0.0,
+    loss_scaler: LossScaler | None = None,
+    sharding: ShardingOptions | None = None,
+    quantization: QuantizationOptions | None = None,
+    ranks_per_node: int | None = None,
+    device: torch.device | None = None,
+    param_init_fn=None,
+    unit_modules: list[nn.Module] | None = None,
+    lr_scheduler=None,
+    config=None,
+) -> ZeroEngine:
+    """Shard ``model`` (on the meta device or materialized) and wrap it in a ``ZeroEngine``."""
+    init_distributed()
+    sharding = sharding or ShardingOptions()
+    quantization = quantization or QuantizationOptions()
+    topology = build_topology(ranks_per_node, quantization.hpz_size)
+    device = device or default_device()
+    if param_init_fn is None and hasattr(model, "initial_value"):
+        param_init_fn = model.initial_value
+    gather, reduce, hpz = _collectives(topology, sharding, quantization)
+    sharded = ShardedModel(
+        model, topology, sharding, dtype, device, gather, reduce, hpz,
+        param_init_fn=param_init_fn, unit_modules=unit_modules,
+    )
+    optimizer = PartitionedAdamW(
+        sharded.units, sharded.initial_masters, lr=lr, betas=betas, eps=eps,
+        weight_decay=weight_decay,
+    )
+    sharded.initial_masters = []  # the optimizer owns the fp32 masters from here on
+    return ZeroEngine(
+        sharded,
+        optimizer,
+        loss_scaler or LossScaler(1.0),
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        gradient_clipping=gradient_clipping,
+        lr_scheduler=lr_scheduler,
+        config=config,
+    )
+
+
+def make_loss_scaler(fp16_enabled: bool, fp16_config=None) -> LossScaler:
+    """DeepSpeed's fp16 block -> a scaler (static when ``loss_scale`` > 0, else dynamic)."""
+    if not fp16_enabled:
+        return LossScaler(1.0)
+    if fp16_config is not None and fp16_config.loss_scale > 0:
+        return LossScaler(fp16_config.loss_scale)
+    if fp16_config is None:
+        return DynamicLossScaler()
+    return DynamicLossScaler(
+        initial_scale_power=fp16_config.initial_scale_power,
+        window=fp16_config.loss_scale_window,
+        hysteresis=fp16_config.hysteresis,
+        min_scale=fp16_config.min_loss_scale,
+        consecutive_hysteresis=fp16_config.consecutive_hysteresis,
+    )

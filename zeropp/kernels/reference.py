@@ -1,0 +1,337 @@
+"""Pure-torch reference for the ZeRO++ quantization kernels.
+
+Every kernel of `zeropp.kernels` exists here first; the Triton versions are checked against
+these functions bit for bit. They run on any device torch runs on (CPU included), accept
+fp32/fp16/bf16 and any length, and are vectorised over blocks (a tensor is viewed as
+[nblocks, block_size]; no Python loop touches individual blocks).
+
+Payload layout (one flat uint8 tensor, so that a single collective moves it):
+
+    [ packed codes of all blocks, block after block | one fp32 scale per block, as bytes ]
+
+- int8: one two's-complement byte per value.
+- int4: two values per byte, the even index in the low nibble, stored offset-binary (q + 8),
+  packed as one stream over all blocks (so with an odd block size a byte can straddle two
+  blocks). The data region is ceil(padded_numel * bits / 8) bytes; an odd padded length
+  leaves one spare high nibble that holds the code of zero.
+- The last block is padded with zeros up to block_size before quantizing.
+- Scales are little-endian fp32 bytes right after the data. Their offset need not be a
+  multiple of 4 (block size 3, say), so readers must not assume alignment.
+
+Quantization is symmetric and computed in fp32: scale = absmax(block) / qmax,
+q = round_half_to_even(x / scale) clamped to [-qmax, qmax], qmax = 127 (int8) or 7 (int4).
+
+Non-finite input (decision): a block holding any inf or NaN gets a NaN scale and all-zero
+codes, so every value of that block dequantizes to NaN. The overflow stays visible to the
+loss scaler instead of becoming finite garbage; an inf cannot be represented by a finite
+scale anyway. An all-zero block has scale 0 and dequantizes to exact zeros (never NaN).
+
+Reductions (`dequantize_reduce*`) add the k dequantized payloads in fp32 in payload order,
+starting from zero, so that every backend produces bit-identical sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_BITS: tuple[int, ...] = (4, 8)
+INT4_OFFSET = 8  # offset-binary bias of int4 codes: stored nibble = q + 8
+SCALE_NBYTES = 4  # one fp32 scale per block
+
+
+def qmax_for_bits(bits: int) -> int:
+    """Largest code magnitude of the symmetric `bits`-bit grid (127 for int8, 7 for int4)."""
+    _check_bits(bits)
+    return (1 << (bits - 1)) - 1
+
+
+@dataclass(frozen=True)
+class PayloadLayout:
+    """Byte layout of the payload that quantizes `numel` values in blocks of `block_size`."""
+
+    numel: int
+    bits: int
+    block_size: int
+
+    @property
+    def nblocks(self) -> int:
+        return -(-self.numel // self.block_size)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.nblocks * self.block_size
+
+    @property
+    def data_nbytes(self) -> int:
+        return -(-self.padded_numel * self.bits // 8)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data_nbytes + self.nblocks * SCALE_NBYTES
+
+
+def payload_layout(numel: int, bits: int, block_size: int) -> PayloadLayout:
+    """Validated layout of a payload; raises ValueError naming the bad argument."""
+    _check_bits(bits)
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    return PayloadLayout(numel=numel, bits=bits, block_size=block_size)
+
+
+def quantized_nbytes(numel: int, bits: int, block_size: int) -> int:
+    """Bytes of the payload for `numel` values: packed codes plus one fp32 scale per block."""
+    return payload_layout(numel, bits, block_size).nbytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks shared with the Triton backend.
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_bits(bits: int) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+
+
+def check_float_dtype(dtype: torch.dtype, what: str) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{what} must be float32, float16 or bfloat16, got {dtype}")
+
+
+def check_quantize_input(x: Tensor, bits: int, block_size: int) -> PayloadLayout:
+    """Validate a tensor to quantize and return its payload layout."""
+    if not isinstance(x, Tensor):
+        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    check_float_dtype(x.dtype, "x.dtype")
+    if not x.is_contiguous():
+        raise ValueError(f"x must be contiguous (shape {tuple(x.shape)}, stride {x.stride()})")
+    return payload_layout(x.numel(), bits, block_size)
+
+
+def check_payloads(payloads: Tensor, layout: PayloadLayout, ndim: int) -> None:
+    """Validate a payload (ndim 1) or a batch of payloads (ndim 2, one per row)."""
+    if not isinstance(payloads, Tensor):
+        raise ValueError(f"payload must be a torch.Tensor, got {type(payloads).__name__}")
+    if payloads.dtype != torch.uint8:
+        raise ValueError(f"payload must be uint8, got {payloads.dtype}")
+    if payloads.dim() != ndim:
+        raise ValueError(f"payload must have {ndim} dimension(s), got shape {tuple(payloads.shape)}")
+    if payloads.shape[-1] != layout.nbytes:
+        raise ValueError(
+            f"payload has {payloads.shape[-1]} bytes per row, expected {layout.nbytes} for "
+            f"numel={layout.numel}, bits={layout.bits}, block_size={layout.block_size}"
+        )
+    if payloads.stride(-1) != 1:
+        raise ValueError(f"payload rows must be contiguous, got stride {payloads.stride()}")
+
+
+def check_out(out: Tensor, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Validate a caller-provided output buffer for `numel` values of `dtype`."""
+    if out.dtype != dtype:
+        raise ValueError(f"out.dtype is {out.dtype}, expected {dtype}")
+    if out.numel() != numel:
+        raise ValueError(f"out has {out.numel()} elements, expected {numel}")
+    if not out.is_contiguous():
+        raise ValueError(f"out must be contiguous (stride {out.stride()})")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device}, payload is on {device}")
+
+
+def decode_scales(payloads: Tensor, layout: PayloadLayout) -> Tensor:
+    """fp32 scales (k, nblocks) read from the tail of each row of `payloads` (k, nbytes)."""
+    raw = payloads[:, layout.data_nbytes :]
+    # A float32 view needs 4-byte aligned offset and row stride; the scale region starts
+    # unaligned for some block sizes and so do rows of odd length, so copy when needed.
+    if raw.storage_offset() % SCALE_NBYTES or raw.stride(0) % SCALE_NBYTES:
+        raw = raw.clone(memory_format=torch.contiguous_format)
+    return raw.view(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantization.
+# ---------------------------------------------------------------------------------------------
+
+
+def _padded_blocks(flat: Tensor, layout: PayloadLayout) -> Tensor:
+    """fp32 view (nblocks, block_size) of `flat`, zero-padded to whole blocks."""
+    values = flat.to(torch.float32)
+    padding = layout.padded_numel - layout.numel
+    if padding:
+        values = F.pad(values, (0, padding))
+    return values.view(layout.nblocks, layout.block_size)
+
+
+def _block_scales(blocks: Tensor, qmax: int) -> Tensor:
+    """absmax / qmax per row; NaN for rows holding inf or NaN."""
+    # aminmax avoids materialising |blocks|; both it and maximum propagate NaN.
+    row_min, row_max = torch.aminmax(blocks, dim=1)
+    absmax = torch.maximum(row_max, -row_min)
+    scales = absmax / qmax
+    return torch.where(torch.isfinite(absmax), scales, torch.full_like(scales, float("nan")))
+
+
+def _block_codes(blocks: Tensor, scales: Tensor, qmax: int) -> Tensor:
+    """Signed codes (flat int8) of each row under its scale; zero codes where scale is 0/NaN."""
+    usable = scales > 0  # False for zero blocks and for NaN scales
+    divisor = torch.where(usable, scales, torch.ones_like(scales))
+    codes = blocks / divisor[:, None]
+    codes.round_().clamp_(-qmax, qmax)
+    codes.masked_fill_(~usable[:, None], 0.0)
+    return codes.to(torch.int8).view(-1)
+
+
+def _pack_codes(codes: Tensor, bits: int) -> Tensor:
+    """Data bytes of the payload from flat signed codes."""
+    if bits == 8:
+        return codes.view(torch.uint8)
+    nibbles = (codes + INT4_OFFSET).view(torch.uint8)
+    if nibbles.numel() % 2:
+        nibbles = torch.cat([nibbles, nibbles.new_full((1,), INT4_OFFSET)])
+    return nibbles[0::2] | (nibbles[1::2] << 4)
+
+
+def _encode_blocks(blocks: Tensor, layout: PayloadLayout) -> Tensor:
+    """Payload bytes of fp32 blocks (nblocks, block_size)."""
+    qmax = qmax_for_bits(layout.bits)
+    scales = _block_scales(blocks, qmax)
+    payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=blocks.device)
+    payload[: layout.data_nbytes] = _pack_codes(_block_codes(blocks, scales, qmax), layout.bits)
+    payload[layout.data_nbytes :] = scales.view(torch.uint8)
+    return payload
+
+
+def quantize_blockwise(x: Tensor, bits: int, block_size: int) -> Tensor:
+    """Quantize the flattened `x` block-wise into one flat uint8 payload (see module doc)."""
+    layout = check_quantize_input(x, bits, block_size)
+    if layout.numel == 0:
+        return torch.empty(0, dtype=torch.uint8, device=x.device)
+    return _encode_blocks(_padded_blocks(x.reshape(-1), layout), layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dequantization and reductions.
+# ---------------------------------------------------------------------------------------------
+
+
+def _unpack_codes(payloads: Tensor, layout: PayloadLayout) -> Tensor:
+    """Signed codes as fp32 (k, padded_numel) from the data bytes of each row."""
+    data = payloads[:, : layout.data_nbytes]
+    if layout.bits == 8:
+        return data.view(torch.int8).to(torch.float32)
+    nibbles = torch.stack((data & 0xF, data >> 4), dim=-1).view(data.shape[0], -1)
+    return nibbles[:, : layout.padded_numel].to(torch.float32).sub_(INT4_OFFSET)
+
+
+def _decode_rows(payloads: Tensor, layout: PayloadLayout) -> Tensor:
+    """fp32 values (k, numel) of a batch of payloads (k, nbytes)."""
+    k = payloads.shape[0]
+    codes = _unpack_codes(payloads, layout).view(k, layout.nblocks, layout.block_size)
+    values = codes.mul_(decode_scales(payloads, layout)[:, :, None])
+    return values.view(k, layout.padded_numel)[:, : layout.numel]
+
+
+def dequantize_blockwise(
+    payload: Tensor,
+    numel: int,
+    bits: int,
+    block_size: int,
+    dtype: torch.dtype,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Inverse of `quantize_blockwise`: flat `numel` values in `dtype` (into `out` if given)."""
+    layout = payload_layout(numel, bits, block_size)
+    check_payloads(payload, layout, ndim=1)
+    check_float_dtype(dtype, "dtype")
+    if out is not None:
+        check_out(out, numel, dtype, payload.device)
+    if numel == 0:
+        return out if out is not None else torch.empty(0, dtype=dtype, device=payload.device)
+    values = _decode_rows(payload.view(1, -1), layout)[0]
+    if out is None:
+        return values.to(dtype)
+    out.view(-1).copy_(values)
+    return out
+
+
+def dequantize_blockwise_many(
+    payloads: Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype
+) -> Tensor:
+    """Dequantize k payloads at once: (k, nbytes) uint8 -> (k, numel) in `dtype`."""
+    layout = payload_layout(numel, bits, block_size)
+    check_payloads(payloads, layout, ndim=2)
+    check_float_dtype(dtype, "dtype")
+    if numel == 0 or payloads.shape[0] == 0:
+        return torch.empty(payloads.shape[0], numel, dtype=dtype, device=payloads.device)
+    return _decode_rows(payloads, layout).to(dtype).contiguous()
+
+
+def dequantize_reduce(payloads: Tensor, numel: int, bits: int, block_size: int) -> Tensor:
+    """Sum of the k dequantized payloads (k, nbytes), in fp32, in payload order."""
+    layout = payload_layout(numel, bits, block_size)
+    check_payloads(payloads, layout, ndim=2)
+    total = torch.zeros(numel, dtype=torch.float32, device=payloads.device)
+    if numel == 0:
+        return total
+    # One payload at a time: the fixed order makes the sum reproducible across backends,
+    # and peak memory stays at one decoded row. k is a rank count, never a block count.
+    for row in payloads:
+        total += _decode_rows(row.view(1, -1), layout)[0]
+    return total
+
+
+def dequantize_reduce_quantize(
+    payloads: Tensor, numel: int, bits_in: int, bits_out: int, block_size: int
+) -> Tensor:
+    """qgZ's middle step: dequantize k payloads, sum in fp32, quantize the sum to `bits_out`."""
+    layout_out = payload_layout(numel, bits_out, block_size)
+    total = dequantize_reduce(payloads, numel, bits_in, block_size)
+    if numel == 0:
+        return torch.empty(0, dtype=torch.uint8, device=payloads.device)
+    return _encode_blocks(_padded_blocks(total, layout_out), layout_out)
+
+
+# ---------------------------------------------------------------------------------------------
+# qgZ reorder.
+# ---------------------------------------------------------------------------------------------
+
+
+def _slice_numel(flat: Tensor, nodes: int, ranks_per_node: int) -> int:
+    for name, value in (("nodes", nodes), ("ranks_per_node", ranks_per_node)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(flat, Tensor) or flat.dim() != 1:
+        shape = tuple(flat.shape) if isinstance(flat, Tensor) else type(flat).__name__
+        raise ValueError(f"flat must be a 1-D tensor, got {shape}")
+    world = nodes * ranks_per_node
+    if flat.numel() % world:
+        raise ValueError(
+            f"flat has {flat.numel()} elements, not divisible by nodes*ranks_per_node = {world}"
+        )
+    return flat.numel() // world
+
+
+def swizzle(flat: Tensor, nodes: int, ranks_per_node: int) -> Tensor:
+    """Reorder rank slices [node, local, S] -> [local, node, S] for qgZ's first all-to-all.
+
+    `flat` holds the slices of global ranks 0..N-1 in order; chunk l of the result holds
+    the slices of ranks {n * ranks_per_node + l for each node n}, so that after the
+    intra-node all-to-all local rank l owns exactly what it forwards across nodes.
+    Always returns a new tensor.
+    """
+    slice_numel = _slice_numel(flat, nodes, ranks_per_node)
+    by_rank = flat.view(nodes, ranks_per_node, slice_numel).transpose(0, 1)
+    return by_rank.clone(memory_format=torch.contiguous_format).view(-1)
+
+
+def unswizzle(flat: Tensor, nodes: int, ranks_per_node: int) -> Tensor:
+    """Inverse of `swizzle`: [local, node, S] -> [node, local, S]. Always a new tensor."""
+    slice_numel = _slice_numel(flat, nodes, ranks_per_node)
+    by_node = flat.view(ranks_per_node, nodes, slice_numel).transpose(0, 1)
+    return by_node.clone(memory_format=torch.contiguous_format).view(-1)

@@ -1,0 +1,336 @@
+"""The sharded model: units, hooks, gradient reduction, the optimizer step.
+
+[Note: protocol of one iteration]
+Forward: the root unit (the model's own parameters: embeddings, final norm, tied head) is
+gathered by the model's forward pre-hook; each transformer block is gathered by its own
+pre-hook (waiting on a prefetch issued while the previous block computed) and released by its
+post-hook; with hpZ the release keeps a secondary shard. The root stays gathered until its
+gradients are reduced, since backward starts with the head and ends with the embeddings.
+Backward: a hook on each block's output fires just before the block's backward; it gathers
+the block (from the secondary shards inside the node with hpZ) and prefetches the previous
+one. Activation-checkpoint recompute runs the block's forward hooks again while the engine is
+in the BACKWARD phase; they then only make sure the block is gathered. When a unit's last
+parameter gradient is accumulated, its gradients are flattened and reduce-scattered (qgZ:
+hierarchical all-to-all), the fp32 shard accumulates them, and the unit is released.
+Step: at the accumulation boundary, ``PartitionedAdamW`` averages once, clips, checks
+overflow, updates the fp32 shards and casts them into the working shards; every derived copy
+(gathered buffers, secondary shards) is dropped.
+
+Every rank issues the same collectives in the same order: hook order follows the model's
+graph, prefetch decisions follow the previous iteration's recorded order and fixed sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from zeropp.comm import CommGroup, CommStats, all_gather
+from zeropp.flat_layout import FlatLayout
+from zeropp.optimizer import PartitionedAdamW, clip_coefficient
+from zeropp.topology import Topology
+from zeropp.unit import ParamRef, ShardedUnit, ShardState, UnitComm
+
+
+class TrainingPhase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    """The engine's knobs, resolved from the DeepSpeed JSON (see ``zeropp.config``)."""
+
+    reduce_bucket_numel: int = 500_000_000
+    prefetch_bucket_numel: int = 50_000_000
+    max_live_numel: int = 1_000_000_000
+    persistence_threshold: int = 100_000
+    overlap_comm: bool = True
+
+
+def default_unit_modules(model: nn.Module) -> list[nn.Module]:
+    """The children of every ``nn.ModuleList`` (the transformer blocks) become units."""
+    units = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            units.extend(module)
+    return units
+
+
+def _param_owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, attr))
+    return owners
+
+
+class ShardedModel:
+    """Shards a model over the data-parallel world and trains it; see the module note."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        topology: Topology,
+        options: ShardingOptions,
+        dtype: torch.dtype,
+        device: torch.device,
+        gather_fn,
+        reduce_fn,
+        hpz_group: CommGroup | None,
+        param_init_fn: Callable[[str], torch.Tensor] | None = None,
+        unit_modules: list[nn.Module] | None = None,
+    ) -> None:
+        self.module = model
+        self.topology = topology
+        self.options = options
+        self.dtype = dtype
+        self.device = device
+        self.stats = CommStats()
+        self.world = CommGroup(None, topology.world_size, topology.rank, topology.world_spans_nodes)
+        self.comm = UnitComm(
+            world=self.world,
+            hpz=hpz_group,
+            gather=gather_fn,
+            reduce=reduce_fn,
+            stats=self.stats,
+            reduce_bucket_numel=options.reduce_bucket_numel,
+            async_op=options.overlap_comm,
+        )
+        self.phase = TrainingPhase.IDLE
+        self.units, self.initial_masters = self._build_units(
+            model, unit_modules if unit_modules is not None else default_unit_modules(model),
+            param_init_fn,
+        )
+        self.root = self.units[0]
+        self._forward_order: list[ShardedUnit] = []
+        self._last_forward_order: list[ShardedUnit] = []
+        self._install_hooks()
+        for unit in self.units:
+            if unit.persistent:
+                unit.gather_now("forward_all_gather")
+
+    # ---- construction --------------------------------------------------------------------
+    def _build_units(self, model, unit_modules, param_init_fn):
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+        owners = _param_owners(model)
+        assigned: set[int] = set()
+        plan: list[tuple[str, nn.Module, list[nn.Parameter]]] = []
+        module_names = {id(m): n for n, m in model.named_modules()}
+        for module in unit_modules:
+            params = [p for p in module.parameters() if id(p) not in assigned]
+            assigned.update(id(p) for p in params)
+            plan.append((module_names.get(id(module), "?"), module, params))
+        root_params = [p for p in model.parameters() if id(p) not in assigned]
+        plan.insert(0, ("<root>", model, root_params))
+        self._check_no_sharing(plan, owners)
+
+        units, masters = [], []
+        for name, module, params in plan:
+            layout = FlatLayout.build(
+                [(names[id(p)], tuple(p.shape)) for p in params],
+                num_shards=self.world.size,
+                align=self.comm.hpz.size if self.comm.hpz is not None else 1,
+            )
+            originals = {names[id(p)]: p for p in params}
+
+            def full_value(slot, originals=originals):
+                param = originals[slot.name]
+                if param.is_meta:
+                    if param_init_fn is None:
+                        raise ValueError(
+                            f"parameter {slot.name!r} is on the meta device: give the model an "
+                            "initial_value(name) method or pass param_init_fn"
+                        )
+                    value = param_init_fn(slot.name)
+                    if tuple(value.shape) != slot.shape:
+                        raise ValueError(
+                            f"param_init_fn({slot.name!r}) returned shape {tuple(value.shape)}, "
+                            f"expected {slot.shape}"
+                        )
+                    return value.to(torch.float32)
+                return param.detach().to(torch.float32)
+
+            master = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device)
+            layout.fill_shard(master, self.world.rank, full_value)
+            refs = [ParamRef(p, owners[id(p)]) for p in params]
+            persistent = 0 < layout.numel < self.options.persistence_threshold
+            unit = ShardedUnit(
+                name, module, refs, layout, self.comm, self.dtype, self.device, persistent
+            )
+            unit.shard.copy_(master)
+            units.append(unit)
+            masters.append(master)
+        leftovers = [n for n, b in model.named_buffers() if b.is_meta]
+        if leftovers:
+            raise ValueError(f"buffers still on the meta device after sharding: {leftovers}")
+        return units, masters
+
+    @staticmethod
+    def _check_no_sharing(plan, owners) -> None:
+        """A parameter registered in two units would be gathered by one and used by the other."""
+        home: dict[int, str] = {}
+        for name, module, params in plan:
+            for p in params:
+                home[id(p)] = name
+        for name, module, _ in plan:
+            if name == "<root>":
+                continue
+            for _, p in module.named_parameters(remove_duplicate=False):
+                if home.get(id(p)) != name:
+                    raise ValueError(
+                        f"a parameter of unit {name!r} is shared with unit {home.get(id(p))!r}; "
+                        "tie parameters only at the root module"
+                    )
+
+    def _install_hooks(self) -> None:
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
+            unit.module.register_forward_hook(partial(self._post_forward, unit))
+            for param in unit.params:
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit))
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def _pre_forward(self, unit: ShardedUnit, module, args) -> None:
+        if self.phase is TrainingPhase.BACKWARD:  # activation-checkpoint recompute
+            unit.gather_now("backward_all_gather")
+            return
+        if unit is self.root:
+            self.phase = TrainingPhase.FORWARD
+            self._last_forward_order = self._forward_order or self._last_forward_order
+            self._forward_order = []
+        unit.gather_now("forward_all_gather")
+        self._forward_order.append(unit)
+        self._prefetch(unit, forward=True)
+
+    def _post_forward(self, unit: ShardedUnit, module, args, output):
+        if self.phase is TrainingPhase.BACKWARD:
+            return output
+        needs_backward = any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output)
+        )
+        if unit is self.root:
+            self.phase = TrainingPhase.IDLE
+            if not needs_backward:
+                self._release_all()
+            return output
+        if needs_backward:
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(partial(self._pre_backward, unit))
+        unit.release(keep_secondary=needs_backward)
+        return output
+
+    def _pre_backward(self, unit: ShardedUnit, grad):
+        unit.gather_now("backward_all_gather")
+        self._prefetch(unit, forward=False)
+        return grad
+
+    def _on_grad_ready(self, unit: ShardedUnit, param) -> None:
+        if unit.on_grad_ready():
+            self._reduce_and_release(unit)
+
+    def _reduce_and_release(self, unit: ShardedUnit) -> None:
+        unit.start_reduce()
+        unit.release(keep_secondary=False)
+        unit.drop_secondary()
+
+    def _prefetch(self, unit: ShardedUnit, forward: bool) -> None:
+        order = self._last_forward_order
+        if unit not in order:
+            return
+        index = order.index(unit)
+        candidates = order[index + 1 :] if forward else list(reversed(order[:index]))
+        phase = "forward_all_gather" if forward else "backward_all_gather"
+        budget = self.options.prefetch_bucket_numel
+        live = sum(u.live_numel for u in self.units)
+        for candidate in candidates:
+            if candidate is self.root or candidate.state is ShardState.GATHERED:
+                continue
+            if candidate.gathering:
+                budget -= candidate.layout.padded_numel
+                continue
+            size = candidate.layout.padded_numel
+            if size > budget or live + size > self.options.max_live_numel:
+                break
+            candidate.start_gather(phase)
+            budget -= size
+            live += size
+
+    def _release_all(self) -> None:
+        for unit in self.units:
+            unit.wait_gather() if unit.gathering else None
+            unit.release(keep_secondary=False)
+            unit.drop_secondary()
+
+    # ---- public API ----------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def run_backward(self, scaled_loss: torch.Tensor) -> None:
+        """Backward of an already scaled loss, then flush every unit's gradient reduction."""
+        self.phase = TrainingPhase.BACKWARD
+        try:
+            scaled_loss.backward()
+            # Units whose parameters got no gradient (unused in this graph) still take part
+            # in the collective, in unit order, so every rank issues the same sequence.
+            for unit in self.units:
+                if not unit.reduced_this_backward:
+                    self._reduce_and_release(unit)
+            for unit in self.units:
+                unit.finish_reduce()
+                unit.reduced_this_backward = False
+        finally:
+            self.phase = TrainingPhase.IDLE
+        self._release_all()
+
+    def grad_norm_and_step(
+        self, optimizer: PartitionedAdamW, divisor: float, max_norm: float
+    ) -> tuple[float, bool]:
+        """Average (divide by ``divisor`` once), clip and step; skip on a non-finite norm."""
+        inv = 1.0 / divisor
+        norm = optimizer.grad_norm_squared(inv) ** 0.5
+        finite = norm == norm and norm != float("inf")
+        if finite:
+            optimizer.step(inv * clip_coefficient(norm, max_norm))
+        else:
+            optimizer.skip_step()
+        for unit in self.units:
+            unit.refresh_after_update()
+        return norm, not finite
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[nn.Module]:
+        """Full, exact weights on every rank for the duration of the block (read-only use)."""
+        for unit in self.units:
+            if unit.state is not ShardState.GATHERED:
+                unit.drop_secondary()
+                unit._alloc_full()
+                all_gather(unit.full, unit.shard, self.world, self.stats, "optimizer",
+                           async_op=False).wait()
+                unit.state = ShardState.GATHERED
+        try:
+            yield self.module
+        finally:
+            self._release_all()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter, unsharded, as CPU tensors in the working dtype (all ranks)."""
+        with self.gathered_parameters():
+            out = {}
+            for unit in self.units:
+                for slot, view in zip(unit.layout.slots, unit.layout.views(unit.full), strict=True):
+                    out[slot.name] = view.detach().cpu().clone()
+        return out

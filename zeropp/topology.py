@@ -1,0 +1,141 @@
+"""Where each rank sits: nodes, local ranks, and the process groups ZeRO++ needs.
+
+Ranks are laid out node-major, as every launcher does: global rank r lives on node
+``r // ranks_per_node`` with local index ``r % ranks_per_node``. On one machine,
+``--ranks-per-node 2`` with 4 processes simulates 2 nodes; every algorithm then behaves as it
+would across real nodes, because all of them take their groups from here and nothing else.
+
+Groups, built once (``dist.new_group`` must be called by every rank in the same order):
+
+- ``world``: all ranks; ZeRO-3 shards parameters, gradients and optimizer state over it.
+- ``intra_node``: the ranks of this rank's node (qgZ's first all-to-all).
+- ``inter_node``: the ranks that share this rank's local index, one per node (qgZ's second
+  all-to-all).
+- ``hpz``: ``hpz_size`` consecutive ranks inside a node that hold hpZ secondary shards
+  together (the backward all-gather runs in it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+
+class TopologyError(ValueError):
+    """A node layout that cannot work (one-line message)."""
+
+
+def resolve_ranks_per_node(explicit: int | None, world_size: int) -> int:
+    """Ranks per node: ``--ranks-per-node`` when given, else what the launcher says.
+
+    torchrun exports LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE; with neither, each
+    rank is treated as its own node (the conservative choice: every group spans nodes).
+    """
+    source = "--ranks-per-node"
+    value = explicit
+    if value is None:
+        for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+            if os.environ.get(var):
+                source, value = var, int(os.environ[var])
+                break
+    if value is None:
+        return 1
+    if value < 1:
+        raise TopologyError(f"{source}={value}: ranks per node must be at least 1")
+    if world_size % value != 0:
+        raise TopologyError(
+            f"{source}={value} does not divide the world size {world_size}: "
+            "every node must hold the same number of ranks"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This rank's place in the cluster and the process groups built for it."""
+
+    rank: int
+    world_size: int
+    ranks_per_node: int
+    hpz_size: int = 1
+    # Process groups; None means the default (world) group. Not part of equality.
+    intra_node_group: object = field(default=None, compare=False, repr=False)
+    inter_node_group: object = field(default=None, compare=False, repr=False)
+    hpz_group: object = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def node_index(self) -> int:
+        return self.rank // self.ranks_per_node
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.ranks_per_node
+
+    @property
+    def hpz_rank(self) -> int:
+        """Index of this rank inside its hpZ group."""
+        return self.rank % self.hpz_size
+
+    @property
+    def world_spans_nodes(self) -> bool:
+        return self.num_nodes > 1
+
+    @property
+    def inter_node_spans_nodes(self) -> bool:
+        return self.num_nodes > 1
+
+    def describe(self) -> str:
+        return (
+            f"{self.world_size} ranks = {self.num_nodes} node(s) x {self.ranks_per_node}, "
+            f"hpZ group size {self.hpz_size}"
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "world_size": self.world_size,
+            "ranks_per_node": self.ranks_per_node,
+            "num_nodes": self.num_nodes,
+            "hpz_size": self.hpz_size,
+        }
+
+
+def node_ranks(node: int, ranks_per_node: int) -> list[int]:
+    return list(range(node * ranks_per_node, (node + 1) * ranks_per_node))
+
+
+def build_topology(ranks_per_node: int | None = None, hpz_size: int = 1) -> Topology:
+    """Build the topology and its process groups. Collective: every rank must call it."""
+    if not dist.is_initialized():
+        raise TopologyError("torch.distributed is not initialized; call zeropp.init_distributed()")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    per_node = resolve_ranks_per_node(ranks_per_node, world_size)
+    if hpz_size < 1:
+        raise TopologyError(f"zero_hpz_partition_size={hpz_size} must be at least 1")
+    if per_node % hpz_size != 0:
+        raise TopologyError(
+            f"zero_hpz_partition_size={hpz_size} must divide the ranks per node ({per_node}): "
+            "hpZ groups live inside one node"
+        )
+    num_nodes = world_size // per_node
+
+    intra = inter = hpz = None
+    # new_group is collective over the world: create every group on every rank, keep ours.
+    for node in range(num_nodes):
+        group = dist.new_group(node_ranks(node, per_node))
+        if node == rank // per_node:
+            intra = group
+    for local in range(per_node):
+        group = dist.new_group([node * per_node + local for node in range(num_nodes)])
+        if local == rank % per_node:
+            inter = group
+    for start in range(0, world_size, hpz_size):
+        group = dist.new_group(list(range(start, start + hpz_size)))
+        if start <= rank < start + hpz_size:
+            hpz = group
+    return Topology(rank, world_size, per_node, hpz_size, intra, inter, hpz)

@@ -1,0 +1,223 @@
+"""A unit of sharding: one module's parameters in one flat buffer, and its explicit states.
+
+[Note: parameter storage]
+Each parameter of a unit is an ``nn.Parameter`` whose ``.data`` is a view into the unit's
+full flat buffer ``full``. Releasing the unit frees the *storage* of ``full`` (resized to 0
+bytes) instead of swapping tensors; gathering resizes it back and writes into it. The views
+stay valid throughout, so tensors autograd saved in forward (e.g. ``weight.t()``) point at the
+same storage and see the re-gathered values in backward, while the memory is really freed in
+between. The parameters keep their own version counters (``.data`` assignment does not share
+the buffer's), so the writes of a gather do not trip autograd's in-place checks. Nothing is
+attached to the parameters; all state lives here.
+
+States (``ShardState``):
+- SHARDED: only ``shard``, this rank's 1/N of the working weights, exists.
+- GATHERED: ``full`` holds the whole unit (a gather has completed).
+- SECONDARY (hpZ): ``full`` is freed but ``secondary_shard``, this rank's 1/alpha of the
+  weights as gathered in forward, is kept so backward gathers them inside the node.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zeropp.comm import CommGroup, CommStats, Pending, all_gather
+from zeropp.flat_layout import FlatLayout
+
+GatherFn = Callable[[torch.Tensor, torch.Tensor, CommGroup, CommStats, str], Pending]
+ReduceFn = Callable[[torch.Tensor, torch.Tensor, CommGroup, CommStats, str], Pending]
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERED = "gathered"
+    SECONDARY = "secondary"
+
+
+@dataclass
+class UnitComm:
+    """How units talk: groups, the (possibly quantized) collectives, and the accounting."""
+
+    world: CommGroup
+    hpz: CommGroup | None  # None when hpZ is off
+    gather: GatherFn  # primary gather over the world: exact, or qwZ
+    reduce: ReduceFn  # gradient reduce-scatter over the world: exact, or qgZ
+    stats: CommStats
+    reduce_bucket_numel: int
+    async_op: bool
+
+
+@dataclass
+class ParamRef:
+    """Where a parameter is registered (a tied parameter may be registered in several)."""
+
+    param: nn.Parameter
+    owners: list[tuple[nn.Module, str]]
+
+
+class ShardedUnit:
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        refs: list[ParamRef],
+        layout: FlatLayout,
+        comm: UnitComm,
+        dtype: torch.dtype,
+        device: torch.device,
+        persistent: bool = False,
+    ) -> None:
+        self.name = name
+        self.module = module
+        self.layout = layout
+        self.comm = comm
+        self.dtype = dtype
+        self.device = device
+        # Small units stay gathered between steps (stage3_param_persistence_threshold).
+        self.persistent = persistent
+        rank = comm.world.rank
+        self.shard_start, self.shard_end = layout.shard_range(rank)
+
+        self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        self.full = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        self.secondary_shard: torch.Tensor | None = None
+        self.state = ShardState.SHARDED
+        self._gather_pending: Pending | None = None
+
+        # fp32 gradient shard, accumulated across micro-batches (summed, not yet averaged).
+        self.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+        self._reduce_pending: list[tuple[Pending, torch.Tensor, int, int]] = []
+        self._grads_ready = 0
+        self.reduced_this_backward = False
+
+        self.params: list[nn.Parameter] = []
+        for ref, view in zip(refs, layout.views(self.full), strict=True):
+            param = nn.Parameter(
+                torch.empty(0, dtype=dtype, device=device), requires_grad=ref.param.requires_grad
+            )
+            param.data = view  # see [Note: parameter storage]
+            for owner, attr in ref.owners:
+                owner._parameters[attr] = param
+            self.params.append(param)
+        self.num_grad_params = sum(p.requires_grad for p in self.params)
+        self._free_full()  # the views above stay bound to the (now empty) storage
+
+    # ---- storage -------------------------------------------------------------------------
+    def _free_full(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def _alloc_full(self) -> None:
+        nbytes = self.full.numel() * self.full.element_size()
+        if self.full.untyped_storage().nbytes() != nbytes:
+            self.full.untyped_storage().resize_(nbytes)
+
+    @property
+    def gathering(self) -> bool:
+        return self._gather_pending is not None
+
+    @property
+    def live_numel(self) -> int:
+        """Elements of gathered weights this unit holds now (counts a gather in flight)."""
+        is_live = self.state is ShardState.GATHERED or self.gathering
+        return self.layout.padded_numel if is_live else 0
+
+    # ---- gather / release ----------------------------------------------------------------
+    def start_gather(self, phase: str) -> None:
+        """Begin materializing ``full`` (no-op when gathered or already gathering).
+
+        Backward gathers come from the hpZ secondary shards inside the node when they exist;
+        every other gather reads the primary shards over the whole world.
+        """
+        if self.state is ShardState.GATHERED or self.gathering:
+            return
+        self._alloc_full()
+        if self.state is ShardState.SECONDARY:
+            assert self.comm.hpz is not None and self.secondary_shard is not None
+            pending = all_gather(
+                self.full, self.secondary_shard, self.comm.hpz, self.comm.stats, phase,
+                async_op=self.comm.async_op,
+            )
+        else:
+            pending = self.comm.gather(self.full, self.shard, self.comm.world, self.comm.stats, phase)
+        self._gather_pending = pending
+
+    def wait_gather(self) -> None:
+        if self._gather_pending is not None:
+            self._gather_pending.wait()
+            self._gather_pending = None
+            self.state = ShardState.GATHERED
+        if self.state is not ShardState.GATHERED:
+            raise RuntimeError(f"unit {self.name!r} used while {self.state.value}")
+
+    def gather_now(self, phase: str) -> None:
+        self.start_gather(phase)
+        self.wait_gather()
+
+    def release(self, keep_secondary: bool) -> None:
+        """Free the gathered weights; with hpZ after forward, keep this rank's secondary shard."""
+        if self.persistent or self.state is not ShardState.GATHERED:
+            return
+        if keep_secondary and self.comm.hpz is not None:
+            size = self.layout.padded_numel // self.comm.hpz.size
+            start = self.comm.hpz.rank * size
+            if self.secondary_shard is None:
+                self.secondary_shard = torch.empty(size, dtype=self.dtype, device=self.device)
+            self.secondary_shard.copy_(self.full[start : start + size])
+            self.state = ShardState.SECONDARY
+        else:
+            self.state = ShardState.SHARDED
+        self._free_full()
+
+    def drop_secondary(self) -> None:
+        """Secondary shards are a cache of one step's weights: never reuse them after it."""
+        self.secondary_shard = None
+        if self.state is ShardState.SECONDARY:
+            self.state = ShardState.SHARDED
+
+    def refresh_after_update(self) -> None:
+        """The shard changed (optimizer step, checkpoint load): drop every derived copy."""
+        self.drop_secondary()
+        if self.state is ShardState.GATHERED:
+            self.state = ShardState.SHARDED
+            self._free_full()
+        if self.persistent:
+            self.gather_now("forward_all_gather")
+
+    # ---- gradients -----------------------------------------------------------------------
+    def on_grad_ready(self) -> bool:
+        """Count one accumulated parameter gradient; True when the unit's last one arrived."""
+        self._grads_ready += 1
+        return self._grads_ready == self.num_grad_params
+
+    def start_reduce(self, phase: str = "gradient_reduce") -> None:
+        """Flatten this micro-batch's gradients and launch their reduce-scatter, in buckets."""
+        flat = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        for slot, param in zip(self.layout.slots, self.params, strict=True):
+            if param.grad is not None:
+                flat[slot.offset : slot.end].copy_(param.grad.reshape(-1))
+                param.grad = None
+        world = self.comm.world
+        by_rank = flat.view(world.size, self.layout.shard_numel)
+        step = max(1, self.comm.reduce_bucket_numel // world.size)
+        for lo in range(0, self.layout.shard_numel, step):
+            hi = min(lo + step, self.layout.shard_numel)
+            bucket_in = by_rank[:, lo:hi].contiguous() if world.size > 1 else flat[lo:hi]
+            out = torch.empty(hi - lo, dtype=self.dtype, device=self.device)
+            pending = self.comm.reduce(out, bucket_in.reshape(-1), world, self.comm.stats, phase)
+            self._reduce_pending.append((pending, out, lo, hi))
+        self._grads_ready = 0
+        self.reduced_this_backward = True
+
+    def finish_reduce(self) -> None:
+        for pending, out, lo, hi in self._reduce_pending:
+            pending.wait()
+            self.grad_shard[lo:hi].add_(out.float())
+        self._reduce_pending.clear()
+
+    def zero_grad_shard(self) -> None:
+        self.grad_shard.zero_()
