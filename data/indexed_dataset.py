@@ -213,6 +213,10 @@ class IndexedDatasetBuilder:
                 f"{self.prefix}; every sequence must belong to a document"
             )
         try:
+            # fsync before the renames: otherwise a crash soon after could leave the final
+            # names pointing at files whose data never reached the disk.
+            self._bin_file.flush()
+            os.fsync(self._bin_file.fileno())
             self._bin_file.close()
             self._write_index(self._tmp_idx_path)
             self._move_into_place()
@@ -262,6 +266,8 @@ class IndexedDatasetBuilder:
             index_file.write(lengths.astype("<i4").tobytes())
             index_file.write(pointers.tobytes())
             index_file.write(document_indices.astype("<i8").tobytes())
+            index_file.flush()
+            os.fsync(index_file.fileno())
 
     def _move_into_place(self) -> None:
         final_index = index_file_path(self.prefix)

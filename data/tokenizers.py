@@ -291,7 +291,12 @@ def default_gpt2_files() -> tuple[str, str]:
 
 
 class SentencePieceTokenizer(Tokenizer):
-    """A SentencePiece model; eod is the model's EOS id, else its ``</s>`` piece."""
+    """A SentencePiece model; eod is the model's EOS id, else its ``</s>`` piece.
+
+    EOS is a control symbol, which SentencePiece never matches in input text. A model that
+    instead declares ``</s>`` as a user-defined symbol does match it in text; such models
+    (not the ones ``data.train_tokenizer`` writes) break the "never from text" contract.
+    """
 
     def __init__(self, model_file: str | Path) -> None:
         import sentencepiece

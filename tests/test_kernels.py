@@ -10,8 +10,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import os
 import struct
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -107,7 +110,12 @@ def test_quantized_nbytes(numel: int, bits: int, block_size: int, expected: int)
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [((10, 2, 4), "bits"), ((10, 8, 0), "block_size"), ((-1, 8, 4), "numel"), ((10, 8.0, 4), "bits")],
+    [
+        ((10, 2, 4), "bits"),
+        ((10, 8, 0), "block_size"),
+        ((-1, 8, 4), "numel"),
+        ((10, 8.0, 4), "bits"),
+    ],
 )
 def test_quantized_nbytes_rejects_bad_arguments(args: tuple, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -176,7 +184,9 @@ def test_round_trip_of_a_large_odd_length(bits: int, block_size: int) -> None:
 
 def test_any_shape_is_quantized_as_its_flattening() -> None:
     x = _sample(17 * 257, torch.float16).view(17, 257)
-    assert torch.equal(kernels.quantize_blockwise(x, 4, 64), kernels.quantize_blockwise(x.view(-1), 4, 64))
+    assert torch.equal(
+        kernels.quantize_blockwise(x, 4, 64), kernels.quantize_blockwise(x.view(-1), 4, 64)
+    )
 
 
 def test_dequantize_writes_into_out() -> None:
@@ -185,7 +195,9 @@ def test_dequantize_writes_into_out() -> None:
     out = torch.full((10, 100), 99.0, dtype=torch.float16)
     result = kernels.dequantize_blockwise(payload, 1000, 8, 64, torch.float16, out=out)
     assert result is out
-    assert torch.equal(out.view(-1), kernels.dequantize_blockwise(payload, 1000, 8, 64, torch.float16))
+    assert torch.equal(
+        out.view(-1), kernels.dequantize_blockwise(payload, 1000, 8, 64, torch.float16)
+    )
     with pytest.raises(ValueError, match="out.dtype"):
         kernels.dequantize_blockwise(payload, 1000, 8, 64, torch.float32, out=out)
     with pytest.raises(ValueError, match="elements"):
@@ -222,9 +234,7 @@ def test_non_finite_values_turn_their_block_into_nan(dtype: torch.dtype) -> None
         assert torch.isnan(restored[64:128]).all() and torch.isnan(restored[192:]).all()
         finite = torch.cat([restored[:64], restored[128:192]])
         assert torch.isfinite(finite).all()
-        _assert_within_block_bound(
-            torch.cat([x[:64], x[128:192]]), finite, scales[[0, 2]], 64
-        )
+        _assert_within_block_bound(torch.cat([x[:64], x[128:192]]), finite, scales[[0, 2]], 64)
         summed = kernels.dequantize_reduce(torch.stack([payload, payload]), x.numel(), bits, 64)
         assert torch.isnan(summed[64:128]).all() and torch.isfinite(summed[:64]).all()
 
@@ -236,8 +246,10 @@ def test_non_finite_values_turn_their_block_into_nan(dtype: torch.dtype) -> None
 
 def _payload_batch(k: int, numel: int, bits: int, block_size: int) -> torch.Tensor:
     return torch.stack(
-        [kernels.quantize_blockwise(_sample(numel, torch.float32, seed), bits, block_size)
-         for seed in range(k)]
+        [
+            kernels.quantize_blockwise(_sample(numel, torch.float32, seed), bits, block_size)
+            for seed in range(k)
+        ]
     )
 
 
@@ -294,8 +306,9 @@ def test_swizzle_matches_index_list_and_unswizzle_inverts(nodes: int, ranks_per_
     assert torch.equal(swizzled, _swizzle_by_index_list(flat, nodes, ranks_per_node))
     assert not torch.equal(swizzled, flat)
     assert torch.equal(kernels.unswizzle(swizzled, nodes, ranks_per_node), flat)
-    assert torch.equal(kernels.swizzle(kernels.unswizzle(flat, nodes, ranks_per_node),
-                                       nodes, ranks_per_node), flat)
+    assert torch.equal(
+        kernels.swizzle(kernels.unswizzle(flat, nodes, ranks_per_node), nodes, ranks_per_node), flat
+    )
 
 
 @pytest.mark.parametrize(("nodes", "ranks_per_node"), [(1, 8), (6, 1), (1, 1)])
@@ -353,6 +366,18 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
         kernels.quantize_blockwise(cpu_tensor, 8, 64)
 
 
+def test_triton_module_imports_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` fail
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    path = Path(reference.__file__).with_name("triton_kernels.py")
+    spec = importlib.util.spec_from_file_location("_triton_kernels_without_triton", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert not module.is_available()
+    with pytest.raises(RuntimeError, match="triton"):
+        module.quantize_blockwise(torch.zeros(8), 8, 4)
+
+
 # ---------------------------------------------------------------------------------------------
 # Triton kernels against the reference.
 # ---------------------------------------------------------------------------------------------
@@ -399,9 +424,12 @@ def test_triton_quantize_dequantize_match_reference(triton_device, bits, dtype) 
         payload = triton_kernels.quantize_blockwise(x, bits, block_size)
         _assert_same_payload(payload, expected, layout)
         for out_dtype in (dtype, torch.float32):
-            restored = triton_kernels.dequantize_blockwise(payload, numel, bits, block_size, out_dtype)
+            restored = triton_kernels.dequantize_blockwise(
+                payload, numel, bits, block_size, out_dtype
+            )
             assert torch.equal(
-                restored, reference.dequantize_blockwise(payload, numel, bits, block_size, out_dtype)
+                restored,
+                reference.dequantize_blockwise(payload, numel, bits, block_size, out_dtype),
             )
 
 
@@ -440,7 +468,9 @@ def test_triton_reductions_match_reference(triton_device, numel, block_size) -> 
         )
         assert torch.equal(
             many,
-            reference.dequantize_blockwise_many(payloads, numel, bits_in, block_size, torch.bfloat16),
+            reference.dequantize_blockwise_many(
+                payloads, numel, bits_in, block_size, torch.bfloat16
+            ),
         )
         total = triton_kernels.dequantize_reduce(payloads, numel, bits_in, block_size)
         assert torch.equal(total, reference.dequantize_reduce(payloads, numel, bits_in, block_size))
@@ -461,3 +491,69 @@ def test_forced_triton_backend_dispatches_to_it(triton_device, monkeypatch) -> N
     assert kernels.backend_for(x, 128) is triton_kernels
     payload = kernels.quantize_blockwise(x, 4, 128)
     assert torch.equal(payload, reference.quantize_blockwise(x, 4, 128))
+
+
+# Run in a fresh interpreter: after interpreted launches in this process, Triton's language
+# module is left patched for the interpreter and real compilation fails.
+_COMPILE_FOR_HOPPER = """
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from zeropp.kernels import triton_kernels as kernels
+
+out_dir = Path(sys.argv[1])
+tile = {"ROWS": 2, "COLS": 2048}
+sizes = {"numel": "i64", "nblocks": "i64", "block_size": "i32"}
+jobs = {
+    "quantize": (kernels._quantize_kernel,
+                 {"x_ptr": "*bf16", "codes_ptr": "*u8", "scale_bytes_ptr": "*u8", **sizes},
+                 {"QMAX": 7, "BITS": 4, "PACK_NIBBLES": True}),
+    "dequantize": (kernels._dequantize_kernel,
+                   {"payload_ptr": "*u8", "out_ptr": "*bf16", "payload_stride": "i64",
+                    "out_stride": "i64", **sizes, "data_nbytes": "i64"},
+                   {"BITS": 4}),
+    "dequantize_reduce_quantize": (kernels._dequantize_reduce_quantize_kernel,
+                                   {"payload_ptr": "*u8", "codes_ptr": "*u8",
+                                    "scale_bytes_ptr": "*u8", "payload_stride": "i64",
+                                    "k": "i32", **sizes, "data_nbytes_in": "i64"},
+                                   {"BITS_IN": 4, "QMAX_OUT": 7, "BITS_OUT": 4,
+                                    "PACK_NIBBLES": True}),
+}
+for name, (kernel, signature, constexprs) in jobs.items():
+    constexprs = {**constexprs, **tile}
+    signature = {**signature, **{key: "constexpr" for key in constexprs}}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "enable_fp_fusion": False})
+    (out_dir / f"{name}.ptx").write_text(compiled.asm["ptx"])
+    (out_dir / f"{name}.cubin").write_bytes(compiled.asm["cubin"])
+"""
+
+
+def test_triton_kernels_compile_for_hopper_without_a_gpu(tmp_path: Path) -> None:
+    """Lower the kernels to sm_90 PTX and cubin (no GPU needed): checks the types the
+    interpreter lets through, IEEE division, and that no FMA changes the reduction's rounding."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # compile for real, touch no home dir
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_HOPPER, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    quantize_ptx = (tmp_path / "quantize.ptx").read_text()
+    assert "div.rn.f32" in quantize_ptx and "div.full.f32" not in quantize_ptx
+    assert (tmp_path / "dequantize.cubin").stat().st_size > 0
+    fused_ptx = (tmp_path / "dequantize_reduce_quantize.ptx").read_text()
+    assert "fma.rn.f32" not in fused_ptx and "div.rn.f32" in fused_ptx

@@ -167,14 +167,14 @@ def bad_corpus(tmp_path: Path) -> dict[str, Path]:
                            [good, json.dumps({"content": "x", "meta": {}})]),
         "type": write_jsonl(tmp_path / "bad_type.jsonl", [json.dumps({"text": 42})]),
         "object": write_jsonl(tmp_path / "bad_object.jsonl", [good, "[1, 2]"]),
+        "null": write_jsonl(tmp_path / "null.jsonl", [good, good, "null"]),
     }
 
 
 def test_invalid_json_names_file_and_line(tmp_path):
     path = bad_corpus(tmp_path)["json"]
     with pytest.raises(BadInputError, match=rf"^{re.escape(str(path))}:3: invalid JSON "
-                                            r"\(Expecting ',' delimiter: line 1 column 14 "
-                                            r"\(char 13\)\)$"):
+                                            r"\(Expecting ',' delimiter at column 14\)$"):
         list(iter_documents(str(path)))
 
 
@@ -186,6 +186,12 @@ def test_missing_key_names_key_and_keys_present(tmp_path):
     assert error.value.source == str(path) and error.value.line == 2
 
 
+def test_object_cut_short_reports_the_column_on_its_own_line(tmp_path):
+    path = write_jsonl(tmp_path / "cut.jsonl", [pile_line("ok"), '{"text": '])
+    with pytest.raises(BadInputError, match=r":2: invalid JSON \(Expecting value at end of line\)$"):
+        list(iter_documents(str(path)))
+
+
 def test_non_string_text_and_non_object_lines(tmp_path):
     paths = bad_corpus(tmp_path)
     with pytest.raises(BadInputError, match=rf"^{re.escape(str(paths['type']))}:1: text is not a string "
@@ -194,6 +200,8 @@ def test_non_string_text_and_non_object_lines(tmp_path):
     with pytest.raises(BadInputError, match=rf"^{re.escape(str(paths['object']))}:2: expected a JSON object "
                                             r"\(got list\)$"):
         list(iter_documents(str(paths["object"])))
+    with pytest.raises(BadInputError, match=r":3: expected a JSON object \(got NoneType\)$"):
+        list(iter_documents(str(paths["null"])))
 
 
 def test_non_utf8_byte_names_line_and_offset(tmp_path):

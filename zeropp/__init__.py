@@ -1,0 +1,36 @@
+"""zeropp: a ZeRO-3 engine with the ZeRO++ communication optimizations (qwZ, hpZ, qgZ).
+
+    engine, optimizer, _, _ = zeropp.initialize(model=model, config="ds_config.json")
+    loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()
+"""
+
+from zeropp.config import ConfigError, EngineConfig, read_json_config
+from zeropp.engine import ZeroEngine
+from zeropp.initialize import (
+    QuantizationOptions,
+    build_engine,
+    init_distributed,
+    initialize,
+    options_from_config,
+)
+from zeropp.loss_scaler import DynamicLossScaler, LossScaler
+from zeropp.sharded_model import ShardingOptions
+from zeropp.topology import Topology, TopologyError, build_topology
+
+__all__ = [
+    "ConfigError",
+    "DynamicLossScaler",
+    "EngineConfig",
+    "LossScaler",
+    "QuantizationOptions",
+    "ShardingOptions",
+    "Topology",
+    "TopologyError",
+    "ZeroEngine",
+    "build_engine",
+    "build_topology",
+    "init_distributed",
+    "initialize",
+    "options_from_config",
+    "read_json_config",
+]

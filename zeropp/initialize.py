@@ -126,6 +126,7 @@ def build_engine(
     gather, reduce, hpz = _collectives(topology, sharding, quantization)
     sharded = ShardedModel(
         model, topology, sharding, dtype, device, gather, reduce, hpz,
+        slice_multiple=getattr(reduce, "slice_multiple", 1),
         param_init_fn=param_init_fn, unit_modules=unit_modules,
     )
     optimizer = PartitionedAdamW(
@@ -159,3 +160,84 @@ def make_loss_scaler(fp16_enabled: bool, fp16_config=None) -> LossScaler:
         min_scale=fp16_config.min_loss_scale,
         consecutive_hysteresis=fp16_config.consecutive_hysteresis,
     )
+
+
+def options_from_config(zero) -> tuple[ShardingOptions, QuantizationOptions]:
+    """``zero_optimization`` block -> the engine's two option objects (explicit alias table)."""
+    sharding = ShardingOptions(
+        reduce_bucket_numel=zero.reduce_bucket_size,
+        prefetch_bucket_numel=zero.stage3_prefetch_bucket_size,
+        max_live_numel=zero.stage3_max_live_parameters,
+        persistence_threshold=zero.stage3_param_persistence_threshold,
+        overlap_comm=zero.overlap_comm,
+    )
+    quantization = QuantizationOptions(
+        quantized_weights=zero.zero_quantized_weights,
+        hpz_size=zero.zero_hpz_partition_size,
+        quantized_gradients=zero.zero_quantized_gradients,
+        weight_bits=zero.zero_quantized_weights_bits,
+        gradient_bits=zero.zero_quantized_gradients_bits,
+        block_size=zero.zero_quantization_block_size,
+        error_feedback=zero.zero_quantized_gradients_error_feedback,
+    )
+    return sharding, quantization
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def initialize(
+    model: nn.Module,
+    model_parameters=None,
+    config=None,
+    *,
+    ranks_per_node: int | None = None,
+    param_init_fn=None,
+    optimizer_params: dict | None = None,
+    lr_scheduler=None,
+    device: torch.device | None = None,
+):
+    """``deepspeed.initialize``'s twin: returns ``(engine, optimizer, None, lr_scheduler)``.
+
+    ``config`` is a DeepSpeed JSON path or dict. The optimizer comes from its ``optimizer``
+    block unless ``optimizer_params`` (lr, betas, eps, weight_decay) is given; the engine
+    always runs its own partitioned AdamW. ``model_parameters`` is accepted for signature
+    compatibility: every parameter of ``model`` is trained.
+    """
+    from zeropp.config import ConfigError, EngineConfig
+
+    init_distributed()
+    world_size = dist.get_world_size()
+    cfg = EngineConfig.from_json(config if config is not None else {}, world_size=None)
+    if cfg.train_batch_size is not None or cfg.train_micro_batch_size_per_gpu is not None:
+        cfg = EngineConfig.from_json(cfg.to_dict(), world_size=world_size)
+    zero = cfg.zero_optimization
+    if zero.stage != 3 and world_size > 1:
+        raise ConfigError(
+            f"zero_optimization.stage {zero.stage} with {world_size} ranks: this engine "
+            "partitions everything (stage 3); set \"stage\": 3"
+        )
+    params = dict(cfg.optimizer.params) if cfg.optimizer is not None else {}
+    params.update(optimizer_params or {})
+    if "lr" not in params:
+        raise ConfigError("no learning rate: add an optimizer block or pass optimizer_params")
+    sharding, quantization = options_from_config(zero)
+    engine = build_engine(
+        model,
+        lr=float(params["lr"]),
+        betas=tuple(params.get("betas", (0.9, 0.999))),
+        eps=float(params.get("eps", 1e-8)),
+        weight_decay=float(params.get("weight_decay", 0.0)),
+        dtype=_DTYPES[cfg.compute_dtype],
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps or 1,
+        gradient_clipping=cfg.gradient_clipping,
+        loss_scaler=make_loss_scaler(cfg.fp16.enabled, cfg.fp16),
+        sharding=sharding,
+        quantization=quantization,
+        ranks_per_node=ranks_per_node,
+        device=device,
+        param_init_fn=param_init_fn,
+        lr_scheduler=lr_scheduler,
+        config=cfg,
+    )
+    return engine, engine.optimizer, None, lr_scheduler

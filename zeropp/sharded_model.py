@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -87,6 +88,7 @@ class ShardedModel:
         gather_fn,
         reduce_fn,
         hpz_group: CommGroup | None,
+        slice_multiple: int = 1,
         param_init_fn: Callable[[str], torch.Tensor] | None = None,
         unit_modules: list[nn.Module] | None = None,
     ) -> None:
@@ -105,6 +107,7 @@ class ShardedModel:
             stats=self.stats,
             reduce_bucket_numel=options.reduce_bucket_numel,
             async_op=options.overlap_comm,
+            slice_multiple=slice_multiple,
         )
         self.phase = TrainingPhase.IDLE
         self.units, self.initial_masters = self._build_units(
@@ -139,7 +142,10 @@ class ShardedModel:
             layout = FlatLayout.build(
                 [(names[id(p)], tuple(p.shape)) for p in params],
                 num_shards=self.world.size,
-                align=self.comm.hpz.size if self.comm.hpz is not None else 1,
+                align=math.lcm(
+                    self.comm.hpz.size if self.comm.hpz is not None else 1,
+                    self.comm.slice_multiple,
+                ),
             )
             originals = {names[id(p)]: p for p in params}
 

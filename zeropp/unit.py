@@ -50,6 +50,9 @@ class UnitComm:
     stats: CommStats
     reduce_bucket_numel: int
     async_op: bool
+    # Shards (and reduction buckets) are padded to a multiple of this many elements; qgZ
+    # needs whole quantization blocks per slice.
+    slice_multiple: int = 1
 
 
 @dataclass
@@ -203,12 +206,15 @@ class ShardedUnit:
                 param.grad = None
         world = self.comm.world
         by_rank = flat.view(world.size, self.layout.shard_numel)
-        step = max(1, self.comm.reduce_bucket_numel // world.size)
+        multiple = self.comm.slice_multiple
+        step = max(multiple, self.comm.reduce_bucket_numel // world.size // multiple * multiple)
         for lo in range(0, self.layout.shard_numel, step):
             hi = min(lo + step, self.layout.shard_numel)
             bucket_in = by_rank[:, lo:hi].contiguous() if world.size > 1 else flat[lo:hi]
             out = torch.empty(hi - lo, dtype=self.dtype, device=self.device)
-            pending = self.comm.reduce(out, bucket_in.reshape(-1), world, self.comm.stats, phase)
+            pending = self.comm.reduce(
+                out, bucket_in.reshape(-1), world, self.comm.stats, phase, key=(self.name, lo)
+            )
             self._reduce_pending.append((pending, out, lo, hi))
         self._grads_ready = 0
         self.reduced_this_backward = True

@@ -87,8 +87,12 @@ def reduce_scatter_sum(
     stats: CommStats,
     phase: str,
     async_op: bool = True,
+    key: object = None,
 ) -> Pending:
     """``output`` <- this rank's slice of the element-wise SUM of ``full`` over the group.
+
+    ``key`` names the buffer being reduced; exact reductions ignore it, quantized ones with
+    error feedback keep their residuals under it.
 
     Sum, not average: the engine divides exactly once, at the optimizer step (and gloo has no
     AVG for integer tensors).

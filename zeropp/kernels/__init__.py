@@ -73,7 +73,9 @@ def backend_for(tensor: Tensor, block_size: int) -> ModuleType:
         return reference
     if forced == "triton":
         if not _triton_installed():
-            raise RuntimeError(f"{BACKEND_ENV_VAR}=triton but the 'triton' package is not installed")
+            raise RuntimeError(
+                f"{BACKEND_ENV_VAR}=triton but the 'triton' package is not installed"
+            )
         return _triton_backend()
     if isinstance(tensor, Tensor) and tensor.is_cuda and _triton_installed():
         backend = _triton_backend()

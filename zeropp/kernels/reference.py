@@ -35,7 +35,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
@@ -122,7 +121,9 @@ def check_payloads(payloads: Tensor, layout: PayloadLayout, ndim: int) -> None:
     if payloads.dtype != torch.uint8:
         raise ValueError(f"payload must be uint8, got {payloads.dtype}")
     if payloads.dim() != ndim:
-        raise ValueError(f"payload must have {ndim} dimension(s), got shape {tuple(payloads.shape)}")
+        raise ValueError(
+            f"payload must have {ndim} dimension(s), got shape {tuple(payloads.shape)}"
+        )
     if payloads.shape[-1] != layout.nbytes:
         raise ValueError(
             f"payload has {payloads.shape[-1]} bytes per row, expected {layout.nbytes} for "
@@ -159,31 +160,41 @@ def decode_scales(payloads: Tensor, layout: PayloadLayout) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def _padded_blocks(flat: Tensor, layout: PayloadLayout) -> Tensor:
-    """fp32 view (nblocks, block_size) of `flat`, zero-padded to whole blocks."""
-    values = flat.to(torch.float32)
+def _padded_blocks(flat: Tensor, layout: PayloadLayout) -> tuple[Tensor, bool]:
+    """fp32 (nblocks, block_size) of `flat`, zero-padded to whole blocks, and whether it is
+    a private copy (which the encoder may then overwrite instead of allocating again)."""
     padding = layout.padded_numel - layout.numel
     if padding:
-        values = F.pad(values, (0, padding))
-    return values.view(layout.nblocks, layout.block_size)
+        values = torch.zeros(layout.padded_numel, dtype=torch.float32, device=flat.device)
+        values[: layout.numel] = flat
+    else:
+        values = flat.to(torch.float32)
+    is_private = bool(padding) or flat.dtype != torch.float32
+    return values.view(layout.nblocks, layout.block_size), is_private
 
 
 def _block_scales(blocks: Tensor, qmax: int) -> Tensor:
     """absmax / qmax per row; NaN for rows holding inf or NaN."""
-    # aminmax avoids materialising |blocks|; both it and maximum propagate NaN.
-    row_min, row_max = torch.aminmax(blocks, dim=1)
-    absmax = torch.maximum(row_max, -row_min)
+    # amax and amin propagate NaN and allocate nothing of the input's size (measured
+    # several times faster on CPU than aminmax or abs().amax).
+    absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())
     scales = absmax / qmax
     return torch.where(torch.isfinite(absmax), scales, torch.full_like(scales, float("nan")))
 
 
-def _block_codes(blocks: Tensor, scales: Tensor, qmax: int) -> Tensor:
-    """Signed codes (flat int8) of each row under its scale; zero codes where scale is 0/NaN."""
-    usable = scales > 0  # False for zero blocks and for NaN scales
-    divisor = torch.where(usable, scales, torch.ones_like(scales))
-    codes = blocks / divisor[:, None]
+def _block_codes(blocks: Tensor, scales: Tensor, qmax: int, overwrite: bool) -> Tensor:
+    """Signed codes (flat int8) of each row under its scale; zero codes where scale is 0/NaN.
+
+    With `overwrite`, `blocks` is consumed to hold the codes (saves one full allocation).
+    """
+    # An infinite divisor sends every finite value of a zero-scale row to code 0 without a
+    # masking pass; NaN-scale rows (rare) are zeroed explicitly below.
+    divisor = torch.where(scales > 0, scales, torch.full_like(scales, float("inf")))[:, None]
+    codes = blocks.div_(divisor) if overwrite else blocks / divisor
     codes.round_().clamp_(-qmax, qmax)
-    codes.masked_fill_(~usable[:, None], 0.0)
+    nonfinite_rows = torch.isnan(scales)
+    if nonfinite_rows.any():
+        codes[nonfinite_rows] = 0.0
     return codes.to(torch.int8).view(-1)
 
 
@@ -197,12 +208,13 @@ def _pack_codes(codes: Tensor, bits: int) -> Tensor:
     return nibbles[0::2] | (nibbles[1::2] << 4)
 
 
-def _encode_blocks(blocks: Tensor, layout: PayloadLayout) -> Tensor:
-    """Payload bytes of fp32 blocks (nblocks, block_size)."""
+def _encode_blocks(blocks: Tensor, layout: PayloadLayout, overwrite: bool) -> Tensor:
+    """Payload bytes of fp32 blocks (nblocks, block_size); `overwrite` lets it reuse them."""
     qmax = qmax_for_bits(layout.bits)
     scales = _block_scales(blocks, qmax)
+    codes = _block_codes(blocks, scales, qmax, overwrite)
     payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=blocks.device)
-    payload[: layout.data_nbytes] = _pack_codes(_block_codes(blocks, scales, qmax), layout.bits)
+    payload[: layout.data_nbytes] = _pack_codes(codes, layout.bits)
     payload[layout.data_nbytes :] = scales.view(torch.uint8)
     return payload
 
@@ -212,7 +224,8 @@ def quantize_blockwise(x: Tensor, bits: int, block_size: int) -> Tensor:
     layout = check_quantize_input(x, bits, block_size)
     if layout.numel == 0:
         return torch.empty(0, dtype=torch.uint8, device=x.device)
-    return _encode_blocks(_padded_blocks(x.reshape(-1), layout), layout)
+    blocks, is_private = _padded_blocks(x.reshape(-1), layout)
+    return _encode_blocks(blocks, layout, overwrite=is_private)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,19 +234,23 @@ def quantize_blockwise(x: Tensor, bits: int, block_size: int) -> Tensor:
 
 
 def _unpack_codes(payloads: Tensor, layout: PayloadLayout) -> Tensor:
-    """Signed codes as fp32 (k, padded_numel) from the data bytes of each row."""
+    """Signed int8 codes (k, nblocks, block_size) from the data bytes of each row."""
     data = payloads[:, : layout.data_nbytes]
+    k = data.shape[0]
     if layout.bits == 8:
-        return data.view(torch.int8).to(torch.float32)
-    nibbles = torch.stack((data & 0xF, data >> 4), dim=-1).view(data.shape[0], -1)
-    return nibbles[:, : layout.padded_numel].to(torch.float32).sub_(INT4_OFFSET)
+        codes = data.view(torch.int8)
+    else:
+        nibbles = torch.stack((data & 0xF, data >> 4), dim=-1).view(k, -1)
+        codes = nibbles[:, : layout.padded_numel].view(torch.int8) - INT4_OFFSET
+    return codes.reshape(k, layout.nblocks, layout.block_size)
 
 
 def _decode_rows(payloads: Tensor, layout: PayloadLayout) -> Tensor:
     """fp32 values (k, numel) of a batch of payloads (k, nbytes)."""
     k = payloads.shape[0]
-    codes = _unpack_codes(payloads, layout).view(k, layout.nblocks, layout.block_size)
-    values = codes.mul_(decode_scales(payloads, layout)[:, :, None])
+    # Convert, then scale in place: a mixed int8 * fp32 multiply is about 2x slower on CPU.
+    values = _unpack_codes(payloads, layout).to(torch.float32)
+    values.mul_(decode_scales(payloads, layout)[:, :, None])
     return values.view(k, layout.padded_numel)[:, : layout.numel]
 
 
@@ -294,7 +311,8 @@ def dequantize_reduce_quantize(
     total = dequantize_reduce(payloads, numel, bits_in, block_size)
     if numel == 0:
         return torch.empty(0, dtype=torch.uint8, device=payloads.device)
-    return _encode_blocks(_padded_blocks(total, layout_out), layout_out)
+    blocks, _ = _padded_blocks(total, layout_out)
+    return _encode_blocks(blocks, layout_out, overwrite=True)  # the sum is ours to reuse
 
 
 # ---------------------------------------------------------------------------------------------

@@ -97,8 +97,17 @@ def _quantize_tile(values, QMAX: tl.constexpr):
 
 @_jit
 def _store_codes(
-    codes_ptr, codes, block_ids, offsets, in_block, row_valid, block_size,
-    BITS: tl.constexpr, PACK_NIBBLES: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    codes_ptr,
+    codes,
+    block_ids,
+    offsets,
+    in_block,
+    row_valid,
+    block_size,
+    BITS: tl.constexpr,
+    PACK_NIBBLES: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
 ):
     if BITS == 8:
         tl.store(codes_ptr + offsets, codes.to(tl.int8).to(tl.uint8, bitcast=True), mask=in_block)
@@ -135,8 +144,9 @@ def _load_scales(scale_bytes_ptr, block_ids, row_valid):
 
 
 @_jit
-def _load_values(payload_ptr, data_nbytes, block_ids, offsets, in_block, row_valid,
-                 BITS: tl.constexpr):
+def _load_values(
+    payload_ptr, data_nbytes, block_ids, offsets, in_block, row_valid, BITS: tl.constexpr
+):
     """fp32 dequantized values of one payload over the tile (padding included)."""
     scales = _load_scales(payload_ptr + data_nbytes, block_ids, row_valid)
     if BITS == 8:
@@ -179,31 +189,66 @@ def _tile_indices(numel, nblocks, block_size, ROWS: tl.constexpr, COLS: tl.const
 
 @_jit
 def _quantize_kernel(
-    x_ptr, codes_ptr, scale_bytes_ptr, numel, nblocks, block_size,
-    QMAX: tl.constexpr, BITS: tl.constexpr, PACK_NIBBLES: tl.constexpr,
-    ROWS: tl.constexpr, COLS: tl.constexpr,
+    x_ptr,
+    codes_ptr,
+    scale_bytes_ptr,
+    numel,
+    nblocks,
+    block_size,
+    QMAX: tl.constexpr,
+    BITS: tl.constexpr,
+    PACK_NIBBLES: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
 ):
     block_ids, offsets, row_valid, in_block, in_range = _tile_indices(
         numel, nblocks, block_size, ROWS, COLS
     )
     values = tl.load(x_ptr + offsets, mask=in_range, other=0.0).to(tl.float32)
     codes, scales = _quantize_tile(values, QMAX)
-    _store_codes(codes_ptr, codes, block_ids, offsets, in_block, row_valid, block_size,
-                 BITS, PACK_NIBBLES, ROWS, COLS)
+    _store_codes(
+        codes_ptr,
+        codes,
+        block_ids,
+        offsets,
+        in_block,
+        row_valid,
+        block_size,
+        BITS,
+        PACK_NIBBLES,
+        ROWS,
+        COLS,
+    )
     _store_scales(scale_bytes_ptr, block_ids, scales, row_valid)
 
 
 @_jit
 def _dequantize_kernel(
-    payload_ptr, out_ptr, payload_stride, out_stride, numel, nblocks, block_size, data_nbytes,
-    BITS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    payload_ptr,
+    out_ptr,
+    payload_stride,
+    out_stride,
+    numel,
+    nblocks,
+    block_size,
+    data_nbytes,
+    BITS: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
 ):
     row = tl.program_id(1).to(tl.int64)
     block_ids, offsets, row_valid, in_block, in_range = _tile_indices(
         numel, nblocks, block_size, ROWS, COLS
     )
-    values = _load_values(payload_ptr + row * payload_stride, data_nbytes, block_ids, offsets,
-                          in_block, row_valid, BITS)
+    values = _load_values(
+        payload_ptr + row * payload_stride,
+        data_nbytes,
+        block_ids,
+        offsets,
+        in_block,
+        row_valid,
+        BITS,
+    )
     out_row_ptr = out_ptr + row * out_stride
     if out_ptr.dtype.element_ty == tl.bfloat16:
         tl.store(out_row_ptr + offsets, _to_bfloat16_rtne(values), mask=in_range)
@@ -212,45 +257,116 @@ def _dequantize_kernel(
 
 
 @_jit
-def _sum_payloads(payload_ptr, payload_stride, k, data_nbytes, block_ids, offsets, in_block,
-                  row_valid, BITS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _sum_payloads(
+    payload_ptr,
+    payload_stride,
+    k,
+    data_nbytes,
+    block_ids,
+    offsets,
+    in_block,
+    row_valid,
+    BITS: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
     total = tl.zeros([ROWS, COLS], dtype=tl.float32)
     for i in range(0, k):
-        total += _load_values(payload_ptr + i * payload_stride, data_nbytes, block_ids, offsets,
-                              in_block, row_valid, BITS)
+        total += _load_values(
+            payload_ptr + i * payload_stride,
+            data_nbytes,
+            block_ids,
+            offsets,
+            in_block,
+            row_valid,
+            BITS,
+        )
     return total
 
 
 @_jit
 def _dequantize_reduce_kernel(
-    payload_ptr, out_ptr, payload_stride, k, numel, nblocks, block_size, data_nbytes,
-    BITS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    payload_ptr,
+    out_ptr,
+    payload_stride,
+    k,
+    numel,
+    nblocks,
+    block_size,
+    data_nbytes,
+    BITS: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
 ):
     block_ids, offsets, row_valid, in_block, in_range = _tile_indices(
         numel, nblocks, block_size, ROWS, COLS
     )
-    total = _sum_payloads(payload_ptr, payload_stride, k, data_nbytes, block_ids, offsets,
-                          in_block, row_valid, BITS, ROWS, COLS)
+    total = _sum_payloads(
+        payload_ptr,
+        payload_stride,
+        k,
+        data_nbytes,
+        block_ids,
+        offsets,
+        in_block,
+        row_valid,
+        BITS,
+        ROWS,
+        COLS,
+    )
     tl.store(out_ptr + offsets, total, mask=in_range)
 
 
 @_jit
 def _dequantize_reduce_quantize_kernel(
-    payload_ptr, codes_ptr, scale_bytes_ptr, payload_stride, k, numel, nblocks, block_size,
+    payload_ptr,
+    codes_ptr,
+    scale_bytes_ptr,
+    payload_stride,
+    k,
+    numel,
+    nblocks,
+    block_size,
     data_nbytes_in,
-    BITS_IN: tl.constexpr, QMAX_OUT: tl.constexpr, BITS_OUT: tl.constexpr,
-    PACK_NIBBLES: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    BITS_IN: tl.constexpr,
+    QMAX_OUT: tl.constexpr,
+    BITS_OUT: tl.constexpr,
+    PACK_NIBBLES: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
 ):
     block_ids, offsets, row_valid, in_block, in_range = _tile_indices(
         numel, nblocks, block_size, ROWS, COLS
     )
-    total = _sum_payloads(payload_ptr, payload_stride, k, data_nbytes_in, block_ids, offsets,
-                          in_block, row_valid, BITS_IN, ROWS, COLS)
+    total = _sum_payloads(
+        payload_ptr,
+        payload_stride,
+        k,
+        data_nbytes_in,
+        block_ids,
+        offsets,
+        in_block,
+        row_valid,
+        BITS_IN,
+        ROWS,
+        COLS,
+    )
     # The reference requantizes a zero-padded sum; NaN scales would leak into the padding.
     total = tl.where(in_range, total, 0.0)
     codes, scales = _quantize_tile(total, QMAX_OUT)
-    _store_codes(codes_ptr, codes, block_ids, offsets, in_block, row_valid, block_size,
-                 BITS_OUT, PACK_NIBBLES, ROWS, COLS)
+    _store_codes(
+        codes_ptr,
+        codes,
+        block_ids,
+        offsets,
+        in_block,
+        row_valid,
+        block_size,
+        BITS_OUT,
+        PACK_NIBBLES,
+        ROWS,
+        COLS,
+    )
     _store_scales(scale_bytes_ptr, block_ids, scales, row_valid)
 
 
@@ -295,8 +411,9 @@ def _codes_target(payload: Tensor, layout: PayloadLayout) -> Tensor:
     if _packs_in_kernel(layout):
         return payload
     # Pre-filled with the code of zero so the spare high nibble of an odd length is set.
-    return torch.full((2 * layout.data_nbytes,), INT4_OFFSET, dtype=torch.uint8,
-                      device=payload.device)
+    return torch.full(
+        (2 * layout.data_nbytes,), INT4_OFFSET, dtype=torch.uint8, device=payload.device
+    )
 
 
 def _finish_codes(payload: Tensor, codes_target: Tensor, layout: PayloadLayout) -> None:
@@ -315,10 +432,19 @@ def quantize_blockwise(x: Tensor, bits: int, block_size: int) -> Tensor:
     codes_target = _codes_target(payload, layout)
     grid = (triton.cdiv(layout.nblocks, rows),)
     _quantize_kernel[grid](
-        x, codes_target, payload[layout.data_nbytes :], layout.numel, layout.nblocks,
+        x,
+        codes_target,
+        payload[layout.data_nbytes :],
+        layout.numel,
+        layout.nblocks,
         layout.block_size,
-        QMAX=qmax_for_bits(bits), BITS=bits, PACK_NIBBLES=_packs_in_kernel(layout) and bits == 4,
-        ROWS=rows, COLS=cols, num_warps=num_warps, enable_fp_fusion=False,
+        QMAX=qmax_for_bits(bits),
+        BITS=bits,
+        PACK_NIBBLES=_packs_in_kernel(layout) and bits == 4,
+        ROWS=rows,
+        COLS=cols,
+        num_warps=num_warps,
+        enable_fp_fusion=False,
     )
     _finish_codes(payload, codes_target, layout)
     return payload
@@ -329,9 +455,19 @@ def _dequantize_rows(payloads: Tensor, out: Tensor, layout: PayloadLayout) -> No
     rows, cols, num_warps = _tile_config(layout)
     grid = (triton.cdiv(layout.nblocks, rows), payloads.shape[0])
     _dequantize_kernel[grid](
-        payloads, out, payloads.stride(0), out.stride(0), layout.numel, layout.nblocks,
-        layout.block_size, layout.data_nbytes,
-        BITS=layout.bits, ROWS=rows, COLS=cols, num_warps=num_warps, enable_fp_fusion=False,
+        payloads,
+        out,
+        payloads.stride(0),
+        out.stride(0),
+        layout.numel,
+        layout.nblocks,
+        layout.block_size,
+        layout.data_nbytes,
+        BITS=layout.bits,
+        ROWS=rows,
+        COLS=cols,
+        num_warps=num_warps,
+        enable_fp_fusion=False,
     )
 
 
@@ -382,9 +518,19 @@ def dequantize_reduce(payloads: Tensor, numel: int, bits: int, block_size: int) 
     rows, cols, num_warps = _tile_config(layout)
     grid = (triton.cdiv(layout.nblocks, rows),)
     _dequantize_reduce_kernel[grid](
-        payloads, total, payloads.stride(0), payloads.shape[0], numel, layout.nblocks,
-        block_size, layout.data_nbytes,
-        BITS=bits, ROWS=rows, COLS=cols, num_warps=num_warps, enable_fp_fusion=False,
+        payloads,
+        total,
+        payloads.stride(0),
+        payloads.shape[0],
+        numel,
+        layout.nblocks,
+        block_size,
+        layout.data_nbytes,
+        BITS=bits,
+        ROWS=rows,
+        COLS=cols,
+        num_warps=num_warps,
+        enable_fp_fusion=False,
     )
     return total
 
@@ -404,11 +550,23 @@ def dequantize_reduce_quantize(
     codes_target = _codes_target(payload, layout_out)
     grid = (triton.cdiv(layout_out.nblocks, rows),)
     _dequantize_reduce_quantize_kernel[grid](
-        payloads, codes_target, payload[layout_out.data_nbytes :], payloads.stride(0),
-        payloads.shape[0], numel, layout_out.nblocks, block_size, layout_in.data_nbytes,
-        BITS_IN=bits_in, QMAX_OUT=qmax_for_bits(bits_out), BITS_OUT=bits_out,
+        payloads,
+        codes_target,
+        payload[layout_out.data_nbytes :],
+        payloads.stride(0),
+        payloads.shape[0],
+        numel,
+        layout_out.nblocks,
+        block_size,
+        layout_in.data_nbytes,
+        BITS_IN=bits_in,
+        QMAX_OUT=qmax_for_bits(bits_out),
+        BITS_OUT=bits_out,
         PACK_NIBBLES=_packs_in_kernel(layout_out) and bits_out == 4,
-        ROWS=rows, COLS=cols, num_warps=num_warps, enable_fp_fusion=False,
+        ROWS=rows,
+        COLS=cols,
+        num_warps=num_warps,
+        enable_fp_fusion=False,
     )
     _finish_codes(payload, codes_target, layout_out)
     return payload

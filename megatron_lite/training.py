@@ -1,0 +1,387 @@
+"""The Megatron-style pretraining loop, written against a DeepSpeed-shaped engine.
+
+One iteration trains on one global batch: ``gradient_accumulation_steps`` micro-batches per
+rank, each ``engine(tokens)`` -> ``lm_loss`` -> ``engine.backward(loss)`` -> ``engine.step()``.
+The engine updates the weights at the accumulation boundary only, and reports whether the
+update was applied or skipped (an fp16 overflow). Around that:
+
+- the learning-rate schedule follows Megatron: ``step(0)`` before training, then
+  ``step(n)`` after the n-th applied update, so a skipped iteration does not advance it;
+- every ``--log-interval`` iterations the last rank prints one Megatron log line and hands
+  the same numbers (plus communication bytes per iteration) to the ``MetricsWriter``;
+- every ``--eval-interval`` iterations, and once at the end, the validation loss is measured.
+
+Determinism across world sizes: the data loader gives rank r the r-th slice of every global
+batch, so with the same seed and global batch every world size trains on the same samples,
+and the logged loss (averaged over micro-batches and ranks) is the same number. Dropout
+draws different masks at different world sizes; runs compared this way disable it.
+
+This module never imports the engine package: it is handed an object with the engine's
+interface (``TrainingEngine``) and uses ``torch.distributed`` only to average losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import resource
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from data.samplers import get_batch
+from megatron_lite.lr_schedule import LRScheduler
+from megatron_lite.metrics import MAX_LOSS_FOR_PERPLEXITY, MetricsWriter, Timers, training_log_line
+from megatron_lite.model import GPTConfig, flops_per_token, lm_loss
+
+# (logits, labels, loss_mask) -> scalar mean loss of one micro-batch.
+LossFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# consumed_samples -> this rank's micro-batches of token ids, each of shape [b, s + 1].
+LoaderFactory = Callable[[int], Iterable[torch.Tensor]]
+
+_STEP_TIMERS = ["batch-generator", "forward", "backward", "optimizer"]
+
+
+class TrainingEngine(Protocol):
+    """What the loop needs from the engine (``zeropp.ZeroEngine`` has it)."""
+
+    optimizer: Any
+    topology: Any
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def step(self) -> bool: ...
+    def train(self, mode: bool = True) -> Any: ...
+    def eval(self) -> Any: ...
+    @property
+    def loss_scale(self) -> float: ...
+    @property
+    def last_step_overflowed(self) -> bool: ...
+    def get_global_grad_norm(self) -> float | None: ...
+    def comm_bytes(self, reset: bool = True) -> dict[str, dict[str, int]]: ...
+
+
+@dataclass
+class TrainingSummary:
+    """How a call to ``pretrain`` ended."""
+
+    iterations: int
+    consumed_samples: int
+    skipped_iterations: int
+    final_valid_loss: float | None
+    final_test_loss: float | None
+
+
+@dataclass
+class _IntervalTotals:
+    """What accumulates between two log lines."""
+
+    iterations: int = 0
+    skipped: int = 0
+    # Summed on the device: reading a loss every iteration would force a sync per iteration.
+    loss_sum: torch.Tensor | None = None
+    comm_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def add_iteration(self, loss: torch.Tensor, applied: bool) -> None:
+        self.iterations += 1
+        if not applied:
+            # A skipped step's loss is usually inf or nan; as in Megatron it is left out.
+            self.skipped += 1
+            return
+        self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+
+    def add_comm_bytes(self, snapshot: dict[str, dict[str, int]]) -> None:
+        for phase, by_locality in snapshot.items():
+            totals = self.comm_bytes.setdefault(phase, {})
+            for locality, nbytes in by_locality.items():
+                totals[locality] = totals.get(locality, 0) + int(nbytes)
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), clamped as Megatron does so a diverged loss prints a number, not inf."""
+    return math.exp(min(loss, MAX_LOSS_FOR_PERPLEXITY))
+
+
+def max_memory_bytes(device: torch.device) -> int:
+    """Peak allocated accelerator memory on CUDA, else this process's peak resident set."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports kibibytes, macOS bytes.
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def mean_across_ranks(value: torch.Tensor) -> float:
+    """The average of a scalar tensor over all ranks (the value itself without a group)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.detach().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value.item() / dist.get_world_size()
+    return value.item()
+
+
+class Trainer:
+    """Runs the training iterations and evaluations of one ``pretrain`` call.
+
+    ``args`` is the validated namespace of ``megatron_lite.arguments`` (batch sizes, iteration
+    counts, intervals). ``train_loader_factory`` and ``valid_loader_factory`` build this
+    rank's loaders from a consumed-sample count; validation always restarts at sample 0, so
+    every evaluation scores the same ``--eval-iters`` global batches and the numbers compare.
+    """
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        engine: TrainingEngine,
+        lr_scheduler: LRScheduler,
+        model_config: GPTConfig,
+        train_loader_factory: LoaderFactory,
+        valid_loader_factory: LoaderFactory | None,
+        metrics_writer: MetricsWriter,
+        device: torch.device,
+        loss_fn: LossFunction = lm_loss,
+    ) -> None:
+        self.args = args
+        self.engine = engine
+        self.lr_scheduler = lr_scheduler
+        self.train_loader_factory = train_loader_factory
+        self.valid_loader_factory = valid_loader_factory
+        self.metrics_writer = metrics_writer
+        self.device = device
+        self.loss_fn = loss_fn
+        self.flops_per_token = flops_per_token(model_config, args.seq_length,
+                                               args.checkpoint_activations)
+        self.world_size = engine.topology.world_size
+        # Megatron prints from the last rank: with pipelining it is the one that has the loss.
+        self.is_logging_rank = engine.topology.rank == self.world_size - 1
+        self.timers = Timers(torch.cuda.synchronize if device.type == "cuda" else None)
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.applied_updates = 0
+        self.skipped_iterations = 0
+        self.last_evaluation: tuple[int, float] | None = None
+        self._interval = _IntervalTotals()
+
+    # ---- training ------------------------------------------------------------------------
+
+    def train(self) -> None:
+        """Iterate until ``--train-iters`` (or the ``--exit-interval`` stop)."""
+        args = self.args
+        batches = iter(self.train_loader_factory(self.consumed_samples))
+        self.lr_scheduler.step(self.applied_updates)
+        self.engine.train()
+        self.engine.comm_bytes(reset=True)  # materializing the model is not training traffic
+        self.timers("interval-time").start()
+        while self.iteration < args.train_iters:
+            loss, applied = self.train_step(batches)
+            self._interval.add_iteration(loss, applied)
+            if self.iteration % args.log_interval == 0:
+                self._log_interval()
+            if args.eval_interval and self.iteration % args.eval_interval == 0:
+                # As in Megatron, evaluation time is not training time.
+                self.timers("interval-time").stop()
+                self.evaluate_validation()
+                self.timers("interval-time").start()
+            if args.exit_interval and self.iteration % args.exit_interval == 0:
+                self._print(f"exiting after iteration {self.iteration} (--exit-interval "
+                            f"{args.exit_interval})")
+                break
+        if self._interval.iterations:
+            self._log_interval()
+        self.timers("interval-time").stop()
+
+    def train_step(self, batches: Iterator[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+        """One global batch; returns this rank's mean micro-batch loss and whether the
+        engine applied the update."""
+        micro_losses = []
+        for _ in range(self.args.gradient_accumulation_steps):
+            self.timers("batch-generator").start()
+            tokens, labels, loss_mask = self._next_micro_batch(batches, "training")
+            self.timers("batch-generator").stop()
+            self.timers("forward").start()
+            loss = self.loss_fn(self.engine(tokens), labels, loss_mask)
+            self.timers("forward").stop()
+            self.timers("backward").start()
+            self.engine.backward(loss)
+            self.timers("backward").stop()
+            self.timers("optimizer").start()
+            self.engine.step()
+            self.timers("optimizer").stop()
+            micro_losses.append(loss.detach())
+        applied = not self.engine.last_step_overflowed
+        self.iteration += 1
+        self.consumed_samples += self.args.global_batch_size
+        if applied:
+            self.applied_updates += 1
+            self.lr_scheduler.step(self.applied_updates)
+        else:
+            self.skipped_iterations += 1
+        return torch.stack(micro_losses).mean(), applied
+
+    def _next_micro_batch(self, batches: Iterator[torch.Tensor],
+                          split: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        try:
+            text = next(batches)
+        except StopIteration:
+            raise RuntimeError(
+                f"the {split} data ran out at iteration {self.iteration}: its dataset must "
+                f"hold iterations x --global-batch-size {self.args.global_batch_size} samples"
+            ) from None
+        tokens, labels, loss_mask, _ = get_batch(text.to(self.device, non_blocking=True))
+        return tokens, labels, loss_mask
+
+    # ---- evaluation ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, loader_factory: LoaderFactory) -> float:
+        """Mean loss over ``--eval-iters`` global batches (the same ones on every call)."""
+        steps = self.args.eval_iters * self.args.gradient_accumulation_steps
+        if steps == 0:
+            raise ValueError("--eval-iters is 0: there is nothing to evaluate on")
+        batches = iter(loader_factory(0))
+        total = torch.zeros((), device=self.device)
+        self.engine.eval()
+        try:
+            for _ in range(steps):
+                tokens, labels, loss_mask = self._next_micro_batch(batches, "evaluation")
+                total += self.loss_fn(self.engine(tokens), labels, loss_mask).float()
+        finally:
+            self.engine.train()
+        return mean_across_ranks(total / steps)
+
+    def evaluate_validation(self) -> float | None:
+        """Validation loss at the current iteration, printed and logged; None without data."""
+        if self.valid_loader_factory is None or self.args.eval_iters == 0:
+            return None
+        if self.last_evaluation is not None and self.last_evaluation[0] == self.iteration:
+            return self.last_evaluation[1]
+        # Evaluation gathers weights too; keep its traffic out of the per-iteration figures.
+        self._interval.add_comm_bytes(self.engine.comm_bytes(reset=True))
+        loss = self.evaluate(self.valid_loader_factory)
+        self.engine.comm_bytes(reset=True)
+        self.last_evaluation = (self.iteration, loss)
+        self.print_evaluation(f"validation loss at iteration {self.iteration}", loss)
+        self.metrics_writer.log_eval(self.iteration, loss)
+        return loss
+
+    def print_evaluation(self, title: str, loss: float) -> None:
+        """Megatron's boxed evaluation line, printed by the logging rank."""
+        line = f" {title} | lm loss value: {loss:.6E} | lm loss PPL: {perplexity(loss):.6E} |"
+        rule = "-" * len(line)
+        self._print(f"{rule}\n{line}\n{rule}")
+
+    # ---- logging -------------------------------------------------------------------------
+
+    def _log_interval(self) -> None:
+        interval = self._interval
+        self._interval = _IntervalTotals()
+        interval.add_comm_bytes(self.engine.comm_bytes(reset=True))
+        iterations = interval.iterations
+        applied = iterations - interval.skipped
+        # Overflows are agreed across ranks, so every rank makes the same choice here and
+        # the all-reduce is entered by all of them or by none.
+        mean_loss = mean_across_ranks(interval.loss_sum / applied) if applied else math.nan
+        seconds = self.timers("interval-time").elapsed(reset=True)
+        step_times = self.timers.log_string(_STEP_TIMERS, normalizer=iterations)
+        metrics = self._interval_metrics(interval, mean_loss, seconds)
+        if self.is_logging_rank:
+            print(self._log_line(metrics), flush=True)
+            print(step_times, flush=True)
+        self.metrics_writer.log_train(self.iteration, metrics)
+
+    def _interval_metrics(self, interval: _IntervalTotals, mean_loss: float,
+                          seconds: float) -> dict[str, Any]:
+        args = self.args
+        iterations = interval.iterations
+        samples_per_sec = args.global_batch_size * iterations / max(seconds, 1e-9)
+        tokens_per_sec_per_gpu = samples_per_sec * args.seq_length / self.world_size
+        comm_per_iteration = {
+            phase: {locality: round(nbytes / iterations) for locality, nbytes in by_loc.items()}
+            for phase, by_loc in interval.comm_bytes.items()
+        }
+        inter_node = sum(by_loc.get("inter_node", 0) for by_loc in comm_per_iteration.values())
+        return {
+            "lm_loss": mean_loss,
+            "grad_norm": self.engine.get_global_grad_norm(),
+            "loss_scale": self.engine.loss_scale,
+            "lr": self._last_update_lr,
+            "elapsed_ms_per_iteration": seconds * 1000.0 / iterations,
+            "tokens_per_sec": tokens_per_sec_per_gpu,
+            "tflops_per_gpu": tokens_per_sec_per_gpu * self.flops_per_token / 1e12,
+            "skipped_iterations": interval.skipped,
+            "max_memory_bytes": max_memory_bytes(self.device),
+            "samples_per_sec": samples_per_sec,
+            "consumed_samples": self.consumed_samples,
+            "consumed_tokens": self.consumed_samples * args.seq_length,
+            "global_batch_size": args.global_batch_size,
+            "comm_bytes": comm_per_iteration,
+            "comm_inter_node_mb_per_iteration": inter_node / 1e6,
+        }
+
+    @property
+    def _last_update_lr(self) -> float:
+        # The lr of the last update, i.e. the schedule before that update advanced it.
+        return self.lr_scheduler.get_lr(max(self.applied_updates - 1, 0))
+
+    def _log_line(self, metrics: dict[str, Any]) -> str:
+        args = self.args
+        return training_log_line(
+            iteration=self.iteration,
+            train_iters=args.train_iters,
+            consumed_samples=metrics["consumed_samples"],
+            consumed_tokens=metrics["consumed_tokens"],
+            elapsed_ms=metrics["elapsed_ms_per_iteration"],
+            lr=metrics["lr"],
+            global_batch_size=args.global_batch_size,
+            lm_loss=metrics["lm_loss"],
+            loss_scale=metrics["loss_scale"] if args.fp16 else None,
+            grad_norm=metrics["grad_norm"],
+            skipped_iterations=metrics["skipped_iterations"],
+            samples_per_sec=metrics["samples_per_sec"],
+            tokens_per_sec_per_gpu=metrics["tokens_per_sec"],
+            tflops_per_gpu=metrics["tflops_per_gpu"],
+            extra={"comm inter-node MB/iter": round(
+                metrics["comm_inter_node_mb_per_iteration"], 3)},
+        )
+
+    def _print(self, text: str) -> None:
+        if self.is_logging_rank:
+            print(text, flush=True)
+
+
+def pretrain(
+    args: argparse.Namespace,
+    engine: TrainingEngine,
+    lr_scheduler: LRScheduler,
+    model_config: GPTConfig,
+    train_loader_factory: LoaderFactory,
+    valid_loader_factory: LoaderFactory | None,
+    metrics_writer: MetricsWriter,
+    device: torch.device,
+    test_loader_factory: LoaderFactory | None = None,
+    loss_fn: LossFunction = lm_loss,
+) -> TrainingSummary:
+    """Train, then evaluate on the validation (and, if given, test) data.
+
+    An ``--exit-interval`` stop still gets the final evaluation: the stop is planned, and
+    the number tells where the run stands.
+    """
+    trainer = Trainer(args, engine, lr_scheduler, model_config, train_loader_factory,
+                      valid_loader_factory, metrics_writer, device, loss_fn)
+    trainer.train()
+    final_valid_loss = trainer.evaluate_validation()
+    final_test_loss = None
+    if test_loader_factory is not None and args.eval_iters > 0:
+        final_test_loss = trainer.evaluate(test_loader_factory)
+        trainer.print_evaluation("test loss at the end of training", final_test_loss)
+    return TrainingSummary(
+        iterations=trainer.iteration,
+        consumed_samples=trainer.consumed_samples,
+        skipped_iterations=trainer.skipped_iterations,
+        final_valid_loss=final_valid_loss,
+        final_test_loss=final_test_loss,
+    )

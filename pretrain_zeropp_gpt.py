@@ -1,0 +1,279 @@
+"""Pretrain a Megatron GPT-2 on the ZeRO-3 / ZeRO++ engine.
+
+    torchrun --nproc_per_node 2 pretrain_zeropp_gpt.py --num-layers 4 --hidden-size 128 \\
+        --num-attention-heads 4 --seq-length 128 --micro-batch-size 4 --global-batch-size 16 \\
+        --train-iters 200 --lr 6e-4 --lr-decay-style cosine --lr-warmup-iters 20 \\
+        --data-path cache/data/pile_sample_text_document \\
+        --deepspeed_config configs/ds_zero3_config.json --zero-stage 3
+
+Also launched by plain ``python`` (one rank) or ``deepspeed --num_gpus N`` (which appends
+``--local_rank=N``). The steps, in order: command line -> process group -> DeepSpeed JSON
+reconciled with the command line -> validation for this world size -> tokenizer -> datasets
+and this rank's loaders -> GPT config -> model on the meta device -> engine (each rank
+materializes only its shard) -> lr schedule -> training loop -> final validation loss.
+
+Errors in the command line or the DeepSpeed config print one ``error: ...`` line and exit
+with status 2; other bad input (missing data, too small a dataset) exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import zeropp
+from data.gpt_dataset import build_train_valid_test_datasets
+from data.samplers import build_pretraining_data_loader
+from data.tokenizers import build_tokenizer
+from megatron_lite.arguments import (
+    ArgumentError,
+    parse_args,
+    reconcile_with_ds_config,
+    validate_args,
+)
+from megatron_lite.lr_schedule import LRScheduler
+from megatron_lite.metrics import MetricsWriter
+from megatron_lite.model import GPTConfig, GPTModel
+from megatron_lite.training import LoaderFactory, TrainingSummary, perplexity, pretrain
+
+# A rank that dies must end the job, not leave the others waiting in a collective forever.
+DISTRIBUTED_TIMEOUT_S = 600.0
+USAGE_ERRORS = (ArgumentError, zeropp.ConfigError, zeropp.TopologyError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        if args.dry_run:
+            return dry_run(args)
+        zeropp.init_distributed(timeout_s=DISTRIBUTED_TIMEOUT_S)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        ds_config = read_ds_config(args)
+        validate_args(args, world_size)
+        check_supported(args, ds_config)
+        # The same seed on every rank: dropout then depends on the data, not on the rank.
+        torch.manual_seed(args.seed)
+        tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
+                                    merge_file=args.merge_file,
+                                    tokenizer_model=args.tokenizer_model)
+        train_loader, valid_loader, test_loader = build_loader_factories(args, rank, world_size)
+        model = build_meta_model(args, tokenizer.vocab_size)
+        engine = build_engine(args, model, ds_config)
+        print_run_description(args, model, engine.topology.describe())
+        scheduler = LRScheduler(engine.optimizer, max_lr=args.lr, min_lr=args.min_lr,
+                                warmup_iters=args.lr_warmup_iters,
+                                decay_iters=args.lr_decay_iters, decay_style=args.lr_decay_style)
+    except USAGE_ERRORS as error:
+        return fail(error, status=2)
+    except (FileNotFoundError, ValueError) as error:
+        return fail(error, status=1)
+    with MetricsWriter.from_args(args, enabled=rank == world_size - 1) as metrics_writer:
+        summary = pretrain(args, engine, scheduler, model.config, train_loader, valid_loader,
+                           metrics_writer, compute_device(), test_loader_factory=test_loader)
+    report(summary)
+    dist.destroy_process_group()
+    return 0
+
+
+def fail(error: Exception, status: int) -> int:
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return status
+
+
+def is_first_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def print_rank_0(text: str) -> None:
+    if is_first_rank():
+        print(text, flush=True)
+
+
+# ---- configuration ------------------------------------------------------------------------
+
+
+def read_ds_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The DeepSpeed JSON (or a bare ZeRO block), after the command line agreed with it."""
+    if args.deepspeed_config is None:
+        ds_config = {"zero_optimization": {"stage": args.zero_stage}}
+    else:
+        ds_config = zeropp.read_json_config(args.deepspeed_config)
+    reconcile_with_ds_config(args, ds_config)
+    return ds_config
+
+
+def check_supported(args: argparse.Namespace, ds_config: dict[str, Any]) -> None:
+    if args.save is not None or args.load is not None:
+        flag = "--save" if args.save is not None else "--load"
+        raise ArgumentError(f"{flag}: this entry point does not write or read checkpoints")
+    if args.data_path is None:
+        raise ArgumentError("--data-path is required for training")
+    if "scheduler" in ds_config:
+        raise ArgumentError(
+            f"the scheduler block in {args.deepspeed_config} would be ignored: the lr "
+            "schedule comes from --lr, --lr-decay-style and --lr-warmup-iters; remove the block"
+        )
+
+
+def engine_config(args: argparse.Namespace, ds_config: dict[str, Any]) -> dict[str, Any]:
+    """The DeepSpeed dict the engine gets: the file's keys plus every resolved CLI value."""
+    config = dict(ds_config)
+    config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
+    config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
+    config["train_batch_size"] = args.global_batch_size
+    config["gradient_clipping"] = args.clip_grad
+    config["zero_optimization"] = {**config.get("zero_optimization", {}),
+                                   "stage": args.zero_stage}
+    config["fp16"] = {**config.get("fp16", {}), **fp16_block(args)}
+    # DeepSpeed still reads the legacy section name "bfloat16"; keep whichever the file uses.
+    bf16_section = "bfloat16" if "bfloat16" in config else "bf16"
+    config[bf16_section] = {**config.get(bf16_section, {}), "enabled": bool(args.bf16)}
+    return config
+
+
+def fp16_block(args: argparse.Namespace) -> dict[str, Any]:
+    if not args.fp16:
+        return {"enabled": False}
+    power = math.log2(args.initial_loss_scale)
+    if not power.is_integer():
+        raise ArgumentError(f"--initial-loss-scale {args.initial_loss_scale:g} must be a power "
+                            "of two (DeepSpeed stores it as initial_scale_power)")
+    return {
+        "enabled": True,
+        "loss_scale": args.loss_scale or 0,  # 0 selects dynamic scaling
+        "initial_scale_power": int(power),
+        "loss_scale_window": args.loss_scale_window,
+        "hysteresis": args.hysteresis,
+        "min_loss_scale": args.min_loss_scale,
+    }
+
+
+def gpt_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
+    return GPTConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=vocab_size,
+        max_position_embeddings=args.max_position_embeddings,
+        ffn_hidden_size=args.ffn_hidden_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        layernorm_epsilon=args.layernorm_epsilon,
+        checkpoint_activations=args.checkpoint_activations,
+        checkpoint_num_layers=args.checkpoint_num_layers,
+        seed=args.seed,
+    )
+
+
+def build_meta_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:
+    """The model without storage: the engine materializes each rank's shard itself."""
+    with torch.device("meta"):
+        return GPTModel(gpt_config(args, vocab_size))
+
+
+def describe_parameters(count: int) -> str:
+    return f"{count:,} ({count / 1e9:.2f}B)" if count >= 1e9 else f"{count:,} ({count / 1e6:.1f}M)"
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    """Validate the command line, build the model on meta, print its size."""
+    read_ds_config(args)
+    validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
+                                merge_file=args.merge_file, tokenizer_model=args.tokenizer_model)
+    model = build_meta_model(args, tokenizer.vocab_size)
+    print(f"number of parameters: {describe_parameters(model.num_parameters())}", flush=True)
+    return 0
+
+
+# ---- data ---------------------------------------------------------------------------------
+
+
+def build_loader_factories(
+    args: argparse.Namespace, rank: int, world_size: int
+) -> tuple[LoaderFactory, LoaderFactory | None, LoaderFactory | None]:
+    """This rank's (train, valid, test) loader factories; None for an empty split.
+
+    Sized as in Megatron: train for every iteration's global batch, valid and test for
+    --eval-iters global batches (every evaluation scores the same ones).
+    """
+    global_batch = args.global_batch_size
+    _, valid_fraction, test_fraction = args.split_fractions
+    eval_samples = args.eval_iters * global_batch
+    samples = (args.train_iters * global_batch,
+               eval_samples if valid_fraction > 0 else 0,
+               eval_samples if test_fraction > 0 else 0)
+    datasets = build_train_valid_test_datasets(
+        args.data_path, args.split, args.seq_length, args.seed, samples,
+        cache_dir=args.data_cache_dir, build_barrier=dist.barrier, is_builder=rank == 0,
+    )
+
+    def factory(dataset: Any) -> LoaderFactory | None:
+        if dataset is None:
+            return None
+        return lambda consumed_samples: build_pretraining_data_loader(
+            dataset, consumed_samples, args.micro_batch_size, dp_rank=rank, dp_size=world_size,
+            num_workers=args.num_workers,
+        )
+
+    train, valid, test = (factory(dataset) for dataset in datasets)
+    assert train is not None  # train_iters >= 1 asks for samples
+    return train, valid, test
+
+
+# ---- engine and run -----------------------------------------------------------------------
+
+
+def build_engine(args: argparse.Namespace, model: GPTModel, ds_config: dict[str, Any]) -> Any:
+    engine, _, _, _ = zeropp.initialize(
+        model,
+        config=engine_config(args, ds_config),
+        ranks_per_node=args.ranks_per_node,
+        param_init_fn=model.initial_value,
+        optimizer_params={"lr": args.lr, "betas": (args.adam_beta1, args.adam_beta2),
+                          "eps": args.adam_eps, "weight_decay": args.weight_decay},
+    )
+    return engine
+
+
+def compute_device() -> torch.device:
+    # init_distributed has made this rank's GPU (LOCAL_RANK) the current one.
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def print_run_description(args: argparse.Namespace, model: GPTModel, topology: str) -> None:
+    config = model.config
+    print_rank_0(f"> GPT model: {describe_parameters(model.num_parameters())} parameters | "
+                 f"{args.num_layers} layers, hidden {args.hidden_size}, "
+                 f"{args.num_attention_heads} heads, seq {args.seq_length}, vocab "
+                 f"{config.vocab_size} (padded {config.padded_vocab_size})")
+    print_rank_0(f"> topology: {topology}")
+    dtype = str(args.params_dtype).removeprefix("torch.")
+    print_rank_0(f"> dtype {dtype} | micro batch {args.micro_batch_size} | global batch "
+                 f"{args.global_batch_size} | gradient accumulation "
+                 f"{args.gradient_accumulation_steps} | zero stage {args.zero_stage} | "
+                 f"train iters {args.train_iters}")
+
+
+def report(summary: TrainingSummary) -> None:
+    if summary.final_valid_loss is None:
+        print_rank_0("no validation split (--split gives it no weight): no validation loss")
+        return
+    loss = summary.final_valid_loss
+    print_rank_0(f"final validation loss: {loss:.4f} | ppl: {perplexity(loss):.1f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

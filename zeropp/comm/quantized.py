@@ -1,0 +1,173 @@
+"""qwZ and qgZ: quantized collectives with the contracts of the exact ones they replace.
+
+- ``quantized_all_gather`` is ``all_gather``: output = every rank's shard, in rank order, but
+  each shard crosses the wire block-quantized (int8 by default) and is dequantized after the
+  gather. Every rank, the sender included, uses the dequantized values, so all ranks compute
+  with identical weights.
+- ``HierarchicalReduceScatter`` is ``reduce_scatter_sum``: output = this rank's slice of the
+  element-wise sum over all ranks, computed as ZeRO++'s two all-to-alls.
+
+[Note: qgZ data path]
+N = n nodes x a ranks per node; the input holds N slices of S elements, slice r for rank r.
+1. Swizzle: chunk l (of a) = the slices of global ranks {m*a + l for every node m}.
+2. Quantize (int4), all-to-all inside the node: local rank l receives chunk l from each of
+   the a ranks of its node.
+3. Dequantize, sum in fp32, requantize: the node's partial sums of the n slices that belong to
+   ranks with local index l (the fused kernel).
+4. All-to-all across nodes among ranks with the same local index: slice m goes to node m.
+5. Dequantize and sum in fp32: this rank's slice summed over all N ranks.
+Reductions happen in full precision between hops, so the error does not grow with N the way
+requantizing at every step of a ring would. With one node, step 4 is a local copy; with one
+rank per node, step 2 is. ``bits=None`` keeps the hierarchy but sends raw values, which must
+equal the exact reduce-scatter (up to the order of the fp32 additions).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zeropp import kernels
+from zeropp.comm.accounting import CommStats, all_gather_bytes
+from zeropp.comm.collectives import (
+    CommGroup,
+    Pending,
+    _all_gather_single,
+    all_to_all,
+)
+from zeropp.topology import Topology
+
+
+def quantized_all_gather(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: CommGroup,
+    stats: CommStats,
+    phase: str,
+    *,
+    bits: int = 8,
+    block_size: int = 256,
+    async_op: bool = True,
+) -> Pending:
+    """``all_gather`` with the shard sent block-quantized; scales travel in the payload."""
+    numel = shard.numel()
+    if output.numel() != numel * group.size:
+        raise ValueError(
+            f"quantized_all_gather: output has {output.numel()} elements, expected "
+            f"{group.size} x {numel}"
+        )
+    payload = kernels.quantize_blockwise(shard, bits, block_size)
+    stats.record(phase, group.spans_nodes, all_gather_bytes(payload.numel(), group.size))
+    gathered = torch.empty(group.size * payload.numel(), dtype=torch.uint8, device=shard.device)
+
+    def finish() -> None:
+        values = kernels.dequantize_blockwise_many(
+            gathered.view(group.size, -1), numel, bits, block_size, output.dtype
+        )
+        output.view(group.size, numel).copy_(values)
+
+    if group.size == 1:
+        gathered.copy_(payload)
+        return Pending(None, finish)
+    work = _all_gather_single(gathered, payload, group=group.group, async_op=async_op)
+    pending = Pending(work if async_op else None, finish)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def split_payload(payload: torch.Tensor, parts: int, numel: int, bits: int, block_size: int):
+    """One payload of ``parts * numel`` values -> ``parts`` payloads of ``numel`` values each.
+
+    A payload is [codes of all blocks | scales of all blocks]; when ``numel`` is a whole
+    number of blocks, the codes and scales of part j are contiguous runs, so splitting is a
+    byte shuffle. The engine pads gradient shards to whole blocks for exactly this reason.
+    """
+    whole = kernels.payload_layout(parts * numel, bits, block_size)
+    piece = kernels.payload_layout(numel, bits, block_size)
+    if numel % block_size or whole.data_nbytes != parts * piece.data_nbytes:
+        raise ValueError(
+            f"cannot split a payload of {parts} x {numel} values at block size {block_size}: "
+            "slices must be whole blocks"
+        )
+    codes = payload[: whole.data_nbytes].view(parts, piece.data_nbytes)
+    scales = payload[whole.data_nbytes :].view(parts, piece.nbytes - piece.data_nbytes)
+    return torch.cat([codes, scales], dim=1)
+
+
+class HierarchicalReduceScatter:
+    """qgZ: ``reduce_scatter_sum``'s contract through two quantized all-to-alls."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        bits: int | None = 4,
+        block_size: int = 256,
+        error_feedback: bool = False,
+    ) -> None:
+        self.nodes = topology.num_nodes
+        self.per_node = topology.ranks_per_node
+        self.intra = CommGroup(topology.intra_node_group, self.per_node, topology.local_rank, False)
+        self.inter = CommGroup(
+            topology.inter_node_group, self.nodes, topology.node_index, topology.num_nodes > 1
+        )
+        self.bits = bits
+        self.block_size = block_size
+        self.error_feedback = error_feedback and bits is not None
+        # Error feedback: what quantization dropped from this rank's send, per reduction key,
+        # added back before the next quantization of the same buffer (LoCo-style).
+        self.residuals: dict[object, torch.Tensor] = {}
+
+    @property
+    def slice_multiple(self) -> int:
+        """Shards must be a multiple of this many elements (whole quantization blocks)."""
+        return 1 if self.bits is None else 2 * self.block_size
+
+    def __call__(
+        self,
+        output: torch.Tensor,
+        full: torch.Tensor,
+        group: CommGroup,
+        stats: CommStats,
+        phase: str,
+        key: object = None,
+    ) -> Pending:
+        world = self.nodes * self.per_node
+        if group.size != world or full.numel() != output.numel() * world:
+            raise ValueError(
+                f"qgZ reduce-scatter: input of {full.numel()} elements over a group of "
+                f"{group.size} does not match {self.nodes} nodes x {self.per_node} ranks "
+                f"with {output.numel()}-element slices"
+            )
+        slice_numel = output.numel()
+        chunk_numel = self.nodes * slice_numel
+        swizzled = kernels.swizzle(full, self.nodes, self.per_node)
+
+        if self.bits is None:
+            received = torch.empty_like(swizzled)
+            all_to_all(received, swizzled, self.intra, stats, phase, async_op=False)
+            partial = received.view(self.per_node, chunk_numel).float().sum(0)
+            second = torch.empty_like(partial)
+            all_to_all(second, partial, self.inter, stats, phase, async_op=False)
+            output.copy_(second.view(self.nodes, slice_numel).sum(0))
+            return Pending(None)
+
+        bits, block = self.bits, self.block_size
+        if self.error_feedback:
+            swizzled = swizzled.float()
+            if key in self.residuals:
+                swizzled += self.residuals[key]
+        payload = kernels.quantize_blockwise(swizzled, bits, block)
+        if self.error_feedback:
+            sent = kernels.dequantize_blockwise(payload, swizzled.numel(), bits, block, torch.float32)
+            self.residuals[key] = swizzled - sent
+        send = split_payload(payload, self.per_node, chunk_numel, bits, block)
+        received = torch.empty_like(send)
+        all_to_all(received, send, self.intra, stats, phase, async_op=False)
+
+        requantized = kernels.dequantize_reduce_quantize(received, chunk_numel, bits, bits, block)
+        send2 = split_payload(requantized, self.nodes, slice_numel, bits, block)
+        received2 = torch.empty_like(send2)
+        all_to_all(received2, send2, self.inter, stats, phase, async_op=False)
+        output.copy_(kernels.dequantize_reduce(received2, slice_numel, bits, block))
+        return Pending(None)
+
