@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
                                     merge_file=args.merge_file,
                                     tokenizer_model=args.tokenizer_model)
-        train_loader, valid_loader, test_loader = build_loader_factories(args, rank, world_size)
+        train_loader, valid_loader = build_loader_factories(args, rank, world_size)
         model = build_meta_model(args, tokenizer.vocab_size)
         engine = build_engine(args, model, ds_config)
         print_run_description(args, model, engine.topology.describe())
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(error, status=1)
     with MetricsWriter.from_args(args, enabled=rank == world_size - 1) as metrics_writer:
         summary = pretrain(args, engine, scheduler, model.config, train_loader, valid_loader,
-                           metrics_writer, compute_device(), test_loader_factory=test_loader)
+                           metrics_writer, compute_device())
     report(summary)
     dist.destroy_process_group()
     return 0
@@ -88,12 +88,8 @@ def fail(error: Exception, status: int) -> int:
     return status
 
 
-def is_first_rank() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def print_rank_0(text: str) -> None:
-    if is_first_rank():
+    if dist.get_rank() == 0:
         print(text, flush=True)
 
 
@@ -101,11 +97,13 @@ def print_rank_0(text: str) -> None:
 
 
 def read_ds_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The DeepSpeed JSON (or a bare ZeRO block), after the command line agreed with it."""
+    """The DeepSpeed JSON ({} without --deepspeed_config), after the command line agreed
+    with it; ``engine_config`` later adds the ZeRO stage and every resolved CLI value."""
     if args.deepspeed_config is None:
-        ds_config = {"zero_optimization": {"stage": args.zero_stage}}
-    else:
-        ds_config = zeropp.read_json_config(args.deepspeed_config)
+        return {}
+    if not os.path.isfile(args.deepspeed_config):
+        raise ArgumentError(f"--deepspeed_config {args.deepspeed_config}: no such file")
+    ds_config = zeropp.read_json_config(args.deepspeed_config)
     reconcile_with_ds_config(args, ds_config)
     return ds_config
 
@@ -201,34 +199,28 @@ def dry_run(args: argparse.Namespace) -> int:
 
 def build_loader_factories(
     args: argparse.Namespace, rank: int, world_size: int
-) -> tuple[LoaderFactory, LoaderFactory | None, LoaderFactory | None]:
-    """This rank's (train, valid, test) loader factories; None for an empty split.
+) -> tuple[LoaderFactory, LoaderFactory | None]:
+    """This rank's (train, valid) loader factories; valid is None when its split is empty.
 
-    Sized as in Megatron: train for every iteration's global batch, valid and test for
-    --eval-iters global batches (every evaluation scores the same ones).
+    Sized as in Megatron: train for every iteration's global batch, valid for --eval-iters
+    global batches (every evaluation scores the same ones). The test split is held out:
+    no sample of it is read, so it stays unseen for a later evaluation.
     """
     global_batch = args.global_batch_size
-    _, valid_fraction, test_fraction = args.split_fractions
-    eval_samples = args.eval_iters * global_batch
-    samples = (args.train_iters * global_batch,
-               eval_samples if valid_fraction > 0 else 0,
-               eval_samples if test_fraction > 0 else 0)
-    datasets = build_train_valid_test_datasets(
-        args.data_path, args.split, args.seq_length, args.seed, samples,
+    valid_samples = args.eval_iters * global_batch if args.split_fractions[1] > 0 else 0
+    train, valid, _ = build_train_valid_test_datasets(
+        args.data_path, args.split, args.seq_length, args.seed,
+        (args.train_iters * global_batch, valid_samples, 0),
         cache_dir=args.data_cache_dir, build_barrier=dist.barrier, is_builder=rank == 0,
     )
 
-    def factory(dataset: Any) -> LoaderFactory | None:
-        if dataset is None:
-            return None
+    def factory(dataset: Any) -> LoaderFactory:
         return lambda consumed_samples: build_pretraining_data_loader(
             dataset, consumed_samples, args.micro_batch_size, dp_rank=rank, dp_size=world_size,
             num_workers=args.num_workers,
         )
 
-    train, valid, test = (factory(dataset) for dataset in datasets)
-    assert train is not None  # train_iters >= 1 asks for samples
-    return train, valid, test
+    return factory(train), factory(valid) if valid is not None else None
 
 
 # ---- engine and run -----------------------------------------------------------------------
@@ -268,11 +260,14 @@ def print_run_description(args: argparse.Namespace, model: GPTModel, topology: s
 
 
 def report(summary: TrainingSummary) -> None:
+    # The last rank prints the training log; printing here too keeps the lines in order.
+    if dist.get_rank() != dist.get_world_size() - 1:
+        return
     if summary.final_valid_loss is None:
-        print_rank_0("no validation split (--split gives it no weight): no validation loss")
+        print("no validation split (--split gives it no weight): no validation loss", flush=True)
         return
     loss = summary.final_valid_loss
-    print_rank_0(f"final validation loss: {loss:.4f} | ppl: {perplexity(loss):.1f}")
+    print(f"final validation loss: {loss:.4f} | ppl: {perplexity(loss):.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -73,7 +73,6 @@ class TrainingSummary:
     consumed_samples: int
     skipped_iterations: int
     final_valid_loss: float | None
-    final_test_loss: float | None
 
 
 @dataclass
@@ -362,10 +361,9 @@ def pretrain(
     valid_loader_factory: LoaderFactory | None,
     metrics_writer: MetricsWriter,
     device: torch.device,
-    test_loader_factory: LoaderFactory | None = None,
     loss_fn: LossFunction = lm_loss,
 ) -> TrainingSummary:
-    """Train, then evaluate on the validation (and, if given, test) data.
+    """Train, then measure the validation loss (reused when the last iteration just did).
 
     An ``--exit-interval`` stop still gets the final evaluation: the stop is planned, and
     the number tells where the run stands.
@@ -373,15 +371,9 @@ def pretrain(
     trainer = Trainer(args, engine, lr_scheduler, model_config, train_loader_factory,
                       valid_loader_factory, metrics_writer, device, loss_fn)
     trainer.train()
-    final_valid_loss = trainer.evaluate_validation()
-    final_test_loss = None
-    if test_loader_factory is not None and args.eval_iters > 0:
-        final_test_loss = trainer.evaluate(test_loader_factory)
-        trainer.print_evaluation("test loss at the end of training", final_test_loss)
     return TrainingSummary(
         iterations=trainer.iteration,
         consumed_samples=trainer.consumed_samples,
         skipped_iterations=trainer.skipped_iterations,
-        final_valid_loss=final_valid_loss,
-        final_test_loss=final_test_loss,
+        final_valid_loss=trainer.evaluate_validation(),
     )

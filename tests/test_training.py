@@ -180,8 +180,7 @@ def test_loop_matches_plain_pytorch_reference(process_group, corpus, tmp_path):
                       "val_ppl": pytest.approx(math.exp(ref_val_loss), rel=1e-4)}]
     assert summary == TrainingSummary(iterations=iters, consumed_samples=iters * 4,
                                       skipped_iterations=0,
-                                      final_valid_loss=summary.final_valid_loss,
-                                      final_test_loss=None)
+                                      final_valid_loss=summary.final_valid_loss)
 
 
 def test_gradient_accumulation_equals_one_large_batch(process_group, corpus, tmp_path):

@@ -101,13 +101,13 @@ class FlatLayout:
             dst = slot.offset + lo - start
             shard[dst : dst + hi - lo].copy_(value[lo:hi])
 
-    def element_mask(self, shard_index: int, predicate) -> torch.Tensor:
-        """Bool mask over this shard: True where the element's parameter satisfies predicate."""
+    def shard_runs(self, shard_index: int, predicate) -> list[tuple[int, int]]:
+        """(start, end) offsets inside this shard of the parameters satisfying ``predicate``."""
         start, end = self.shard_range(shard_index)
-        mask = torch.zeros(self.shard_numel, dtype=torch.bool)
+        runs = []
         for slot in self.slots:
             part = self.overlap(slot, start, end)
             if part is not None and predicate(slot):
                 lo, hi = part
-                mask[slot.offset + lo - start : slot.offset + hi - start] = True
-        return mask
+                runs.append((slot.offset + lo - start, slot.offset + hi - start))
+        return runs

@@ -44,9 +44,8 @@ class PartitionedAdamW:
         world = units[0].comm.world if units else None
         self.world = world
         self.masters = [nn.Parameter(m.float()) for m in initial_masters]
-        self.decay_masks = [
-            u.layout.element_mask(u.comm.world.rank, decay_rule).float() for u in units
-        ]
+        # Decayed elements of each shard as (start, end) runs: a few per unit, no per-element mask.
+        self.decay_runs = [u.layout.shard_runs(u.comm.world.rank, decay_rule) for u in units]
         self._adam = torch.optim.AdamW(
             self.masters, lr=lr, betas=betas, eps=eps, weight_decay=0.0, foreach=False
         )
@@ -72,10 +71,11 @@ class PartitionedAdamW:
         """Apply AdamW with gradients ``grad_shard * grad_multiplier``; cast back to shards."""
         group = self._adam.param_groups[0]
         lr, wd = group["lr"], group["masked_weight_decay"]
-        for unit, master, mask in zip(self.units, self.masters, self.decay_masks, strict=True):
+        for unit, master, runs in zip(self.units, self.masters, self.decay_runs, strict=True):
             master.grad = unit.grad_shard.mul_(grad_multiplier)
             if wd:
-                master.data.mul_(1.0 - lr * wd * mask)
+                for start, end in runs:
+                    master.data[start:end].mul_(1.0 - lr * wd)
         self._adam.step()
         for unit, master in zip(self.units, self.masters, strict=True):
             master.grad = None

@@ -113,8 +113,9 @@ class HierarchicalReduceScatter:
         self.bits = bits
         self.block_size = block_size
         self.error_feedback = error_feedback and bits is not None
-        # Error feedback: what quantization dropped from this rank's send, per reduction key,
-        # added back before the next quantization of the same buffer (LoCo-style).
+        # Error feedback: what quantization dropped from this rank's first-hop send, per
+        # reduction key, added back before the next quantization of the same buffer
+        # (LoCo-style). The second hop's requantization error is not fed back.
         self.residuals: dict[object, torch.Tensor] = {}
 
     @property
