@@ -6,11 +6,13 @@
         --data-path cache/data/pile_sample_text_document \\
         --deepspeed_config configs/ds_zero3_config.json --zero-stage 3
 
-Also launched by plain ``python`` (one rank) or ``deepspeed --num_gpus N`` (which appends
-``--local_rank=N``). The steps, in order: command line -> process group -> DeepSpeed JSON
+Also launched by plain ``python`` (one rank) or ``deepspeed --num_nodes 1 --num_gpus N``
+(which appends ``--local_rank=N``; on a machine without GPUs DeepSpeed 0.19 falls back to
+its CPU accelerator and still starts N processes, which then use gloo). The steps, in order: command line -> process group -> DeepSpeed JSON
 reconciled with the command line -> validation for this world size -> tokenizer -> datasets
 and this rank's loaders -> GPT config -> model on the meta device -> engine (each rank
 materializes only its shard) -> lr schedule -> training loop -> final validation loss.
+The test split of ``--split`` is held out: no sample of it is read.
 
 Errors in the command line or the DeepSpeed config print one ``error: ...`` line and exit
 with status 2; other bad input (missing data, too small a dataset) exits with status 1.
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         ds_config = read_ds_config(args)
         validate_args(args, world_size)
         check_supported(args, ds_config)
-        # The same seed on every rank: dropout then depends on the data, not on the rank.
+        # One seed for every rank, as Megatron seeds its data-parallel ranks.
         torch.manual_seed(args.seed)
         tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
                                     merge_file=args.merge_file,

@@ -283,7 +283,9 @@ class Trainer:
         applied = iterations - interval.skipped
         # Overflows are agreed across ranks, so every rank makes the same choice here and
         # the all-reduce is entered by all of them or by none.
-        mean_loss = mean_across_ranks(interval.loss_sum / applied) if applied else math.nan
+        mean_loss = math.nan
+        if interval.loss_sum is not None:
+            mean_loss = mean_across_ranks(interval.loss_sum / applied)
         seconds = self.timers("interval-time").elapsed(reset=True)
         step_times = self.timers.log_string(_STEP_TIMERS, normalizer=iterations)
         metrics = self._interval_metrics(interval, mean_loss, seconds)

@@ -13,9 +13,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import pytest
-from pydoc_data.topics import topics
 
 from data.preprocess import preprocess
 from data.tokenizers import build_tokenizer

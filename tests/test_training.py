@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import pytest
 import torch
 import torch.distributed as dist
-from pydoc_data.topics import topics
 
 import zeropp
 from data.gpt_dataset import build_train_valid_test_datasets

@@ -240,4 +240,8 @@ def initialize(
         lr_scheduler=lr_scheduler,
         config=cfg,
     )
-    return engine, engine.optimizer, None, lr_scheduler
+    if lr_scheduler is None and cfg.scheduler is not None:
+        from zeropp.lr_schedules import WarmupSchedule
+
+        engine.lr_scheduler = WarmupSchedule(engine.optimizer, cfg.scheduler.type, cfg.scheduler.params)
+    return engine, engine.optimizer, None, engine.lr_scheduler
