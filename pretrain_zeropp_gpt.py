@@ -8,10 +8,12 @@
 
 Also launched by plain ``python`` (one rank) or ``deepspeed --num_nodes 1 --num_gpus N``
 (which appends ``--local_rank=N``; on a machine without GPUs DeepSpeed 0.19 falls back to
-its CPU accelerator and still starts N processes, which then use gloo). The steps, in order: command line -> process group -> DeepSpeed JSON
-reconciled with the command line -> validation for this world size -> tokenizer -> datasets
-and this rank's loaders -> GPT config -> model on the meta device -> engine (each rank
-materializes only its shard) -> lr schedule -> training loop -> final validation loss.
+its CPU accelerator and still starts N processes, which then use gloo).
+
+The steps, in order: command line -> process group -> DeepSpeed JSON reconciled with the
+command line -> validation for this world size -> tokenizer -> datasets and this rank's
+loaders -> GPT config -> model on the meta device -> engine (each rank materializes only
+its shard) -> lr schedule -> training loop -> final validation loss.
 The test split of ``--split`` is held out: no sample of it is read.
 
 Errors in the command line or the DeepSpeed config print one ``error: ...`` line and exit
@@ -266,7 +268,8 @@ def report(summary: TrainingSummary) -> None:
     if dist.get_rank() != dist.get_world_size() - 1:
         return
     if summary.final_valid_loss is None:
-        print("no validation split (--split gives it no weight): no validation loss", flush=True)
+        print("no validation loss: --split gives validation no weight or --eval-iters is 0",
+              flush=True)
         return
     loss = summary.final_valid_loss
     print(f"final validation loss: {loss:.4f} | ppl: {perplexity(loss):.1f}", flush=True)

@@ -118,6 +118,21 @@ class ZeroEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return self.sharded.full_state_dict()
 
+    # ---- checkpoints (zeropp/checkpoint.py, [Note: checkpoint layout]) --------------------
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None):
+        """Atomic sharded save; every rank calls it. Returns the checkpoint directory."""
+        from zeropp import checkpoint
+
+        return checkpoint.save(self, save_dir, tag or f"global_step{self.global_steps}", client_state)
+
+    def load_checkpoint(self, load_dir, tag: str | None = None, load_optimizer_states: bool = True):
+        """Load a checkpoint saved at any world size; returns ``(path, client_state)``."""
+        from zeropp import checkpoint
+
+        tag = tag or checkpoint.read_latest(load_dir)
+        state = checkpoint.load(self, load_dir, tag, load_optimizer_states)
+        return str(load_dir) + "/" + tag, state
+
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds now, by model state, read off the tensors themselves."""
 

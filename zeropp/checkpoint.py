@@ -1,0 +1,298 @@
+"""Sharded checkpoints: atomic saves, loads at any world size, consolidation.
+
+[Note: checkpoint layout]
+    DIR/latest                       the tag of the newest complete checkpoint
+    DIR/TAG/zero_rank00000.pt ...    one file per rank: its fp32 master shards, Adam moments,
+                                     working dtype, loss scaler, RNG states, client state
+    DIR/TAG/meta.json                world size, topology, unit layouts, engine config
+
+A save writes everything under ``DIR/TAG.tmp``; after every rank has written (a barrier),
+rank 0 renames the directory to ``DIR/TAG`` and only then replaces ``latest`` (temp file +
+rename). A crash at any point leaves ``latest`` naming the previous complete checkpoint.
+
+Each shard records, per unit, the parameter slots of its flat buffer and the range of it the
+rank owned. A load rebuilds every element of its own new shard by parameter name from the old
+shards (memory-mapped, read only where needed), so a checkpoint written by N ranks loads on M
+ranks, with another ranks-per-node or hpZ size, without a conversion step. Files hold only
+tensors and plain containers and are read with ``weights_only=True``: loading never runs
+pickled code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+SHARD_FORMAT = "zeropp-shard-v1"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read (one-line message)."""
+
+
+def shard_file(tag_dir: Path, rank: int) -> Path:
+    return tag_dir / f"zero_rank{rank:05d}.pt"
+
+
+def read_latest(load_dir: str | os.PathLike) -> str:
+    root = Path(load_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} does not exist")
+    latest = root / "latest"
+    if not latest.is_file():
+        raise CheckpointError(
+            f"{root} has no 'latest' file: not a checkpoint directory, or no save completed"
+        )
+    tag = latest.read_text().strip()
+    if not (root / tag).is_dir():
+        raise CheckpointError(f"{latest} names {tag!r}, but {root / tag} does not exist")
+    return tag
+
+
+def _unit_record(unit, master: torch.Tensor, adam_state: dict) -> dict:
+    return {
+        "name": unit.name,
+        "slots": [[s.name, list(s.shape), s.offset] for s in unit.layout.slots],
+        "padded_numel": unit.layout.padded_numel,
+        "shard_start": unit.shard_start,
+        "shard_end": unit.shard_end,
+        "master": master.detach().cpu(),
+        "exp_avg": adam_state.get("exp_avg", torch.zeros_like(master)).detach().cpu(),
+        "exp_avg_sq": adam_state.get("exp_avg_sq", torch.zeros_like(master)).detach().cpu(),
+    }
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | None = None) -> Path:
+    """Write this rank's shard of ``engine``; collective (every rank calls it)."""
+    root = Path(save_dir)
+    rank, world = engine.topology.rank, engine.topology.world_size
+    tmp_dir, final_dir = root / f"{tag}.tmp", root / tag
+    error: Exception | None = None
+    try:
+        if rank == 0:
+            if tmp_dir.exists():
+                shutil.rmtree(tmp_dir)
+            tmp_dir.mkdir(parents=True)
+    except OSError as exc:
+        error = exc
+    _agree_or_raise(error, f"cannot create checkpoint directory {tmp_dir}")
+
+    optimizer = engine.optimizer
+    adam = optimizer._adam
+    state = {
+        "format": SHARD_FORMAT,
+        "rank": rank,
+        "world_size": world,
+        "units": [
+            _unit_record(unit, master, adam.state.get(master, {}))
+            for unit, master in zip(engine.sharded.units, optimizer.masters, strict=True)
+        ],
+        "adam_step": _adam_step(adam, optimizer.masters),
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in adam.param_groups],
+        "loss_scaler": engine.loss_scaler.state_dict(),
+        "engine": {
+            "global_steps": engine.global_steps,
+            "skipped_steps": engine.skipped_steps,
+            "micro_steps": engine.micro_steps,
+        },
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+        "rng": {"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+        "client_state": client_state or {},
+    }
+    try:
+        torch.save(state, shard_file(tmp_dir, rank))
+        if rank == 0:
+            meta = {
+                "format": SHARD_FORMAT,
+                "tag": tag,
+                "world_size": world,
+                "topology": engine.topology.as_dict(),
+                "dtype": str(engine.sharded.dtype),
+                "units": [[u.name, u.layout.numel, u.layout.padded_numel]
+                          for u in engine.sharded.units],
+                "config": engine.config.to_dict() if engine.config is not None else None,
+            }
+            _atomic_write_text(tmp_dir / "meta.json", json.dumps(meta, indent=1))
+    except (OSError, RuntimeError) as exc:
+        error = exc
+    _agree_or_raise(error, f"cannot write checkpoint shard in {tmp_dir}")
+
+    try:
+        if rank == 0:
+            if final_dir.exists():  # re-saving a tag: keep the old one until the new is in place
+                old = root / f"{tag}.old"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final_dir, old)
+                os.replace(tmp_dir, final_dir)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp_dir, final_dir)
+            _atomic_write_text(root / "latest", tag)
+    except OSError as exc:
+        error = exc
+    _agree_or_raise(error, f"cannot publish checkpoint {final_dir}")
+    return final_dir
+
+
+def _adam_step(adam, masters) -> float:
+    for master in masters:
+        step = adam.state.get(master, {}).get("step")
+        if step is not None:
+            return float(step)
+    return 0.0
+
+
+def _agree_or_raise(error: Exception | None, message: str) -> None:
+    """Every rank learns whether any rank failed, so all raise together (nobody hangs)."""
+    failed = torch.tensor([1.0 if error is not None else 0.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(failed)
+    if failed.item() > 0:
+        detail = f": {error}" if error is not None else " (on another rank)"
+        raise CheckpointError(message + detail)
+
+
+class _OldShards:
+    """Lazy, memory-mapped access to the shards of a saved checkpoint."""
+
+    def __init__(self, tag_dir: Path) -> None:
+        meta_path = tag_dir / "meta.json"
+        if not meta_path.is_file():
+            raise CheckpointError(f"{tag_dir} has no meta.json: incomplete checkpoint")
+        self.meta = json.loads(meta_path.read_text())
+        if self.meta.get("format") != SHARD_FORMAT:
+            raise CheckpointError(f"{tag_dir}: unknown checkpoint format {self.meta.get('format')!r}")
+        self.tag_dir = tag_dir
+        self.world_size = int(self.meta["world_size"])
+        self._files: dict[int, dict] = {}
+
+    def rank_state(self, rank: int) -> dict:
+        if rank not in self._files:
+            path = shard_file(self.tag_dir, rank)
+            if not path.is_file():
+                raise CheckpointError(f"checkpoint shard {path} is missing")
+            self._files[rank] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return self._files[rank]
+
+    def unit(self, rank: int, name: str) -> dict:
+        for record in self.rank_state(rank)["units"]:
+            if record["name"] == name:
+                return record
+        raise CheckpointError(f"checkpoint has no unit {name!r}: the model structure differs")
+
+    def read(self, unit_name: str, param: str, shape: tuple, lo: int, hi: int, field: str):
+        """Elements [lo, hi) of parameter ``param`` (flattened) from the old shards."""
+        first = self.unit(0, unit_name)
+        slots = {s[0]: (tuple(s[1]), s[2]) for s in first["slots"]}
+        if param not in slots:
+            raise CheckpointError(f"checkpoint has no parameter {param!r}")
+        old_shape, offset = slots[param]
+        if old_shape != tuple(shape):
+            raise CheckpointError(
+                f"parameter {param!r}: checkpoint shape {list(old_shape)} != model shape "
+                f"{list(shape)}"
+            )
+        shard_numel = first["shard_end"] - first["shard_start"]
+        start, end = offset + lo, offset + hi
+        pieces = []
+        for rank in range(start // shard_numel, (end - 1) // shard_numel + 1):
+            record = self.unit(rank, unit_name)
+            a = max(start, record["shard_start"]) - record["shard_start"]
+            b = min(end, record["shard_end"]) - record["shard_start"]
+            pieces.append(record[field][a:b])
+        return torch.cat(pieces)
+
+
+def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
+         load_optimizer_states: bool = True) -> dict:
+    """Restore ``engine`` from a checkpoint written at any world size; returns client_state."""
+    root = Path(load_dir)
+    tag = tag or read_latest(root)
+    old = _OldShards(root / tag)
+    saved_units = {u[0] for u in old.meta["units"]}
+    ours = {u.name for u in engine.sharded.units}
+    if saved_units != ours:
+        raise CheckpointError(
+            f"checkpoint units {sorted(saved_units)} do not match the model's {sorted(ours)}"
+        )
+    optimizer = engine.optimizer
+    adam = optimizer._adam
+    fields = ("master", "exp_avg", "exp_avg_sq") if load_optimizer_states else ("master",)
+    for unit, master in zip(engine.sharded.units, optimizer.masters, strict=True):
+        values = {f: torch.zeros_like(master) for f in fields}
+        for slot in unit.layout.slots:
+            part = unit.layout.overlap(slot, unit.shard_start, unit.shard_end)
+            if part is None:
+                continue
+            lo, hi = part
+            dst = slot.offset + lo - unit.shard_start
+            for field in fields:
+                values[field][dst : dst + hi - lo] = old.read(
+                    unit.name, slot.name, slot.shape, lo, hi, field
+                ).to(master.device)
+        with torch.no_grad():
+            master.copy_(values["master"])
+            unit.shard.copy_(master)
+        if load_optimizer_states:
+            adam.state[master] = {
+                "step": torch.tensor(old.rank_state(0)["adam_step"]),
+                "exp_avg": values["exp_avg"],
+                "exp_avg_sq": values["exp_avg_sq"],
+            }
+        unit.zero_grad_shard()
+    # Every derived copy of the weights (gathered buffers, hpZ secondary shards) is stale.
+    for unit in engine.sharded.units:
+        unit.refresh_after_update()
+
+    mine = old.rank_state(engine.topology.rank) if engine.topology.rank < old.world_size else None
+    reference = mine or old.rank_state(0)
+    if load_optimizer_states:
+        for group, saved in zip(adam.param_groups, reference["param_groups"], strict=False):
+            group.update(saved)
+        engine.loss_scaler.load_state_dict(reference["loss_scaler"])
+        if engine.lr_scheduler is not None and reference["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(reference["lr_scheduler"])
+    for key, value in reference["engine"].items():
+        setattr(engine, key, value)
+    if mine is not None and old.world_size == engine.topology.world_size:
+        # Same world: every rank resumes its own random streams (bit-exact continuation).
+        torch.set_rng_state(mine["rng"]["torch"])
+        if torch.cuda.is_available() and mine["rng"]["cuda"] is not None:
+            torch.cuda.set_rng_state(mine["rng"]["cuda"])
+    return dict(reference["client_state"])
+
+
+def consolidate(load_dir: str | os.PathLike, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """Full fp32 parameters by name from a sharded checkpoint (no process group needed)."""
+    root = Path(load_dir)
+    tag = tag or read_latest(root)
+    old = _OldShards(root / tag)
+    out = {}
+    for name, numel, _padded in old.meta["units"]:
+        for param, shape, _offset in old.unit(0, name)["slots"]:
+            count = 1
+            for s in shape:
+                count *= s
+            out[param] = old.read(name, param, tuple(shape), 0, count, "master").view(shape).clone()
+    return out
+
+
+def client_state(load_dir: str | os.PathLike, tag: str | None = None) -> dict:
+    root = Path(load_dir)
+    tag = tag or read_latest(root)
+    return dict(_OldShards(root / tag).rank_state(0)["client_state"])

@@ -1,0 +1,355 @@
+"""Per-rank memory and communication of one training iteration, computed without running it.
+
+The planner answers "does this model fit, and how many bytes cross the nodes?" for any
+cluster from the per-unit parameter counts alone: no process group, no device, no tensor.
+It mirrors the engine rule for rule, so its figures are the ones a real run measures:
+
+- Units and padding come from ``FlatLayout.build`` with the engine's alignment (hpZ group
+  size, and two whole quantization blocks per slice when qgZ is on).
+- Units with fewer elements than ``stage3_param_persistence_threshold`` stay gathered: they
+  are gathered once per optimizer step (after the update) and never in backward.
+- Bytes follow ``zeropp.comm.accounting``: what leaves this rank, a world collective counted
+  ``inter_node`` whenever the world spans nodes, hpZ and qgZ's first hop ``intra_node``.
+
+[Note: what one iteration sends, per rank]
+With m micro-batches per optimizer step, for every unit of S = padded / N elements per shard:
+  forward   m x gather(S) over the world (qwZ: the int8 payload of S values), except
+            persistent units: one gather per step, after the update;
+  backward  m x the same world gather, except the root (it stays gathered from forward to
+            backward) and persistent units; with hpZ instead m x (padded / hpz) x (hpz - 1)
+            16-bit bytes inside the node;
+  gradients m x reduce-scatter of every reduce bucket, padded x (N - 1) / N in the compute
+            dtype; with qgZ each bucket is one intra-node all-to-all of its int4 payload
+            (x (alpha - 1) / alpha) and one inter-node all-to-all of n slices (x (n - 1) / n);
+  optimizer one fp32 all-reduce of the squared gradient norm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from zeropp.comm.accounting import (
+    LOCALITIES,
+    PHASES,
+    all_gather_bytes,
+    all_reduce_bytes,
+    all_to_all_bytes,
+    reduce_scatter_bytes,
+)
+from zeropp.config import ZeroConfig
+from zeropp.flat_layout import FlatLayout
+from zeropp.kernels import quantized_nbytes
+from zeropp.sharded_model import default_unit_modules
+from zeropp.topology import TopologyError
+
+FP32_BYTES = 4
+CommVolume = dict[str, dict[str, int]]  # {phase: {locality: bytes}}, as CommStats.snapshot()
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """The data-parallel world: ``world_size`` ranks, ``ranks_per_node`` on each node."""
+
+    world_size: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "ranks_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.world_size % self.ranks_per_node:
+            raise TopologyError(f"ranks per node {self.ranks_per_node} does not divide the world "
+                                f"size {self.world_size}: every node must hold the same number")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.num_nodes > 1
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """One unit of sharding as the engine lays it out on this cluster."""
+
+    numel: int  # real parameters
+    padded_numel: int  # flat buffer length, a multiple of world size x alignment
+    shard_numel: int  # this rank's share
+    is_root: bool  # embeddings and final norm: gathered from forward through backward
+    persistent: bool  # below the persistence threshold: never released
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Peak bytes one rank holds, by kind; the first six are ``ZeroEngine.memory_breakdown``'s."""
+
+    working_shards: int  # this rank's 16-bit (or fp32) weights
+    gradient_shards: int  # fp32 accumulators, one per unit
+    fp32_master_shards: int
+    optimizer_moments: int  # Adam's two fp32 moments
+    hpz_secondary_shards: int  # every block's 1/hpz copy, alive between forward and backward
+    gathered_parameters: int  # peak of whole units gathered at once (root and prefetch included)
+    gradient_buffers: int  # transient: a unit's parameter gradients and its flat copy
+
+    @property
+    def model_states(self) -> int:
+        """What ZeRO partitions: weights, gradients and optimizer state."""
+        return (self.working_shards + self.gradient_shards + self.fp32_master_shards
+                + self.optimizer_moments)
+
+    @property
+    def total(self) -> int:
+        return sum(self.as_dict().values())
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class SystemPlan:
+    """Memory and communication of one configuration (ZeRO-3, or ZeRO++) on one cluster."""
+
+    name: str
+    zero: ZeroConfig
+    cluster: ClusterShape
+    units: tuple[UnitPlan, ...]
+    memory: MemoryPlan
+    comm: CommVolume  # bytes sent per rank per iteration (all micro-batches of one step)
+
+    def comm_total(self, locality: str) -> int:
+        if locality not in LOCALITIES:
+            raise ValueError(f"unknown locality {locality!r}; expected one of {LOCALITIES}")
+        return sum(by_locality[locality] for by_locality in self.comm.values())
+
+
+# ---- units ------------------------------------------------------------------------------
+
+
+def unit_parameter_counts(model: nn.Module, unit_modules: list[nn.Module] | None = None) -> list[int]:
+    """Parameters per unit, root first, grouped exactly as ``ShardedModel`` groups them.
+
+    Works on a meta-device model. A parameter shared by several modules counts once, in the
+    first unit that owns it; whatever no block owns (embeddings, final norm) is the root.
+    """
+    modules = unit_modules if unit_modules is not None else default_unit_modules(model)
+    assigned: set[int] = set()
+    block_counts = []
+    for module in modules:
+        fresh = [p for p in module.parameters() if id(p) not in assigned]
+        assigned.update(id(p) for p in fresh)
+        block_counts.append(sum(p.numel() for p in fresh))
+    root_count = sum(p.numel() for p in model.parameters() if id(p) not in assigned)
+    return [root_count, *block_counts]
+
+
+def shard_alignment(zero: ZeroConfig) -> int:
+    """Elements every shard is a multiple of (hpZ group pieces, qgZ whole-block slices)."""
+    hpz = zero.zero_hpz_partition_size if zero.zero_hpz_partition_size > 1 else 1
+    qgz = 2 * zero.zero_quantization_block_size if zero.zero_quantized_gradients else 1
+    return math.lcm(hpz, qgz)
+
+
+def plan_units(unit_numels: Sequence[int], cluster: ClusterShape, zero: ZeroConfig) -> list[UnitPlan]:
+    """Padded sizes and persistence of each unit; ``unit_numels[0]`` is the root."""
+    if not unit_numels:
+        raise ValueError("unit_numels is empty: give the root unit's count, then each block's")
+    align = shard_alignment(zero)
+    units = []
+    for index, numel in enumerate(unit_numels):
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"unit_numels[{index}] must be a non-negative integer, got {numel!r}")
+        layout = FlatLayout.build([(f"unit{index}", (numel,))], cluster.world_size, align)
+        persistent = 0 < numel < zero.stage3_param_persistence_threshold
+        units.append(UnitPlan(numel, layout.padded_numel, layout.shard_numel, index == 0,
+                              persistent))
+    return units
+
+
+def _check_hpz(zero: ZeroConfig, cluster: ClusterShape) -> None:
+    hpz = zero.zero_hpz_partition_size
+    if cluster.ranks_per_node % hpz:
+        raise TopologyError(f"zero_hpz_partition_size={hpz} must divide the ranks per node "
+                            f"({cluster.ranks_per_node}): hpZ groups live inside one node")
+
+
+# ---- memory -----------------------------------------------------------------------------
+
+
+def _peak_gathered(units: Sequence[UnitPlan], zero: ZeroConfig, backward: bool) -> int:
+    """Largest gathered set while blocks run in order, replaying the engine's prefetch rule.
+
+    The root and persistent units are always gathered. At each block (and, in forward, at
+    the root before the first block) the engine prefetches the following blocks while they
+    fit both the prefetch budget and the live-parameter cap. In backward, the block after
+    the current one (in forward order) may still be gathered until its last gradient lands,
+    so it is counted too: an upper estimate.
+    """
+    always = sum(u.padded_numel for u in units if u.is_root or u.persistent)
+    blocks = [u.padded_numel for u in units if not (u.is_root or u.persistent)]
+    if backward:
+        blocks.reverse()
+    in_flight: set[int] = set()
+    peak = always
+    # Position -1 is the root's forward, which prefetches the first blocks.
+    for index in range(0 if backward else -1, len(blocks)):
+        in_flight.discard(index)
+        current = blocks[index] if index >= 0 else 0
+        finishing = blocks[index - 1] if backward and index > 0 else 0
+        live = always + current + finishing + sum(blocks[j] for j in in_flight)
+        budget = zero.stage3_prefetch_bucket_size
+        for candidate in range(index + 1, len(blocks)):
+            size = blocks[candidate]
+            if candidate in in_flight:
+                budget -= size
+                continue
+            if size > budget or live + size > zero.stage3_max_live_parameters:
+                break
+            in_flight.add(candidate)
+            budget -= size
+            live += size
+        peak = max(peak, live)
+    return peak
+
+
+def plan_memory(units: Sequence[UnitPlan], zero: ZeroConfig, dtype_bytes: int) -> MemoryPlan:
+    """Peak per-rank bytes of model states and of the engine's gathered buffers."""
+    shard_numel = sum(u.shard_numel for u in units)
+    hpz = zero.zero_hpz_partition_size
+    # Blocks keep their secondary shard from their forward to their backward; the root is
+    # never released in between and persistent units never at all, so they keep none.
+    secondary_numel = sum(u.padded_numel // hpz for u in units
+                          if hpz > 1 and not (u.is_root or u.persistent))
+    gathered_numel = max(_peak_gathered(units, zero, backward=False),
+                         _peak_gathered(units, zero, backward=True))
+    # The root's gradients exist through the whole backward (the tied head produces them
+    # first); a block's parameter gradients and their flat copy exist while it is reduced.
+    root = units[0].padded_numel
+    largest_block = max((u.padded_numel for u in units[1:]), default=0)
+    gradient_numel = max(2 * root, root + 2 * largest_block)
+    return MemoryPlan(
+        working_shards=shard_numel * dtype_bytes,
+        gradient_shards=shard_numel * FP32_BYTES,
+        fp32_master_shards=shard_numel * FP32_BYTES,
+        optimizer_moments=2 * shard_numel * FP32_BYTES,
+        hpz_secondary_shards=secondary_numel * dtype_bytes,
+        gathered_parameters=gathered_numel * dtype_bytes,
+        gradient_buffers=gradient_numel * dtype_bytes,
+    )
+
+
+# ---- communication ----------------------------------------------------------------------
+
+
+class _Volume:
+    def __init__(self) -> None:
+        self.bytes: CommVolume = {phase: dict.fromkeys(LOCALITIES, 0) for phase in PHASES}
+
+    def add(self, phase: str, spans_nodes: bool, nbytes: int, times: int = 1) -> None:
+        self.bytes[phase]["inter_node" if spans_nodes else "intra_node"] += nbytes * times
+
+
+def _world_gather_bytes(unit: UnitPlan, cluster: ClusterShape, zero: ZeroConfig,
+                        dtype_bytes: int) -> int:
+    if zero.zero_quantized_weights:
+        payload = quantized_nbytes(unit.shard_numel, zero.zero_quantized_weights_bits,
+                                   zero.zero_quantization_block_size)
+    else:
+        payload = unit.shard_numel * dtype_bytes
+    return all_gather_bytes(payload, cluster.world_size)
+
+
+def _reduce_bucket_widths(unit: UnitPlan, cluster: ClusterShape, zero: ZeroConfig) -> list[int]:
+    """Per-rank slice width of each reduce bucket, as ``ShardedUnit.start_reduce`` cuts them."""
+    multiple = 2 * zero.zero_quantization_block_size if zero.zero_quantized_gradients else 1
+    step = max(multiple, zero.reduce_bucket_size // cluster.world_size // multiple * multiple)
+    return [min(step, unit.shard_numel - lo) for lo in range(0, unit.shard_numel, step)]
+
+
+def _add_gradient_reduce(volume: _Volume, unit: UnitPlan, cluster: ClusterShape,
+                         zero: ZeroConfig, dtype_bytes: int, times: int) -> None:
+    phase, world = "gradient_reduce", cluster.world_size
+    for width in _reduce_bucket_widths(unit, cluster, zero):
+        if not zero.zero_quantized_gradients:
+            nbytes = reduce_scatter_bytes(world * width * dtype_bytes, world)
+            volume.add(phase, cluster.spans_nodes, nbytes, times)
+            continue
+        bits, block = zero.zero_quantized_gradients_bits, zero.zero_quantization_block_size
+        # Hop 1 sends the whole swizzled bucket inside the node; hop 2 the node's partial
+        # sums of the n slices that belong to ranks with this local index.
+        intra = all_to_all_bytes(quantized_nbytes(world * width, bits, block), cluster.ranks_per_node)
+        inter = all_to_all_bytes(quantized_nbytes(cluster.num_nodes * width, bits, block),
+                                 cluster.num_nodes)
+        volume.add(phase, False, intra, times)
+        volume.add(phase, cluster.spans_nodes, inter, times)
+
+
+def plan_communication(units: Sequence[UnitPlan], cluster: ClusterShape, zero: ZeroConfig,
+                       dtype_bytes: int, micro_batches: int) -> CommVolume:
+    """Bytes this rank sends in one optimizer step of ``micro_batches`` micro-batches."""
+    volume = _Volume()
+    hpz = zero.zero_hpz_partition_size
+    for unit in units:
+        world_gather = _world_gather_bytes(unit, cluster, zero, dtype_bytes)
+        if unit.persistent:  # re-gathered once, when the update refreshes it
+            volume.add("forward_all_gather", cluster.spans_nodes, world_gather)
+        else:
+            volume.add("forward_all_gather", cluster.spans_nodes, world_gather, micro_batches)
+            if not unit.is_root and hpz > 1:
+                secondary_bytes = unit.padded_numel // hpz * dtype_bytes
+                volume.add("backward_all_gather", False, all_gather_bytes(secondary_bytes, hpz),
+                           micro_batches)
+            elif not unit.is_root:
+                volume.add("backward_all_gather", cluster.spans_nodes, world_gather, micro_batches)
+        _add_gradient_reduce(volume, unit, cluster, zero, dtype_bytes, micro_batches)
+    volume.add("optimizer", cluster.spans_nodes, all_reduce_bytes(FP32_BYTES, cluster.world_size))
+    return volume.bytes
+
+
+# ---- whole plans ------------------------------------------------------------------------
+
+
+def plan_system(name: str, unit_numels: Sequence[int], cluster: ClusterShape, zero: ZeroConfig,
+                dtype_bytes: int, micro_batches: int = 1) -> SystemPlan:
+    """Memory and communication of ``zero`` (read as stage 3) for these units on ``cluster``."""
+    if dtype_bytes not in (2, 4):
+        raise ValueError(f"dtype_bytes must be 2 (fp16/bf16) or 4 (fp32), got {dtype_bytes!r}")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    _check_hpz(zero, cluster)
+    units = plan_units(unit_numels, cluster, zero)
+    return SystemPlan(
+        name=name,
+        zero=zero,
+        cluster=cluster,
+        units=tuple(units),
+        memory=plan_memory(units, zero, dtype_bytes),
+        comm=plan_communication(units, cluster, zero, dtype_bytes, micro_batches),
+    )
+
+
+def zero3_baseline(zero: ZeroConfig) -> ZeroConfig:
+    """The same config with qwZ, hpZ and qgZ off: the ZeRO-3 run ZeRO++ is compared with."""
+    return dataclasses.replace(
+        zero, stage=3, zero_quantized_weights=False, zero_hpz_partition_size=1,
+        zero_quantized_gradients=False, zero_quantized_gradients_error_feedback=False)
+
+
+def plan_zero3_and_zeropp(unit_numels: Sequence[int], world_size: int, ranks_per_node: int,
+                          zero: ZeroConfig, dtype_bytes: int,
+                          micro_batches: int = 1) -> tuple[SystemPlan, SystemPlan]:
+    """(ZeRO-3 baseline, the configured ZeRO++) for the same model, cluster and batch."""
+    cluster = ClusterShape(world_size, ranks_per_node)
+    configured = dataclasses.replace(zero, stage=3)
+    return (
+        plan_system("ZeRO-3", unit_numels, cluster, zero3_baseline(zero), dtype_bytes,
+                    micro_batches),
+        plan_system("ZeRO++", unit_numels, cluster, configured, dtype_bytes, micro_batches),
+    )
