@@ -41,13 +41,12 @@ from megatron_lite.arguments import (
     reconcile_with_ds_config,
     validate_args,
 )
+from megatron_lite.checkpointing import RunControl, SaveFailed
 from megatron_lite.lr_schedule import LRScheduler
 from megatron_lite.metrics import MetricsWriter
 from megatron_lite.model import GPTConfig, GPTModel
 from megatron_lite.training import LoaderFactory, TrainingSummary, perplexity, pretrain
 
-# A rank that dies must end the job, not leave the others waiting in a collective forever.
-DISTRIBUTED_TIMEOUT_S = 600.0
 USAGE_ERRORS = (ArgumentError, zeropp.ConfigError, zeropp.TopologyError)
 
 
@@ -56,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         if args.dry_run:
             return dry_run(args)
-        zeropp.init_distributed(timeout_s=DISTRIBUTED_TIMEOUT_S)
+        zeropp.init_distributed(timeout_s=args.distributed_timeout_minutes * 60)
         rank, world_size = dist.get_rank(), dist.get_world_size()
         ds_config = read_ds_config(args)
         validate_args(args, world_size)
@@ -77,9 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         return fail(error, status=2)
     except (FileNotFoundError, ValueError) as error:
         return fail(error, status=1)
-    with MetricsWriter.from_args(args, enabled=rank == world_size - 1) as metrics_writer:
-        summary = pretrain(args, engine, scheduler, model.config, train_loader, valid_loader,
-                           metrics_writer, compute_device())
+    run_control = RunControl(args, engine, scheduler, model.config)
+    try:
+        with MetricsWriter.from_args(args, enabled=rank == world_size - 1) as metrics_writer:
+            summary = pretrain(args, engine, scheduler, model.config, train_loader,
+                               valid_loader, metrics_writer, compute_device(),
+                               run_control=run_control)
+    except (SaveFailed, FloatingPointError, zeropp.CheckpointError, ValueError) as error:
+        return fail(error, status=1)
     report(summary)
     dist.destroy_process_group()
     return 0
@@ -113,9 +117,6 @@ def read_ds_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def check_supported(args: argparse.Namespace, ds_config: dict[str, Any]) -> None:
-    if args.save is not None or args.load is not None:
-        flag = "--save" if args.save is not None else "--load"
-        raise ArgumentError(f"{flag}: this entry point does not write or read checkpoints")
     if args.data_path is None:
         raise ArgumentError("--data-path is required for training")
     if "scheduler" in ds_config:

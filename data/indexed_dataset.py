@@ -143,6 +143,10 @@ class IndexedDatasetBuilder:
         bin_fd, self._tmp_bin_path = tempfile.mkstemp(prefix=f".{base}.", suffix=".bin.partial",
                                                       dir=directory)
         self._tmp_idx_path = self._tmp_bin_path[: -len(".bin.partial")] + ".idx.partial"
+        # mkstemp creates the file 0600; a dataset is shared data, so use the umask's mode.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self._tmp_bin_path, 0o666 & ~umask)
         self._bin_file = os.fdopen(bin_fd, "wb", buffering=1 << 20)
         # array.array keeps 8 bytes per entry; a Python list of ints would use ~36 and a
         # Pile-sized corpus has hundreds of millions of sequences.

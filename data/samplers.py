@@ -120,6 +120,10 @@ def build_pretraining_data_loader(
         pin_memory=torch.cuda.is_available(),
         # Workers re-open the memory maps; keeping them alive avoids doing so every epoch.
         persistent_workers=num_workers > 0,
+        # Each new iterator draws a worker seed from this generator. Left to the default, it
+        # would draw from the global RNG and shift every later dropout mask, so a resumed
+        # run (which builds its loader at another point of the RNG stream) would diverge.
+        generator=torch.Generator().manual_seed(0),
     )
 
 

@@ -42,6 +42,7 @@ _POSITIVE_IF_SET = (
     "save_interval", "exit_interval", "ranks_per_node", "tensor_model_parallel_size",
     "pipeline_model_parallel_size", "adam_eps", "init_method_std", "layernorm_epsilon",
     "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis",
+    "dry_run_nodes", "dry_run_gpus_per_node", "dry_run_gpu_memory_gb",
 )
 _NON_NEGATIVE_IF_SET = (
     "lr", "min_lr", "weight_decay", "clip_grad", "eval_iters", "num_workers", "lr_warmup_iters",
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_checkpointing_args(parser.add_argument_group("checkpointing"))
     _add_distributed_args(parser.add_argument_group("distributed/ZeRO"))
     _add_logging_args(parser.add_argument_group("logging"))
+    _add_dry_run_args(parser.add_argument_group("dry run (with --dry-run)"))
     return parser
 
 
@@ -122,6 +124,9 @@ def _add_training_args(group: argparse._ArgumentGroup) -> None:
                        help="Blocks per activation-checkpoint segment (default: 1).")
     group.add_argument("--exit-interval", type=int, default=None,
                        help="Stop after the iteration that is a multiple of this.")
+    group.add_argument("--exit-on-nan", type=int, default=10, metavar="N",
+                       help="Stop with an error after N consecutive iterations whose loss is "
+                       "not finite (default: 10; 0 disables the guard).")
     group.add_argument("--dry-run", action="store_true",
                        help="Validate, build model and data, then exit before the first step.")
 
@@ -175,9 +180,20 @@ def _add_checkpointing_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--save", default=None, help="Directory to write checkpoints to.")
     group.add_argument("--load", default=None, help="Directory to resume from.")
     group.add_argument("--save-interval", type=int, default=None, help="Iterations per checkpoint.")
+    group.add_argument("--save-error", choices=("stop", "continue"), default="stop",
+                       help="When a save fails (disk full, unwritable): stop the run (default) "
+                       "or warn and keep training. The previous checkpoint stays valid.")
+    group.add_argument("--exit-signal-handler", action="store_true",
+                       help="On SIGTERM, save a checkpoint at the next iteration boundary and "
+                       "exit cleanly (what schedulers send before killing a job).")
+    group.add_argument("--no-load-optim", action="store_true",
+                       help="Load only the weights from --load, not optimizer states.")
 
 
 def _add_distributed_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                       help="Bound on every collective: a rank that dies ends the job after "
+                       "at most this long instead of hanging it (default: 10).")
     group.add_argument("--tensor-model-parallel-size", type=int, default=1,
                        help="Must be 1: this engine is data-parallel ZeRO only.")
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1,
@@ -206,6 +222,16 @@ def _add_logging_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--tensorboard-dir", default=None, help="Enables TensorBoard scalars.")
     group.add_argument("--metrics-file", default=None,
                        help="Append one JSON object per log interval to this file.")
+
+
+def _add_dry_run_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--dry-run-nodes", type=int, default=1,
+                       help="Nodes of the cluster to plan memory and communication for "
+                       "(default: 1).")
+    group.add_argument("--dry-run-gpus-per-node", type=int, default=None,
+                       help="GPUs (ranks) per planned node (default: --ranks-per-node, else 1).")
+    group.add_argument("--dry-run-gpu-memory-gb", type=float, default=32.0,
+                       help="Memory of one planned GPU in GiB (default: 32, a V100-32GB).")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

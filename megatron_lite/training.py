@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from data.samplers import get_batch
+from megatron_lite.checkpointing import RunControl
 from megatron_lite.lr_schedule import LRScheduler
 from megatron_lite.metrics import MAX_LOSS_FOR_PERPLEXITY, MetricsWriter, Timers, training_log_line
 from megatron_lite.model import GPTConfig, flops_per_token, lm_loss
@@ -143,8 +144,10 @@ class Trainer:
         metrics_writer: MetricsWriter,
         device: torch.device,
         loss_fn: LossFunction = lm_loss,
+        run_control: RunControl | None = None,
     ) -> None:
         self.args = args
+        self.run_control = run_control
         self.engine = engine
         self.lr_scheduler = lr_scheduler
         self.train_loader_factory = train_loader_factory
@@ -152,6 +155,7 @@ class Trainer:
         self.metrics_writer = metrics_writer
         self.device = device
         self.loss_fn = loss_fn
+        self.vocab_size = model_config.vocab_size
         self.flops_per_token = flops_per_token(model_config, args.seq_length,
                                                args.checkpoint_activations)
         self.world_size = engine.topology.world_size
@@ -170,6 +174,8 @@ class Trainer:
     def train(self) -> None:
         """Iterate until ``--train-iters`` (or the ``--exit-interval`` stop)."""
         args = self.args
+        if self.run_control is not None:
+            self.run_control.resume(self)
         batches = iter(self.train_loader_factory(self.consumed_samples))
         self.lr_scheduler.step(self.applied_updates)
         self.engine.train()
@@ -185,6 +191,10 @@ class Trainer:
                 self.timers("interval-time").stop()
                 self.evaluate_validation()
                 self.timers("interval-time").start()
+            if self.run_control is not None:
+                self.run_control.maybe_save(self)
+                if self.run_control.should_stop(self, loss):
+                    break
             if args.exit_interval and self.iteration % args.exit_interval == 0:
                 self._print(f"exiting after iteration {self.iteration} (--exit-interval "
                             f"{args.exit_interval})")
@@ -192,6 +202,8 @@ class Trainer:
         if self._interval.iterations:
             self._log_interval()
         self.timers("interval-time").stop()
+        if self.run_control is not None:
+            self.run_control.save_at_end(self)
 
     def train_step(self, batches: Iterator[torch.Tensor]) -> tuple[torch.Tensor, bool]:
         """One global batch; returns this rank's mean micro-batch loss and whether the
@@ -230,6 +242,12 @@ class Trainer:
                 f"the {split} data ran out at iteration {self.iteration}: its dataset must "
                 f"hold iterations x --global-batch-size {self.args.global_batch_size} samples"
             ) from None
+        largest = int(text.max())
+        if largest >= self.vocab_size:  # would index past the embedding table
+            raise ValueError(
+                f"the {split} data holds token id {largest}, but the tokenizer's vocabulary "
+                f"has {self.vocab_size} ids: the data was tokenized with another tokenizer"
+            )
         tokens, labels, loss_mask, _ = get_batch(text.to(self.device, non_blocking=True))
         return tokens, labels, loss_mask
 
@@ -364,6 +382,7 @@ def pretrain(
     metrics_writer: MetricsWriter,
     device: torch.device,
     loss_fn: LossFunction = lm_loss,
+    run_control: RunControl | None = None,
 ) -> TrainingSummary:
     """Train, then measure the validation loss (reused when the last iteration just did).
 
@@ -371,7 +390,7 @@ def pretrain(
     the number tells where the run stands.
     """
     trainer = Trainer(args, engine, lr_scheduler, model_config, train_loader_factory,
-                      valid_loader_factory, metrics_writer, device, loss_fn)
+                      valid_loader_factory, metrics_writer, device, loss_fn, run_control)
     trainer.train()
     return TrainingSummary(
         iterations=trainer.iteration,

@@ -4,6 +4,7 @@
     loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()
 """
 
+from zeropp.checkpoint import CheckpointError
 from zeropp.config import ConfigError, EngineConfig, read_json_config
 from zeropp.engine import ZeroEngine
 from zeropp.initialize import (
@@ -18,6 +19,7 @@ from zeropp.sharded_model import ShardingOptions
 from zeropp.topology import Topology, TopologyError, build_topology
 
 __all__ = [
+    "CheckpointError",
     "ConfigError",
     "DynamicLossScaler",
     "EngineConfig",

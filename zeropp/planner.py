@@ -183,7 +183,7 @@ def _check_hpz(zero: ZeroConfig, cluster: ClusterShape) -> None:
 # ---- memory -----------------------------------------------------------------------------
 
 
-def _peak_gathered(units: Sequence[UnitPlan], zero: ZeroConfig, backward: bool) -> int:
+def peak_gathered_numel(units: Sequence[UnitPlan], zero: ZeroConfig, backward: bool) -> int:
     """Largest gathered set while blocks run in order, replaying the engine's prefetch rule.
 
     The root and persistent units are always gathered. At each block (and, in forward, at
@@ -227,8 +227,8 @@ def plan_memory(units: Sequence[UnitPlan], zero: ZeroConfig, dtype_bytes: int) -
     # never released in between and persistent units never at all, so they keep none.
     secondary_numel = sum(u.padded_numel // hpz for u in units
                           if hpz > 1 and not (u.is_root or u.persistent))
-    gathered_numel = max(_peak_gathered(units, zero, backward=False),
-                         _peak_gathered(units, zero, backward=True))
+    gathered_numel = max(peak_gathered_numel(units, zero, backward=False),
+                         peak_gathered_numel(units, zero, backward=True))
     # The root's gradients exist through the whole backward (the tied head produces them
     # first); a block's parameter gradients and their flat copy exist while it is reduced.
     root = units[0].padded_numel

@@ -1,0 +1,153 @@
+"""Saving and resuming a training run: the application's side of a checkpoint.
+
+The engine writes its shards (``engine.save_checkpoint``: weights, optimizer state, loss
+scaler, RNG states, atomically, with a ``latest`` file); this module adds what the loop
+needs to continue exactly where it stopped: iteration, consumed samples, applied updates,
+skipped iterations, the lr schedule, the model shape and the arguments of the run. Tags are
+Megatron's ``iter_0000100``.
+
+It also owns the run's stop conditions that involve every rank: SIGTERM from a scheduler
+(``--exit-signal-handler``) and a loss that stays non-finite (``--exit-on-nan``). Both are
+agreed with one small all-reduce per iteration, so all ranks stop at the same boundary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import signal
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint save failed and ``--save-error stop`` asks the run to end."""
+
+
+def checkpoint_tag(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def _plain_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The arguments as JSON-like values (checkpoints are loaded with weights_only=True)."""
+    plain = {}
+    for key, value in vars(args).items():
+        if isinstance(value, bool | int | float | str) or value is None:
+            plain[key] = value
+        elif isinstance(value, list | tuple) and all(
+            isinstance(v, bool | int | float | str) for v in value
+        ):
+            plain[key] = list(value)
+    return plain
+
+
+class RunControl:
+    """Checkpoint cadence, resume, and the collective stop decisions of the training loop."""
+
+    def __init__(self, args: argparse.Namespace, engine, lr_scheduler, model_config) -> None:
+        self.args = args
+        self.engine = engine
+        self.lr_scheduler = lr_scheduler
+        self.model_config = model_config
+        self.last_saved_iteration: int | None = None
+        self.nonfinite_streak = 0
+        self._signal_received = False
+        if args.exit_signal_handler:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        # Only a flag: saving happens at the next iteration boundary, on every rank at once.
+        self._signal_received = True
+
+    # ---- resume --------------------------------------------------------------------------
+    def resume(self, trainer) -> None:
+        """Load ``--load`` into the engine and the trainer's counters (no-op without it)."""
+        if not self.args.load:
+            return
+        path, client = self.engine.load_checkpoint(
+            self.args.load, load_optimizer_states=not self.args.no_load_optim
+        )
+        saved_model = client.get("model_config", {})
+        ours = dataclasses.asdict(self.model_config)
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                    "vocab_size", "max_position_embeddings"):
+            if key in saved_model and saved_model[key] != ours[key]:
+                raise ValueError(
+                    f"checkpoint {path} was written for {key}={saved_model[key]}, "
+                    f"this run has {key}={ours[key]}"
+                )
+        trainer.iteration = int(client["iteration"])
+        trainer.consumed_samples = int(client["consumed_samples"])
+        trainer.applied_updates = int(client["applied_updates"])
+        trainer.skipped_iterations = int(client["skipped_iterations"])
+        if not self.args.no_load_optim and client.get("lr_scheduler"):
+            self.lr_scheduler.load_state_dict(client["lr_scheduler"], strict=False)
+        self.last_saved_iteration = trainer.iteration
+        trainer._print(f"resumed from {path} at iteration {trainer.iteration} "
+                       f"({trainer.consumed_samples} consumed samples)")
+
+    # ---- save ----------------------------------------------------------------------------
+    def save(self, trainer) -> None:
+        """Save now; on failure stop or continue as ``--save-error`` says."""
+        client = {
+            "iteration": trainer.iteration,
+            "consumed_samples": trainer.consumed_samples,
+            "applied_updates": trainer.applied_updates,
+            "skipped_iterations": trainer.skipped_iterations,
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "model_config": dataclasses.asdict(self.model_config),
+            "args": _plain_args(self.args),
+        }
+        try:
+            path = self.engine.save_checkpoint(
+                self.args.save, tag=checkpoint_tag(trainer.iteration), client_state=client
+            )
+        except RuntimeError as error:  # the engine's CheckpointError, raised on every rank
+            if self.args.save_error == "stop":
+                raise SaveFailed(f"checkpoint save at iteration {trainer.iteration} failed: "
+                                 f"{error}") from error
+            trainer._print(f"warning: checkpoint save at iteration {trainer.iteration} failed "
+                           f"({error}); the previous checkpoint stays valid; continuing")
+            return
+        self.last_saved_iteration = trainer.iteration
+        trainer._print(f"saved checkpoint {path} at iteration {trainer.iteration}")
+
+    def maybe_save(self, trainer) -> None:
+        interval = self.args.save_interval
+        if self.args.save and interval and trainer.iteration % interval == 0:
+            self.save(trainer)
+
+    def save_at_end(self, trainer) -> None:
+        if self.args.save and self.last_saved_iteration != trainer.iteration:
+            self.save(trainer)
+
+    # ---- stop conditions -----------------------------------------------------------------
+    def should_stop(self, trainer, loss: torch.Tensor) -> bool:
+        """Agree across ranks on SIGTERM and on a loss that stays non-finite."""
+        flags = torch.tensor(
+            [float(self._signal_received), float(not math.isfinite(float(loss)))]
+        )
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signalled, nonfinite = flags.tolist()
+        self.nonfinite_streak = self.nonfinite_streak + 1 if nonfinite else 0
+        limit = self.args.exit_on_nan
+        if limit and self.nonfinite_streak >= limit:
+            raise FloatingPointError(
+                f"the loss was not finite for {self.nonfinite_streak} consecutive iterations "
+                f"(up to iteration {trainer.iteration}); stopping (--exit-on-nan {limit})"
+            )
+        if signalled:
+            trainer._print(f"SIGTERM received: saving at iteration {trainer.iteration} and "
+                           "exiting")
+            if self.args.save:
+                self.save(trainer)
+            else:
+                print("warning: no --save directory; exiting without a checkpoint",
+                      file=sys.stderr, flush=True)
+            return True
+        return False

@@ -1,0 +1,326 @@
+"""``--dry-run``: will this model fit, and what will cross the nodes, on a cluster you name?
+
+    python pretrain_zeropp_gpt.py --num-layers 40 --hidden-size 6144 --num-attention-heads 32 \\
+        --seq-length 512 --batch-size 1 --fp16 --checkpoint-activations \\
+        --deepspeed_config configs/ds_zeropp_config.json \\
+        --dry-run --dry-run-nodes 4 --dry-run-gpus-per-node 16
+
+One process, no GPU, no process group: the GPT is built on the meta device (an 18B model in
+about a second), its units are counted the way the engine groups them, and
+``zeropp.planner`` replays the engine's layout, prefetch and collectives for the planned
+cluster. Printed: the parameter count, each GPU's memory by kind (parameters, gradients,
+optimizer state, hpZ secondary shards, activations) against the GPU's memory, and the bytes
+each GPU sends per iteration by phase and locality, for the ZeRO-3 baseline and for the
+configured ZeRO++ side by side.
+
+[Note: activation memory]
+Megatron's estimate (Korthikanti et al., 2022) for one layer without recomputation is
+s*b*h*(34 + 5*a*s/h) bytes with 16-bit activations. With ``--checkpoint-activations`` only
+each checkpointed chunk's input (2*s*b*h bytes) stays for the whole backward, plus one
+chunk's full activations while it is recomputed. The logits add s*b*V*(d + 8) bytes: the
+d-byte logits, their fp32 copy and the fp32 log-softmax kept by the fp32 loss. With fp32
+compute the 16-bit terms are doubled. The estimate counts no allocator fragmentation, no
+CUDA context and no communication buffers, so leave a few GiB of margin.
+
+[Note: comparison with the ZeRO++ tutorial]
+For the tutorial's 18B on 4 x 16 V100-32GB, DeepSpeed reports a peak of 8.28 GB (ZeRO-3) and
+10.26 GB (ZeRO++), 1.98 GB apart; this planner prints 9.98 and 12.09 GiB, 2.11 GiB apart.
+The hpZ cost agrees: both are the 2*Psi/alpha secondary shards (here the blocks' only, the
+root never has one). The totals differ because this engine accumulates gradient shards in
+fp32 (DeepSpeed keeps 16-bit gradient partitions), and because the planner adds up the peak
+of every transient as if they coincided: the root's gradients through the whole backward,
+the largest block's gradients with their flat copy, a block gathered next to one still
+being reduced. DeepSpeed's figure is a measured ``max_memory_allocated``: the same buffers
+as they actually overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from megatron_lite.arguments import ArgumentError, reconcile_with_ds_config, validate_args
+from megatron_lite.model import GPTConfig, GPTModel
+from zeropp.config import ConfigError, EngineConfig, ZeroConfig, read_json_config
+from zeropp.planner import SystemPlan, plan_zero3_and_zeropp, unit_parameter_counts
+from zeropp.topology import TopologyError
+
+GIB = 1024**3
+# Megatron's per-layer activation constant and checkpoint size assume 16-bit activations.
+ACTIVATION_REFERENCE_BYTES = 2
+PHASE_LABELS = {
+    "forward_all_gather": "forward all-gather",
+    "backward_all_gather": "backward all-gather",
+    "gradient_reduce": "gradient reduce",
+    "optimizer": "optimizer (norm all-reduce)",
+}
+
+
+@dataclass(frozen=True)
+class PlannedCluster:
+    """The cluster the dry run plans for (not the one it runs on)."""
+
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gib: float
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def gpu_memory_bytes(self) -> int:
+        return int(self.gpu_memory_gib * GIB)
+
+
+@dataclass(frozen=True)
+class ActivationPlan:
+    """Activation bytes per GPU for one micro-batch (see [Note: activation memory])."""
+
+    kept_for_backward: int  # every layer's activations, or only the chunk inputs
+    recomputed_chunk: int  # one chunk's full activations during its recompute (0 without)
+    logits: int
+
+    @property
+    def total(self) -> int:
+        return self.kept_for_backward + self.recomputed_chunk + self.logits
+
+
+@dataclass(frozen=True)
+class DryRunReport:
+    """Everything ``--dry-run`` prints, as numbers."""
+
+    num_parameters: int
+    cluster: PlannedCluster
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    seq_length: int
+    dtype_name: str
+    activations: ActivationPlan
+    plans: tuple[SystemPlan, SystemPlan]  # (ZeRO-3, configured ZeRO++)
+
+    def total_bytes(self, plan: SystemPlan) -> int:
+        return plan.memory.total + self.activations.total
+
+    def fits(self, plan: SystemPlan) -> bool:
+        return self.total_bytes(plan) <= self.cluster.gpu_memory_bytes
+
+    @property
+    def inter_node_ratio(self) -> float:
+        """ZeRO-3's inter-node bytes over ZeRO++'s (inf when ZeRO++ sends none)."""
+        zero3, zeropp = (plan.comm_total("inter_node") for plan in self.plans)
+        return zero3 / zeropp if zeropp else math.inf
+
+
+# ---- inputs -------------------------------------------------------------------------------
+
+
+def planned_cluster(args: argparse.Namespace) -> PlannedCluster:
+    # Checked here, not only by validate_args: the world size it validates against comes
+    # from these values.
+    for flag, value in (("--dry-run-nodes", args.dry_run_nodes),
+                        ("--dry-run-gpus-per-node", args.dry_run_gpus_per_node),
+                        ("--ranks-per-node", args.ranks_per_node),
+                        ("--dry-run-gpu-memory-gb", args.dry_run_gpu_memory_gb)):
+        if value is not None and not value > 0:
+            raise ArgumentError(f"{flag} {value} must be positive")
+    gpus_per_node = args.dry_run_gpus_per_node or args.ranks_per_node or 1
+    return PlannedCluster(args.dry_run_nodes, gpus_per_node, args.dry_run_gpu_memory_gb)
+
+
+def zero_config(args: argparse.Namespace) -> ZeroConfig:
+    """The ``zero_optimization`` block the engine would run: the file's, stage from the CLI."""
+    if args.deepspeed_config is None:
+        return ZeroConfig(stage=args.zero_stage)
+    ds_config = read_json_config(args.deepspeed_config)
+    reconcile_with_ds_config(args, ds_config)
+    zero = EngineConfig.from_mapping(ds_config).zero_optimization
+    return dataclasses.replace(zero, stage=args.zero_stage)
+
+
+def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
+    """The GPT the command line describes (``validate_args`` must have run)."""
+    return GPTConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=vocab_size,
+        max_position_embeddings=args.max_position_embeddings,
+        ffn_hidden_size=args.ffn_hidden_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        layernorm_epsilon=args.layernorm_epsilon,
+        checkpoint_activations=args.checkpoint_activations,
+        checkpoint_num_layers=args.checkpoint_num_layers,
+        seed=args.seed,
+    )
+
+
+def tokenizer_vocab_size(args: argparse.Namespace) -> int:
+    # Imported here: only the dry run needs a tokenizer in this module.
+    from data.tokenizers import build_tokenizer
+
+    tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
+                                merge_file=args.merge_file, tokenizer_model=args.tokenizer_model)
+    return tokenizer.vocab_size
+
+
+# ---- arithmetic ---------------------------------------------------------------------------
+
+
+def layer_activation_bytes(config: GPTConfig, seq_length: int, micro_batch: int) -> int:
+    """Megatron's s*b*h*(34 + 5*a*s/h) bytes for one layer, 16-bit, no recomputation."""
+    s, b, h, a = seq_length, micro_batch, config.hidden_size, config.num_attention_heads
+    return s * b * (34 * h + 5 * a * s)
+
+
+def plan_activations(config: GPTConfig, seq_length: int, micro_batch: int,
+                     dtype_bytes: int) -> ActivationPlan:
+    scale = dtype_bytes / ACTIVATION_REFERENCE_BYTES
+    per_layer = layer_activation_bytes(config, seq_length, micro_batch)
+    logits = seq_length * micro_batch * config.padded_vocab_size * (dtype_bytes + 8)
+    if not config.checkpoint_activations:
+        return ActivationPlan(int(config.num_layers * per_layer * scale), 0, logits)
+    chunk = min(config.checkpoint_num_layers, config.num_layers)
+    chunks = math.ceil(config.num_layers / chunk)
+    chunk_inputs = chunks * ACTIVATION_REFERENCE_BYTES * seq_length * micro_batch * config.hidden_size
+    return ActivationPlan(int(chunk_inputs * scale), int(chunk * per_layer * scale), logits)
+
+
+def build_report(args: argparse.Namespace) -> DryRunReport:
+    """Validate ``args`` for the planned cluster, build the meta model, plan both systems."""
+    cluster = planned_cluster(args)
+    zero = zero_config(args)
+    validate_args(args, cluster.world_size)
+    if args.zero_stage == 0 and cluster.world_size > 1:
+        raise ArgumentError(f"--zero-stage 0 with {cluster.world_size} GPUs: this engine "
+                            "partitions everything across ranks; use --zero-stage 3")
+    with torch.device("meta"):
+        model = GPTModel(model_config(args, tokenizer_vocab_size(args)))
+    dtype_bytes = 4 if args.params_dtype == torch.float32 else 2
+    plans = plan_zero3_and_zeropp(
+        unit_parameter_counts(model), cluster.world_size, cluster.gpus_per_node, zero,
+        dtype_bytes, args.gradient_accumulation_steps)
+    return DryRunReport(
+        num_parameters=model.num_parameters(),
+        cluster=cluster,
+        micro_batch_size=args.micro_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        seq_length=args.seq_length,
+        dtype_name=str(args.params_dtype).removeprefix("torch."),
+        activations=plan_activations(model.config, args.seq_length, args.micro_batch_size,
+                                     dtype_bytes),
+        plans=plans,
+    )
+
+
+# ---- output -------------------------------------------------------------------------------
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f}"
+
+
+def _row(label: str, values: list[str]) -> str:
+    return f"  {label:<38}" + "".join(f"{value:>13}" for value in values)
+
+
+def _system_options(plan: SystemPlan) -> str:
+    zero = plan.zero
+    parts = []
+    if zero.zero_quantized_weights:
+        parts.append(f"qwZ int{zero.zero_quantized_weights_bits}")
+    if zero.zero_hpz_partition_size > 1:
+        parts.append(f"hpZ {zero.zero_hpz_partition_size}")
+    if zero.zero_quantized_gradients:
+        parts.append(f"qgZ int{zero.zero_quantized_gradients_bits}")
+    return f"{plan.name}: " + (", ".join(parts) if parts else "no ZeRO++ option on")
+
+
+def memory_lines(report: DryRunReport) -> list[str]:
+    plans = report.plans
+    memories = [plan.memory for plan in plans]
+    activations = report.activations
+    rows = [
+        ("parameters: own shard", [m.working_shards for m in memories]),
+        ("parameters: gathered units (peak)", [m.gathered_parameters for m in memories]),
+        ("gradients: fp32 shards", [m.gradient_shards for m in memories]),
+        ("gradients: unit buffers (transient)", [m.gradient_buffers for m in memories]),
+        ("optimizer: fp32 master + Adam moments",
+         [m.fp32_master_shards + m.optimizer_moments for m in memories]),
+        ("hpZ secondary shards", [m.hpz_secondary_shards for m in memories]),
+        ("activations: kept for backward", [activations.kept_for_backward] * 2),
+        ("activations: recomputed chunk", [activations.recomputed_chunk] * 2),
+        ("activations: logits and loss", [activations.logits] * 2),
+    ]
+    lines = [_row("per-GPU memory (GiB)", [plan.name for plan in plans])]
+    lines += [_row(label, [_gib(v) for v in values]) for label, values in rows]
+    lines.append(_row("total", [_gib(report.total_bytes(plan)) for plan in plans]))
+    verdicts = ["fits" if report.fits(plan) else "does NOT fit" for plan in plans]
+    lines.append(_row(f"vs GPU memory {report.cluster.gpu_memory_gib:g} GiB", verdicts))
+    increase = memories[1].total - memories[0].total
+    lines.append(f"  ZeRO++ over ZeRO-3: {increase / GIB:+.2f} GiB per GPU, of which hpZ "
+                 f"secondary shards {memories[1].hpz_secondary_shards / GIB:.2f} GiB")
+    return lines
+
+
+def communication_lines(report: DryRunReport) -> list[str]:
+    zero3, zeropp = report.plans
+    lines = [_row("sent per GPU per iteration (GiB)", [zero3.name, "", zeropp.name, ""]),
+             _row("", ["intra-node", "inter-node"] * 2)]
+    for phase, label in PHASE_LABELS.items():
+        values = [plan.comm[phase][locality] for plan in report.plans
+                  for locality in ("intra_node", "inter_node")]
+        lines.append(_row(label, [_gib(v) for v in values]))
+    totals = [plan.comm_total(locality) for plan in report.plans
+              for locality in ("intra_node", "inter_node")]
+    lines.append(_row("total", [_gib(v) for v in totals]))
+    ratio = report.inter_node_ratio
+    shown = "ZeRO++ sends nothing across nodes" if math.isinf(ratio) else f"{ratio:.2f}x"
+    if report.cluster.nodes == 1:
+        shown = "one node: nothing crosses nodes"
+    lines.append(f"  inter-node volume, ZeRO-3 / ZeRO++: {shown}")
+    return lines
+
+
+def render(report: DryRunReport) -> str:
+    cluster = report.cluster
+    tokens_per_gpu = report.micro_batch_size * report.seq_length
+    lines = [
+        f"number of parameters: {report.num_parameters:,} ({report.num_parameters / 1e9:.2f}B)",
+        f"planned cluster: {cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs = "
+        f"{cluster.world_size} GPUs of {cluster.gpu_memory_gib:g} GiB",
+        f"per GPU: micro batch {report.micro_batch_size} x seq {report.seq_length} = "
+        f"{tokens_per_gpu:,} tokens per micro-batch, {report.gradient_accumulation_steps} "
+        f"micro-batch(es) per iteration, {report.dtype_name} compute",
+        *(f"  {_system_options(plan)}" for plan in report.plans),
+        "",
+        *memory_lines(report),
+        "",
+        *communication_lines(report),
+    ]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def run_dry_run(args: argparse.Namespace) -> int:
+    """Print the plan for ``args`` and return the exit status (0, 2 for usage errors, else 1).
+
+    Call it right after ``parse_args``, before any process group exists.
+    """
+    try:
+        report = build_report(args)
+    except (ArgumentError, ConfigError, TopologyError) as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 1
+    print(render(report), flush=True)
+    return 0

@@ -1,0 +1,261 @@
+"""The planner against a real 4-rank run, and ``--dry-run`` on the tutorial's 18B cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_lite.arguments import parse_args
+from megatron_lite.dry_run import build_report, layer_activation_bytes, run_dry_run
+from megatron_lite.model import GPTConfig, GPTModel
+from tests.distributed import run_ranks
+from zeropp.config import ZeroConfig
+from zeropp.planner import (
+    ClusterShape,
+    peak_gathered_numel,
+    plan_system,
+    plan_units,
+    plan_zero3_and_zeropp,
+    unit_parameter_counts,
+)
+from zeropp.topology import TopologyError
+
+TOY = dict(num_layers=3, hidden_size=64, num_attention_heads=4, vocab_size=100,
+           max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
+MICRO_BATCHES = 2
+# (ranks per node, zero_optimization block, activation checkpointing): every code path of
+# the planner at least once (persistent units, bucketed reductions, prefetch, hpZ, qgZ on
+# one node, across nodes and with one rank per node).
+CASES = [
+    (2, {"stage": 3, "stage3_param_persistence_threshold": 20_000}, False),
+    (2, {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 2,
+         "zero_quantized_gradients": True, "stage3_param_persistence_threshold": 0,
+         "reduce_bucket_size": 20_000, "stage3_prefetch_bucket_size": 60_000}, True),
+    (4, {"stage": 3, "zero_quantized_gradients": True, "zero_hpz_partition_size": 4,
+         "stage3_param_persistence_threshold": 20_000, "reduce_bucket_size": 20_000,
+         "stage3_prefetch_bucket_size": 120_000}, False),
+    (1, {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
+         "zero_quantized_gradients_bits": 8, "stage3_param_persistence_threshold": 0}, True),
+]
+TUTORIAL_18B = (
+    "--num-layers 40 --hidden-size 6144 --num-attention-heads 32 --seq-length 512 "
+    "--batch-size 1 --fp16 --checkpoint-activations "
+    "--deepspeed_config configs/ds_zeropp_config.json "
+    "--dry-run --dry-run-nodes 4 --dry-run-gpus-per-node 16"
+)
+GPT2_VOCAB = 50257
+
+
+def measure_cases(rank, world):
+    """On each rank, for every case: bytes of the last step, memory after forward, the
+    gathered-parameter peak seen at each block's forward, and memory after the step."""
+    from megatron_lite.model.gpt import lm_loss
+    from zeropp.initialize import build_engine, make_loss_scaler, options_from_config
+
+    results = []
+    for per_node, zero_block, checkpoint in CASES:
+        sharding, quantization = options_from_config(ZeroConfig.from_mapping(zero_block))
+        with torch.device("meta"):
+            model = GPTModel(GPTConfig(**TOY, checkpoint_activations=checkpoint))
+        engine = build_engine(
+            model, lr=1e-3, dtype=torch.float16, gradient_accumulation_steps=MICRO_BATCHES,
+            loss_scaler=make_loss_scaler(True), ranks_per_node=per_node, sharding=sharding,
+            quantization=quantization)
+        forward_peaks = []
+
+        def record_gathered(module, inputs):
+            if engine.sharded.phase.value == "forward":  # not the recompute in backward
+                forward_peaks.append(engine.memory_breakdown()["gathered_parameters"])
+
+        for layer in model.layers:  # registered after the engine's hooks: sees its gathers
+            layer.register_forward_pre_hook(record_gathered)
+        generator = torch.Generator().manual_seed(rank)
+        after_forward = bytes_last_step = None
+        for _ in range(2):
+            for _ in range(MICRO_BATCHES):
+                tokens = torch.randint(0, TOY["vocab_size"], (2, 17), generator=generator)
+                logits = engine(tokens[:, :-1])
+                after_forward = engine.memory_breakdown()
+                engine.backward(lm_loss(logits, tokens[:, 1:], torch.ones(2, 16)))
+                engine.step()
+            bytes_last_step = engine.comm_bytes(reset=True)
+        results.append((bytes_last_step, after_forward, max(forward_peaks)))
+    return results
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return run_ranks(measure_cases, 4)
+
+
+def toy_plan(case_index: int):
+    per_node, zero_block, _ = CASES[case_index]
+    with torch.device("meta"):
+        counts = unit_parameter_counts(GPTModel(GPTConfig(**TOY)))
+    return plan_system("case", counts, ClusterShape(4, per_node),
+                       ZeroConfig.from_mapping(zero_block), dtype_bytes=2,
+                       micro_batches=MICRO_BATCHES)
+
+
+@pytest.mark.parametrize("case_index", range(len(CASES)),
+                         ids=["zero3-2x2", "zeropp-2x2", "qgz-hpz-1x4", "qwz-qgz8-4x1"])
+def test_planned_bytes_equal_measured_bytes(measured, case_index):
+    plan = toy_plan(case_index)
+    for rank, rank_results in enumerate(measured):
+        bytes_last_step = rank_results[case_index][0]
+        for phase, by_locality in plan.comm.items():
+            for locality, planned in by_locality.items():
+                got = bytes_last_step[phase][locality]
+                assert got == planned, (rank, phase, locality, got, planned)
+    # the real run did send something in every training phase
+    assert all(sum(plan.comm[phase].values()) > 0
+               for phase in ("forward_all_gather", "gradient_reduce"))
+
+
+@pytest.mark.parametrize("case_index", range(len(CASES)),
+                         ids=["zero3-2x2", "zeropp-2x2", "qgz-hpz-1x4", "qwz-qgz8-4x1"])
+def test_planned_memory_equals_measured_memory(measured, case_index):
+    plan = toy_plan(case_index)
+    memory = plan.memory
+    for rank_results in measured:
+        _, after_forward, forward_peak = rank_results[case_index]
+        for key in ("working_shards", "gradient_shards", "fp32_master_shards",
+                    "optimizer_moments", "hpz_secondary_shards"):
+            assert after_forward[key] == getattr(memory, key), key
+        # after forward only the root and persistent units are still gathered
+        always = sum(u.padded_numel for u in plan.units if u.is_root or u.persistent)
+        assert after_forward["gathered_parameters"] == always * 2
+        assert forward_peak == peak_gathered_numel(plan.units, plan.zero, backward=False) * 2
+        assert memory.gathered_parameters >= forward_peak
+
+
+def test_hpz_and_prefetch_cases_are_not_trivial():
+    # The cases above must exercise what they claim to: secondary shards and a prefetch.
+    hpz_plan, prefetch_plan = toy_plan(1), toy_plan(2)
+    assert hpz_plan.memory.hpz_secondary_shards > 0
+    blocks = [u.padded_numel for u in prefetch_plan.units if not (u.is_root or u.persistent)]
+    always = sum(u.padded_numel for u in prefetch_plan.units if u.is_root or u.persistent)
+    assert peak_gathered_numel(prefetch_plan.units, prefetch_plan.zero, False) \
+        >= always + 2 * blocks[0]
+    assert any(u.persistent for u in prefetch_plan.units)
+
+
+def test_planner_agrees_with_the_engine_tests_theory_at_4x16():
+    from tests.test_zeropp_engine import _theory
+
+    with torch.device("meta"):
+        counts = unit_parameter_counts(GPTModel(GPTConfig(40, 6144, 32, GPT2_VOCAB, 512)))
+    zero = ZeroConfig.from_mapping({"stage": 3, "zero_quantized_weights": True,
+                                    "zero_hpz_partition_size": 16,
+                                    "zero_quantized_gradients": True,
+                                    "reduce_bucket_size": 10_000_000})
+    plans = plan_zero3_and_zeropp(counts, 64, 16, zero, dtype_bytes=2, micro_batches=2)
+    quant = {"quantized_weights": True, "hpz_size": 16, "quantized_gradients": True}
+    for plan, theory_quant in zip(plans, ({}, quant), strict=True):
+        layouts = [(u.padded_numel, u.is_root) for u in plan.units]
+        for phase, expected in _theory(layouts, 64, 16, theory_quant, 2).items():
+            assert plan.comm[phase]["inter_node"] == pytest.approx(expected, rel=0.02), phase
+
+
+def test_planner_rejects_bad_input():
+    zero = ZeroConfig(stage=3, zero_hpz_partition_size=16)
+    with pytest.raises(TopologyError, match="must divide the ranks per node"):
+        plan_system("x", [10, 10], ClusterShape(16, 8), zero, 2)
+    with pytest.raises(TopologyError, match="does not divide the world size"):
+        ClusterShape(12, 8)
+    with pytest.raises(ValueError, match="unit_numels is empty"):
+        plan_units([], ClusterShape(2, 2), zero)
+    with pytest.raises(ValueError, match=r"unit_numels\[1\]"):
+        plan_units([4, -1], ClusterShape(2, 2), zero)
+    with pytest.raises(ValueError, match="dtype_bytes"):
+        plan_system("x", [10], ClusterShape(2, 2), ZeroConfig(stage=3), 3)
+
+
+# ---- the tutorial's 18B on 4 nodes x 16 V100-32GB ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def report_18b():
+    return build_report(parse_args(TUTORIAL_18B.split()))
+
+
+def test_18b_parameter_count_is_gptconfig_num_parameters(report_18b):
+    expected = GPTConfig(40, 6144, 32, GPT2_VOCAB, max_position_embeddings=512).num_parameters()
+    assert report_18b.num_parameters == expected == 18_434_813_952
+    for plan in report_18b.plans:
+        assert sum(u.numel for u in plan.units) == expected
+
+
+def test_18b_fits_and_zeropp_cuts_inter_node_volume_by_more_than_4x(report_18b):
+    zero3, zeropp = report_18b.plans
+    assert report_18b.fits(zero3) and report_18b.fits(zeropp)
+    assert zeropp.comm_total("inter_node") < zero3.comm_total("inter_node") / 4
+    assert zeropp.comm["backward_all_gather"]["inter_node"] == 0
+    # hpZ costs 2 bytes x (block parameters) / 16 per GPU, padding aside
+    block_params = report_18b.num_parameters - zero3.units[0].numel
+    assert zeropp.memory.hpz_secondary_shards == pytest.approx(2 * block_params / 16, rel=1e-3)
+    assert zero3.memory.hpz_secondary_shards == 0
+    assert zeropp.memory.total > zero3.memory.total
+
+
+def test_18b_memory_breakdown_sums(report_18b):
+    psi, gpus = report_18b.num_parameters, 64
+    for plan in report_18b.plans:
+        memory = plan.memory
+        assert memory.total == sum(memory.as_dict().values())
+        assert memory.model_states == (memory.working_shards + memory.gradient_shards
+                                       + memory.fp32_master_shards + memory.optimizer_moments)
+        # 2 (fp16 weights) + 4 (fp32 gradients) + 4 (master) + 8 (Adam) bytes per parameter
+        assert memory.model_states == pytest.approx(18 * psi / gpus, rel=1e-3)
+        assert report_18b.total_bytes(plan) == memory.total + report_18b.activations.total
+    activations = report_18b.activations
+    s, h, layers = 512, 6144, 40
+    assert activations.kept_for_backward == layers * 2 * s * h  # one input per layer
+    assert activations.recomputed_chunk == 512 * (34 * 6144 + 5 * 32 * 512) == 148_897_792
+    assert activations.logits == s * 50304 * (2 + 8)
+
+
+def test_activation_formula_without_recompute_is_megatrons():
+    config = GPTConfig(2, 1024, 16, 1000)
+    s, b, h, a = 256, 4, 1024, 16
+    assert layer_activation_bytes(config, s, b) == s * b * h * (34 + 5 * a * s // h)
+
+
+def test_dry_run_prints_the_18b_plan(capsys):
+    status = run_dry_run(parse_args(TUTORIAL_18B.split()))
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "number of parameters: 18,434,813,952 (18.43B)" in out
+    assert "4 node(s) x 16 GPUs = 64 GPUs of 32 GiB" in out
+    assert "ZeRO++: qwZ int8, hpZ 16, qgZ int4" in out
+    verdict = next(line for line in out.splitlines() if line.strip().startswith("vs GPU memory"))
+    assert verdict.split()[-2:] == ["fits", "fits"]
+    ratio_line = next(line for line in out.splitlines() if "ZeRO-3 / ZeRO++" in line)
+    assert float(ratio_line.rsplit(" ", 1)[1].rstrip("x")) > 4
+
+
+WITHOUT_DS_CONFIG = TUTORIAL_18B.replace("--deepspeed_config configs/ds_zeropp_config.json", "")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (f"{TUTORIAL_18B} --dry-run-gpus-per-node 8",
+     "zero_hpz_partition_size=16 must divide the ranks per node (8)"),
+    (f"{TUTORIAL_18B} --dry-run-nodes 0", "--dry-run-nodes 0 must be positive"),
+    (f"{WITHOUT_DS_CONFIG} --zero-stage 0", "--zero-stage 0 with 64 GPUs"),
+    (TUTORIAL_18B.replace("ds_zeropp_config", "no_such_config"), "no_such_config.json"),
+], ids=["hpz-vs-node", "no-nodes", "stage0", "missing-config"])
+def test_dry_run_errors_are_one_line(capsys, argv, message):
+    status = run_dry_run(parse_args(argv.split()))
+    err = capsys.readouterr().err
+    assert status in (1, 2)
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+
+
+def test_dry_run_without_ds_config_plans_plain_zero3():
+    report = build_report(parse_args(WITHOUT_DS_CONFIG.split()))
+    zero3, configured = report.plans
+    assert dataclasses.replace(configured.zero, stage=3) == zero3.zero
+    assert configured.comm == zero3.comm
+    assert report.inter_node_ratio == pytest.approx(1.0)
