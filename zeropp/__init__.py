@@ -5,6 +5,8 @@
 """
 
 from zeropp.checkpoint import CheckpointError
+from zeropp.checkpoint import client_state as checkpoint_client_state
+from zeropp.checkpoint import consolidate as consolidate_checkpoint
 from zeropp.config import ConfigError, EngineConfig, read_json_config
 from zeropp.engine import ZeroEngine
 from zeropp.initialize import (
@@ -31,6 +33,8 @@ __all__ = [
     "ZeroEngine",
     "build_engine",
     "build_topology",
+    "checkpoint_client_state",
+    "consolidate_checkpoint",
     "init_distributed",
     "initialize",
     "options_from_config",

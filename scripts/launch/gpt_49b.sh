@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# GPT 49B (configs/models/gpt_49b.args) on DGX-2 nodes: ZeRO-3 or ZeRO++.
+#   scripts/launch/gpt_49b.sh NODES zero3|zeropp 1K|2K [extra flags...]
+# DRY_RUN=1 prints the memory and communication plan; see paper_run.sh for the rest.
+exec "$(dirname "${BASH_SOURCE[0]}")/paper_run.sh" 49b "$@"
