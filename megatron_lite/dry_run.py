@@ -190,7 +190,8 @@ def plan_activations(config: GPTConfig, seq_length: int, micro_batch: int,
         return ActivationPlan(int(config.num_layers * per_layer * scale), 0, logits)
     chunk = min(config.checkpoint_num_layers, config.num_layers)
     chunks = math.ceil(config.num_layers / chunk)
-    chunk_inputs = chunks * ACTIVATION_REFERENCE_BYTES * seq_length * micro_batch * config.hidden_size
+    tokens = seq_length * micro_batch
+    chunk_inputs = chunks * ACTIVATION_REFERENCE_BYTES * tokens * config.hidden_size
     return ActivationPlan(int(chunk_inputs * scale), int(chunk * per_layer * scale), logits)
 
 
@@ -290,11 +291,15 @@ def communication_lines(report: DryRunReport) -> list[str]:
     return lines
 
 
+def describe_count(count: int) -> str:
+    return f"{count:,} ({count / 1e9:.2f}B)" if count >= 1e9 else f"{count:,} ({count / 1e6:.1f}M)"
+
+
 def render(report: DryRunReport) -> str:
     cluster = report.cluster
     tokens_per_gpu = report.micro_batch_size * report.seq_length
     lines = [
-        f"number of parameters: {report.num_parameters:,} ({report.num_parameters / 1e9:.2f}B)",
+        f"number of parameters: {describe_count(report.num_parameters)}",
         f"planned cluster: {cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs = "
         f"{cluster.world_size} GPUs of {cluster.gpu_memory_gib:g} GiB",
         f"per GPU: micro batch {report.micro_batch_size} x seq {report.seq_length} = "

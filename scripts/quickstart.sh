@@ -70,9 +70,13 @@ launch --train-iters "$TRAIN_ITERS" --eval-interval 50 \
   --deepspeed_config "$ROOT/configs/ds_zeropp_cpu2x2.json" --metrics-file "$RUN_DIR/zeropp.jsonl"
 
 echo "[quickstart] ZeRO-3 baseline, same model and cluster, 10 iterations for its traffic"
-launch --train-iters 10 --eval-interval 1000 --eval-iters 0 \
+if ! launch --train-iters 10 --lr-warmup-iters 2 --eval-interval 1000 --eval-iters 0 \
   --deepspeed_config "$ROOT/configs/ds_zero3_config.json" --metrics-file "$RUN_DIR/zero3.jsonl" \
-  | grep -E "^ iteration +10/" || true
+  > "$RUN_DIR/zero3.log" 2>&1; then
+  cat "$RUN_DIR/zero3.log"
+  exit 1
+fi
+grep -E "^ iteration +10/" "$RUN_DIR/zero3.log"
 
 echo "[quickstart] bytes sent per rank per iteration (fp32 weights on CPU):"
 "$PY" "$ROOT/scripts/bench/compare_comm.py" zero3="$RUN_DIR/zero3.jsonl" zeropp="$RUN_DIR/zeropp.jsonl"

@@ -48,41 +48,43 @@ TUTORIAL_18B = (
 GPT2_VOCAB = 50257
 
 
-def measure_cases(rank, world):
-    """On each rank, for every case: bytes of the last step, memory after forward, the
-    gathered-parameter peak seen at each block's forward, and memory after the step."""
+def measure_case(rank, per_node, zero_block, checkpoint):
+    """Bytes of the last step, memory after a forward, and the gathered-parameter peak seen
+    at each block's forward, for one engine configuration."""
     from megatron_lite.model.gpt import lm_loss
     from zeropp.initialize import build_engine, make_loss_scaler, options_from_config
 
-    results = []
-    for per_node, zero_block, checkpoint in CASES:
-        sharding, quantization = options_from_config(ZeroConfig.from_mapping(zero_block))
-        with torch.device("meta"):
-            model = GPTModel(GPTConfig(**TOY, checkpoint_activations=checkpoint))
-        engine = build_engine(
-            model, lr=1e-3, dtype=torch.float16, gradient_accumulation_steps=MICRO_BATCHES,
-            loss_scaler=make_loss_scaler(True), ranks_per_node=per_node, sharding=sharding,
-            quantization=quantization)
-        forward_peaks = []
+    sharding, quantization = options_from_config(ZeroConfig.from_mapping(zero_block))
+    with torch.device("meta"):
+        model = GPTModel(GPTConfig(**TOY, checkpoint_activations=checkpoint))
+    engine = build_engine(
+        model, lr=1e-3, dtype=torch.float16, gradient_accumulation_steps=MICRO_BATCHES,
+        loss_scaler=make_loss_scaler(True), ranks_per_node=per_node, sharding=sharding,
+        quantization=quantization)
+    forward_peaks = []
 
-        def record_gathered(module, inputs):
-            if engine.sharded.phase.value == "forward":  # not the recompute in backward
-                forward_peaks.append(engine.memory_breakdown()["gathered_parameters"])
+    def record_gathered(module, inputs):
+        if engine.sharded.phase.value == "forward":  # not the recompute in backward
+            forward_peaks.append(engine.memory_breakdown()["gathered_parameters"])
 
-        for layer in model.layers:  # registered after the engine's hooks: sees its gathers
-            layer.register_forward_pre_hook(record_gathered)
-        generator = torch.Generator().manual_seed(rank)
-        after_forward = bytes_last_step = None
-        for _ in range(2):
-            for _ in range(MICRO_BATCHES):
-                tokens = torch.randint(0, TOY["vocab_size"], (2, 17), generator=generator)
-                logits = engine(tokens[:, :-1])
-                after_forward = engine.memory_breakdown()
-                engine.backward(lm_loss(logits, tokens[:, 1:], torch.ones(2, 16)))
-                engine.step()
-            bytes_last_step = engine.comm_bytes(reset=True)
-        results.append((bytes_last_step, after_forward, max(forward_peaks)))
-    return results
+    for layer in model.layers:  # registered after the engine's hooks: sees its gathers
+        layer.register_forward_pre_hook(record_gathered)
+    generator = torch.Generator().manual_seed(rank)
+    after_forward = bytes_last_step = None
+    for _ in range(2):
+        for _ in range(MICRO_BATCHES):
+            tokens = torch.randint(0, TOY["vocab_size"], (2, 17), generator=generator)
+            logits = engine(tokens[:, :-1])
+            after_forward = engine.memory_breakdown()
+            engine.backward(lm_loss(logits, tokens[:, 1:], torch.ones(2, 16)))
+            engine.step()
+        bytes_last_step = engine.comm_bytes(reset=True)
+    return bytes_last_step, after_forward, max(forward_peaks)
+
+
+def measure_cases(rank, world):
+    """Every case on every rank, in one set of processes (spawning costs more than a case)."""
+    return [measure_case(rank, *case) for case in CASES]
 
 
 @pytest.fixture(scope="module")

@@ -108,3 +108,43 @@ def test_inter_node_bytes_match_theory_and_ratio():
             assert got == pytest.approx(expected, rel=0.02, abs=0), (name, phase, got, expected)
         totals[name] = sum(measured[p]["inter_node"] for p in theory)
     assert totals["zero3"] / totals["zeropp"] >= 4.0, totals
+
+
+def half_precision(rank, world, dtype_name, poison_step):
+    from zeropp.initialize import QuantizationOptions, build_engine
+    from zeropp.loss_scaler import DynamicLossScaler, LossScaler
+    from zeropp.sharded_model import ShardingOptions
+
+    dtype = getattr(torch, dtype_name)
+    scaler = DynamicLossScaler(initial_scale_power=8, hysteresis=1)
+    engine = build_engine(
+        toy_model(), lr=3e-3, dtype=dtype, ranks_per_node=2,
+        loss_scaler=scaler if dtype == torch.float16 else LossScaler(1.0),
+        quantization=QuantizationOptions(quantized_weights=True, hpz_size=2,
+                                         quantized_gradients=True),
+        sharding=ShardingOptions(persistence_threshold=0),
+    )
+    data = toy_batches(6, 1, 8)
+    losses, scales, skipped = [], [], []
+    for step in range(6):
+        tokens = data[0, 0, rank * 2:(rank + 1) * 2]  # one batch, so the loss must fall
+        loss = toy_loss(engine(tokens), tokens)
+        if step == poison_step and rank == 1:  # one rank overflows
+            loss = loss * float("inf")
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        scales.append(engine.loss_scale)
+        skipped.append(engine.last_step_overflowed)
+    return losses, scales, skipped
+
+
+def test_bf16_and_fp16_overflow_with_all_three():
+    for losses, _, skipped in run_ranks(half_precision, 4, "bfloat16", -1):
+        assert not any(skipped) and losses[-1] < losses[0]
+    results = run_ranks(half_precision, 4, "float16", 2)
+    for losses, scales, skipped in results:
+        # every rank skips the same step and halves the scale alike, then trains on
+        assert skipped == [False, False, True, False, False, False]
+        assert scales == [256.0, 256.0, 128.0, 128.0, 128.0, 128.0]
+        assert losses[-1] < losses[0]

@@ -133,7 +133,8 @@ class SystemPlan:
 # ---- units ------------------------------------------------------------------------------
 
 
-def unit_parameter_counts(model: nn.Module, unit_modules: list[nn.Module] | None = None) -> list[int]:
+def unit_parameter_counts(model: nn.Module,
+                          unit_modules: list[nn.Module] | None = None) -> list[int]:
     """Parameters per unit, root first, grouped exactly as ``ShardedModel`` groups them.
 
     Works on a meta-device model. A parameter shared by several modules counts once, in the
@@ -157,7 +158,8 @@ def shard_alignment(zero: ZeroConfig) -> int:
     return math.lcm(hpz, qgz)
 
 
-def plan_units(unit_numels: Sequence[int], cluster: ClusterShape, zero: ZeroConfig) -> list[UnitPlan]:
+def plan_units(unit_numels: Sequence[int], cluster: ClusterShape,
+               zero: ZeroConfig) -> list[UnitPlan]:
     """Padded sizes and persistence of each unit; ``unit_numels[0]`` is the root."""
     if not unit_numels:
         raise ValueError("unit_numels is empty: give the root unit's count, then each block's")
@@ -284,7 +286,8 @@ def _add_gradient_reduce(volume: _Volume, unit: UnitPlan, cluster: ClusterShape,
         bits, block = zero.zero_quantized_gradients_bits, zero.zero_quantization_block_size
         # Hop 1 sends the whole swizzled bucket inside the node; hop 2 the node's partial
         # sums of the n slices that belong to ranks with this local index.
-        intra = all_to_all_bytes(quantized_nbytes(world * width, bits, block), cluster.ranks_per_node)
+        intra = all_to_all_bytes(quantized_nbytes(world * width, bits, block),
+                                 cluster.ranks_per_node)
         inter = all_to_all_bytes(quantized_nbytes(cluster.num_nodes * width, bits, block),
                                  cluster.num_nodes)
         volume.add(phase, False, intra, times)

@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
             f"{comm[p]['inter_node'] / 1e6:>14.2f} inter {comm[p]['intra_node'] / 1e6:>6.2f} intra"
             for p in PHASES
         )
-        ratio = f"{base / inter:.2f}x less" if inter else "-"
+        ratio = "baseline" if name == runs[0][0] else (f"{base / inter:.2f}x less" if inter else "-")
         print(f"{name:<10}{cells}{inter / 1e6:>15.2f} MB{ratio:>12}")
     return 0
 
