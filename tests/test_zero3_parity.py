@@ -75,8 +75,10 @@ def sharded_run(rank, world, steps, micro, global_batch, checkpoint, meta, optio
         (2, 2, False, True, {"reduce_bucket_numel": 50, "persistence_threshold": 0}),
         (4, 1, True, True, {"prefetch_bucket_numel": 10_000, "persistence_threshold": 0}),
         (3, 2, True, False, {"max_live_numel": 1500, "persistence_threshold": 100}),
+        (2, 2, False, True, {"partition": False}),
     ],
-    ids=["n1", "n2-accum-buckets-meta", "n4-checkpoint-prefetch", "n3-live-cap-persistent"],
+    ids=["n1", "n2-accum-buckets-meta", "n4-checkpoint-prefetch", "n3-live-cap-persistent",
+         "n2-stage0-replicated"],
 )
 def test_zero3_matches_unsharded(world, micro, checkpoint, meta, options):
     steps, global_batch = 6, 12

@@ -85,7 +85,7 @@ class ZeroEngine:
         if not self.is_gradient_accumulation_boundary():
             return False
         divisor = (
-            self.sharded.world.size * self.gradient_accumulation_steps * self.loss_scaler.scale
+            self.sharded.dp_size * self.gradient_accumulation_steps * self.loss_scaler.scale
         )
         norm, overflow = self.sharded.grad_norm_and_step(
             self.optimizer, divisor, self.gradient_clipping

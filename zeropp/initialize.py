@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeropp.comm import CommGroup, all_gather, reduce_scatter_sum
+from zeropp.comm.collectives import replicated_gradient_reduce
 from zeropp.engine import ZeroEngine
 from zeropp.loss_scaler import DynamicLossScaler, LossScaler
 from zeropp.optimizer import PartitionedAdamW
@@ -72,6 +73,10 @@ def _collectives(topology: Topology, options: ShardingOptions, quant: Quantizati
     """Pick the gather and reduce functions for this configuration (same contracts)."""
     gather = partial(all_gather, async_op=options.overlap_comm)
     reduce = partial(reduce_scatter_sum, async_op=options.overlap_comm)
+    if not options.partition:
+        world = CommGroup(None, topology.world_size, topology.rank, topology.world_spans_nodes)
+        reduce = partial(replicated_gradient_reduce, data_parallel=world,
+                         async_op=options.overlap_comm)
     if quant.quantized_weights or quant.quantized_gradients:
         from zeropp.comm import quantized
 
@@ -165,6 +170,7 @@ def make_loss_scaler(fp16_enabled: bool, fp16_config=None) -> LossScaler:
 def options_from_config(zero) -> tuple[ShardingOptions, QuantizationOptions]:
     """``zero_optimization`` block -> the engine's two option objects (explicit alias table)."""
     sharding = ShardingOptions(
+        partition=zero.stage == 3,
         reduce_bucket_numel=zero.reduce_bucket_size,
         prefetch_bucket_numel=zero.stage3_prefetch_bucket_size,
         max_live_numel=zero.stage3_max_live_parameters,
@@ -212,11 +218,6 @@ def initialize(
     if cfg.train_batch_size is not None or cfg.train_micro_batch_size_per_gpu is not None:
         cfg = EngineConfig.from_json(cfg.to_dict(), world_size=world_size)
     zero = cfg.zero_optimization
-    if zero.stage != 3 and world_size > 1:
-        raise ConfigError(
-            f"zero_optimization.stage {zero.stage} with {world_size} ranks: this engine "
-            "partitions everything (stage 3); set \"stage\": 3"
-        )
     params = dict(cfg.optimizer.params) if cfg.optimizer is not None else {}
     params.update(optimizer_params or {})
     if "lr" not in params:

@@ -17,7 +17,7 @@ With m micro-batches per optimizer step, for every unit of S = padded / N elemen
             persistent units: one gather per step, after the update;
   backward  m x the same world gather, except the root (it stays gathered from forward to
             backward) and persistent units; with hpZ instead m x (padded / hpz) x (hpz - 1)
-            16-bit bytes inside the node;
+            elements in the compute dtype, inside the node;
   gradients m x reduce-scatter of every reduce bucket, padded x (N - 1) / N in the compute
             dtype; with qgZ each bucket is one intra-node all-to-all of its int4 payload
             (x (alpha - 1) / alpha) and one inter-node all-to-all of n slices (x (n - 1) / n);

@@ -55,6 +55,9 @@ class ShardingOptions:
     max_live_numel: int = 1_000_000_000
     persistence_threshold: int = 100_000
     overlap_comm: bool = True
+    # False is ZeRO stage 0: every rank keeps the whole model (a shard group of one) and
+    # gradients are all-reduced over the data-parallel world, like DDP.
+    partition: bool = True
 
 
 def default_unit_modules(model: nn.Module) -> list[nn.Module]:
@@ -98,7 +101,14 @@ class ShardedModel:
         self.dtype = dtype
         self.device = device
         self.stats = CommStats()
-        self.world = CommGroup(None, topology.world_size, topology.rank, topology.world_spans_nodes)
+        # ``world`` is the group parameters are sharded over; ``dp_size`` the number of
+        # replicas whose gradients are averaged (the same ranks unless stage 0 replicates).
+        self.dp_size = topology.world_size
+        if options.partition:
+            self.world = CommGroup(None, topology.world_size, topology.rank,
+                                   topology.world_spans_nodes)
+        else:
+            self.world = CommGroup(None, 1, 0, False)
         self.comm = UnitComm(
             world=self.world,
             hpz=hpz_group,
@@ -169,7 +179,9 @@ class ShardedModel:
             master = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device)
             layout.fill_shard(master, self.world.rank, full_value)
             refs = [ParamRef(p, owners[id(p)]) for p in params]
-            persistent = 0 < layout.numel < self.options.persistence_threshold
+            persistent = not self.options.partition or (
+                0 < layout.numel < self.options.persistence_threshold
+            )
             unit = ShardedUnit(
                 name, module, refs, layout, self.comm, self.dtype, self.device, persistent
             )

@@ -129,6 +129,31 @@ def all_to_all(
     return Pending(work if async_op else None)
 
 
+def replicated_gradient_reduce(
+    output: torch.Tensor,
+    full: torch.Tensor,
+    group: CommGroup,
+    stats: CommStats,
+    phase: str,
+    *,
+    data_parallel: CommGroup,
+    async_op: bool = True,
+    key: object = None,
+) -> Pending:
+    """Stage 0's reduction under ``reduce_scatter_sum``'s contract: the shard group is one
+    rank, so ``output`` is the whole buffer, summed over the data-parallel world."""
+    if group.size != 1 or output.numel() != full.numel():
+        raise ValueError("replicated_gradient_reduce needs a shard group of one rank")
+    output.copy_(full)
+    stats.record(phase, data_parallel.spans_nodes,
+                 all_reduce_bytes(_nbytes(full), data_parallel.size))
+    if data_parallel.size == 1:
+        return Pending(None)
+    work = dist.all_reduce(output, op=dist.ReduceOp.SUM, group=data_parallel.group,
+                           async_op=async_op)
+    return Pending(work if async_op else None)
+
+
 def all_reduce_sum(tensor: torch.Tensor, group: CommGroup, stats: CommStats, phase: str) -> None:
     """In-place SUM over the group (blocking)."""
     stats.record(phase, group.spans_nodes, all_reduce_bytes(_nbytes(tensor), group.size))
