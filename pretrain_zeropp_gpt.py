@@ -37,14 +37,16 @@ from data.samplers import build_pretraining_data_loader
 from data.tokenizers import build_tokenizer
 from megatron_lite.arguments import (
     ArgumentError,
+    gpt_config_from_args,
     parse_args,
     reconcile_with_ds_config,
     validate_args,
 )
 from megatron_lite.checkpointing import RunControl, SaveFailed
+from megatron_lite.dry_run import describe_count, run_dry_run
 from megatron_lite.lr_schedule import LRScheduler
 from megatron_lite.metrics import MetricsWriter
-from megatron_lite.model import GPTConfig, GPTModel
+from megatron_lite.model import GPTModel
 from megatron_lite.training import LoaderFactory, TrainingSummary, perplexity, pretrain
 
 USAGE_ERRORS = (ArgumentError, zeropp.ConfigError, zeropp.TopologyError)
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         if args.dry_run:
-            return dry_run(args)
+            return run_dry_run(args)  # no process group: plans any cluster size
         zeropp.init_distributed(timeout_s=args.distributed_timeout_minutes * 60)
         rank, world_size = dist.get_rank(), dist.get_world_size()
         ds_config = read_ds_config(args)
@@ -159,47 +161,10 @@ def fp16_block(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def gpt_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
-    return GPTConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        vocab_size=vocab_size,
-        max_position_embeddings=args.max_position_embeddings,
-        ffn_hidden_size=args.ffn_hidden_size,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        layernorm_epsilon=args.layernorm_epsilon,
-        checkpoint_activations=args.checkpoint_activations,
-        checkpoint_num_layers=args.checkpoint_num_layers,
-        seed=args.seed,
-    )
-
-
 def build_meta_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:
     """The model without storage: the engine materializes each rank's shard itself."""
     with torch.device("meta"):
-        return GPTModel(gpt_config(args, vocab_size))
-
-
-def describe_parameters(count: int) -> str:
-    return f"{count:,} ({count / 1e9:.2f}B)" if count >= 1e9 else f"{count:,} ({count / 1e6:.1f}M)"
-
-
-def dry_run(args: argparse.Namespace) -> int:
-    """Validate the command line, build the model on meta, print its size."""
-    read_ds_config(args)
-    validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
-    tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
-                                merge_file=args.merge_file, tokenizer_model=args.tokenizer_model)
-    model = build_meta_model(args, tokenizer.vocab_size)
-    print(f"number of parameters: {describe_parameters(model.num_parameters())}", flush=True)
-    return 0
-
-
-# ---- data ---------------------------------------------------------------------------------
+        return GPTModel(gpt_config_from_args(args, vocab_size))
 
 
 def build_loader_factories(
@@ -252,7 +217,7 @@ def compute_device() -> torch.device:
 
 def print_run_description(args: argparse.Namespace, model: GPTModel, topology: str) -> None:
     config = model.config
-    print_rank_0(f"> GPT model: {describe_parameters(model.num_parameters())} parameters | "
+    print_rank_0(f"> GPT model: {describe_count(model.num_parameters())} parameters | "
                  f"{args.num_layers} layers, hidden {args.hidden_size}, "
                  f"{args.num_attention_heads} heads, seq {args.seq_length}, vocab "
                  f"{config.vocab_size} (padded {config.padded_vocab_size})")

@@ -128,7 +128,7 @@ def _add_training_args(group: argparse._ArgumentGroup) -> None:
                        help="Stop with an error after N consecutive iterations whose loss is "
                        "not finite (default: 10; 0 disables the guard).")
     group.add_argument("--dry-run", action="store_true",
-                       help="Validate, build model and data, then exit before the first step.")
+                       help="Build the model on the meta device and print its size, per-GPU memory and per-iteration communication for the cluster given by the --dry-run-* flags; then exit.")
 
 
 def _add_learning_rate_args(group: argparse._ArgumentGroup) -> None:
@@ -626,3 +626,25 @@ def _check_run_control(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--save-interval {args.save_interval} needs --save DIR")
     if args.deepspeed_config is not None and not os.path.isfile(args.deepspeed_config):
         raise ArgumentError(f"--deepspeed_config {args.deepspeed_config}: no such file")
+
+
+def gpt_config_from_args(args: argparse.Namespace, vocab_size: int):
+    """The GPT the command line describes (``validate_args`` must have run)."""
+    from megatron_lite.model import GPTConfig
+
+    return GPTConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=vocab_size,
+        max_position_embeddings=args.max_position_embeddings,
+        ffn_hidden_size=args.ffn_hidden_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        layernorm_epsilon=args.layernorm_epsilon,
+        checkpoint_activations=args.checkpoint_activations,
+        checkpoint_num_layers=args.checkpoint_num_layers,
+        seed=args.seed,
+    )

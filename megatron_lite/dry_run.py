@@ -44,7 +44,12 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_lite.arguments import ArgumentError, reconcile_with_ds_config, validate_args
+from megatron_lite.arguments import (
+    ArgumentError,
+    gpt_config_from_args,
+    reconcile_with_ds_config,
+    validate_args,
+)
 from megatron_lite.model import GPTConfig, GPTModel
 from zeropp.config import ConfigError, EngineConfig, ZeroConfig, read_json_config
 from zeropp.planner import SystemPlan, plan_zero3_and_zeropp, unit_parameter_counts
@@ -143,24 +148,7 @@ def zero_config(args: argparse.Namespace) -> ZeroConfig:
     return dataclasses.replace(zero, stage=args.zero_stage)
 
 
-def model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
-    """The GPT the command line describes (``validate_args`` must have run)."""
-    return GPTConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        vocab_size=vocab_size,
-        max_position_embeddings=args.max_position_embeddings,
-        ffn_hidden_size=args.ffn_hidden_size,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        layernorm_epsilon=args.layernorm_epsilon,
-        checkpoint_activations=args.checkpoint_activations,
-        checkpoint_num_layers=args.checkpoint_num_layers,
-        seed=args.seed,
-    )
+model_config = gpt_config_from_args
 
 
 def tokenizer_vocab_size(args: argparse.Namespace) -> int:

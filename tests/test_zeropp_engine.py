@@ -50,7 +50,7 @@ def run(per_node, quant, steps=5, micro=2, checkpoint=False, dtype="float32", **
 def test_hpz_alone_changes_nothing(checkpoint):
     zero3 = run(2, {}, checkpoint=checkpoint)
     hpz = run(2, {"hpz_size": 2}, checkpoint=checkpoint)
-    for a, b in zip(zero3, hpz):
+    for a, b in zip(zero3, hpz, strict=True):
         assert b[0] == pytest.approx(a[0], rel=1e-6, abs=0)
     # and the backward gather never left the node
     for step_bytes in hpz[0][1]:
@@ -67,7 +67,7 @@ def test_all_three_track_zero3(per_node):
     base, quant = zero3[0][0], zeropp[0][0]
     assert quant != base  # quantization really happened
     assert quant[-1] < quant[0]  # and it still learns
-    for a, b in zip(base, quant):
+    for a, b in zip(base, quant, strict=True):
         assert abs(a - b) / a < 0.02
 
 

@@ -283,7 +283,7 @@ def consolidate(load_dir: str | os.PathLike, tag: str | None = None) -> dict[str
     tag = tag or read_latest(root)
     old = _OldShards(root / tag)
     out = {}
-    for name, numel, _padded in old.meta["units"]:
+    for name, _numel, _padded in old.meta["units"]:
         for param, shape, _offset in old.unit(0, name)["slots"]:
             count = 1
             for s in shape:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from zeropp.comm import CommGroup, CommStats, all_gather
+from zeropp.comm import CommGroup, CommStats
 from zeropp.flat_layout import FlatLayout
 from zeropp.optimizer import PartitionedAdamW, clip_coefficient
 from zeropp.topology import Topology
@@ -197,7 +197,7 @@ class ShardedModel:
     def _check_no_sharing(plan, owners) -> None:
         """A parameter registered in two units would be gathered by one and used by the other."""
         home: dict[int, str] = {}
-        for name, module, params in plan:
+        for name, _module, params in plan:
             for p in params:
                 home[id(p)] = name
         for name, module, _ in plan:
@@ -287,7 +287,8 @@ class ShardedModel:
 
     def _release_all(self) -> None:
         for unit in self.units:
-            unit.wait_gather() if unit.gathering else None
+            if unit.gathering:  # a prefetch nobody consumed: finish it before freeing
+                unit.wait_gather()
             unit.release(keep_secondary=False)
             unit.drop_secondary()
 
@@ -333,12 +334,7 @@ class ShardedModel:
     def gathered_parameters(self) -> Iterator[nn.Module]:
         """Full, exact weights on every rank for the duration of the block (read-only use)."""
         for unit in self.units:
-            if unit.state is not ShardState.GATHERED:
-                unit.drop_secondary()
-                unit._alloc_full()
-                all_gather(unit.full, unit.shard, self.world, self.stats, "optimizer",
-                           async_op=False).wait()
-                unit.state = ShardState.GATHERED
+            unit.gather_exact(self.stats)
         try:
             yield self.module
         finally:

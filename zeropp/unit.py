@@ -161,6 +161,18 @@ class ShardedUnit:
         self.start_gather(phase)
         self.wait_gather()
 
+    def gather_exact(self, stats: CommStats) -> None:
+        """Gather the working shards unquantized (reading weights out, not training)."""
+        if self.gathering:
+            self.wait_gather()
+        if self.state is ShardState.GATHERED:
+            return
+        self.drop_secondary()
+        self._alloc_full()
+        all_gather(self.full, self.shard, self.comm.world, stats, "optimizer",
+                   async_op=False).wait()
+        self.state = ShardState.GATHERED
+
     def release(self, keep_secondary: bool) -> None:
         """Free the gathered weights; with hpZ after forward, keep this rank's secondary shard."""
         if self.persistent or self.state is not ShardState.GATHERED:

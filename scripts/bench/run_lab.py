@@ -42,7 +42,7 @@ ALL_SYSTEMS = ("zero3", "qwz", "hpz", "qgz", "zeropp", "fsdp2", "fsdp2_hybrid", 
                "ds_zero3_hpz", "ds_zeropp")
 # Passed through to bench_step.py unchanged: (flag, type, default, help).
 SHAPE_FLAGS = (
-    ("--num-layers", int, 6, "transformer layers"),
+    ("--num-layers", int, 4, "transformer layers"),
     ("--hidden-size", int, 512, "model width"),
     ("--num-attention-heads", int, 8, "attention heads"),
     ("--seq-length", int, 256, "tokens per sequence"),
