@@ -44,6 +44,7 @@ from zeropp.comm.accounting import (
 from zeropp.config import ZeroConfig
 from zeropp.flat_layout import FlatLayout
 from zeropp.kernels import quantized_nbytes
+from zeropp.prefetch import units_to_prefetch
 from zeropp.sharded_model import default_unit_modules
 from zeropp.topology import TopologyError
 
@@ -190,7 +191,7 @@ def peak_gathered_numel(units: Sequence[UnitPlan], zero: ZeroConfig, backward: b
 
     The root and persistent units are always gathered. At each block (and, in forward, at
     the root before the first block) the engine prefetches the following blocks while they
-    fit both the prefetch budget and the live-parameter cap. In backward, the block after
+    fit the prefetch rule (``zeropp.prefetch``). In backward, the block after
     the current one (in forward order) may still be gathered until its last gradient lands,
     so it is counted too: an upper estimate.
     """
@@ -206,17 +207,14 @@ def peak_gathered_numel(units: Sequence[UnitPlan], zero: ZeroConfig, backward: b
         current = blocks[index] if index >= 0 else 0
         finishing = blocks[index - 1] if backward and index > 0 else 0
         live = always + current + finishing + sum(blocks[j] for j in in_flight)
-        budget = zero.stage3_prefetch_bucket_size
-        for candidate in range(index + 1, len(blocks)):
-            size = blocks[candidate]
-            if candidate in in_flight:
-                budget -= size
-                continue
-            if size > budget or live + size > zero.stage3_max_live_parameters:
-                break
-            in_flight.add(candidate)
-            budget -= size
-            live += size
+        upcoming = list(range(index + 1, len(blocks)))
+        chosen = units_to_prefetch(
+            [(blocks[c], c in in_flight) for c in upcoming], live,
+            zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
+        )
+        for position in chosen:
+            in_flight.add(upcoming[position])
+            live += blocks[upcoming[position]]
         peak = max(peak, live)
     return peak
 

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_leaves
 from zeropp.comm import CommGroup, CommStats
 from zeropp.flat_layout import FlatLayout
 from zeropp.optimizer import PartitionedAdamW, clip_coefficient
+from zeropp.prefetch import units_to_prefetch
 from zeropp.topology import Topology
 from zeropp.unit import ParamRef, ShardedUnit, ShardState, UnitComm
 
@@ -270,20 +271,15 @@ class ShardedModel:
         index = order.index(unit)
         candidates = order[index + 1 :] if forward else list(reversed(order[:index]))
         phase = "forward_all_gather" if forward else "backward_all_gather"
-        budget = self.options.prefetch_bucket_numel
+        upcoming = [u for u in candidates
+                    if u is not self.root and u.state is not ShardState.GATHERED]
         live = sum(u.live_numel for u in self.units)
-        for candidate in candidates:
-            if candidate is self.root or candidate.state is ShardState.GATHERED:
-                continue
-            if candidate.gathering:
-                budget -= candidate.layout.padded_numel
-                continue
-            size = candidate.layout.padded_numel
-            if size > budget or live + size > self.options.max_live_numel:
-                break
-            candidate.start_gather(phase)
-            budget -= size
-            live += size
+        chosen = units_to_prefetch(
+            [(u.layout.padded_numel, u.gathering) for u in upcoming], live,
+            self.options.prefetch_bucket_numel, self.options.max_live_numel,
+        )
+        for index in chosen:
+            upcoming[index].start_gather(phase)
 
     def _release_all(self) -> None:
         for unit in self.units:

@@ -18,13 +18,20 @@ Systems (all fp32 compute, AdamW, gradient clipping 1.0, the same model and glob
 After ``--warmup`` untimed iterations, each of ``--iters`` iterations is timed between two
 barriers (so the slowest rank sets the time). Rank 0 prints one line ``LAB_RESULT {json}``.
 
-Inter-node bytes come two ways. ``inter_node_bytes_per_iter`` follows the engine's
-accounting (``zeropp/comm/accounting.py``): bytes this rank hands to collectives whose group
-spans nodes. For this engine it is measured (``engine.comm_bytes()``); for FSDP2 and
-DeepSpeed it is computed from their documented data paths and the actual shard sizes, and
-marked "theory". ``wire_inter_node_bytes_per_iter`` is what really crossed the shaped links:
-the growth of every node's veth tx counter (TCP/IP headers included, about 4%) divided by
-iterations and ranks. Intra-node traffic goes over loopback and never shows up there.
+Inter-node bytes, per rank and iteration, three ways:
+
+- ``inter_node_bytes_per_iter``: the engine's accounting convention
+  (``zeropp/comm/accounting.py``: bytes this rank hands to collectives whose group spans
+  nodes). For this engine, its own counters (``engine.comm_bytes()``, source "engine"); for
+  FSDP2 and DeepSpeed, the same convention applied to every torch.distributed collective they
+  call (``collective_bytes.py``, source "collective calls"). The engine's runs carry that
+  count too (``collective_inter_node_bytes_per_iter``) as a cross-check of the two.
+- ``theory_inter_node_bytes_per_iter`` (FSDP2 only): its documented data path applied to
+  the actual shard sizes.
+- ``wire_inter_node_bytes_per_iter``: what really crossed the shaped links, the growth of
+  every node's veth tx counter (TCP/IP headers included, about 4%) divided by iterations and
+  ranks. A rank's traffic to peers of its own node goes over loopback and never shows here,
+  so on 2 nodes x 2 it is about 2/3 of a world collective's accounted bytes.
 """
 
 from __future__ import annotations
@@ -46,9 +53,15 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from collective_bytes import (  # noqa: E402
+    CollectiveByteCounter,
+    all_gather_bytes,
+    all_reduce_bytes,
+    reduce_scatter_bytes,
+)
 from megatron_lite.model import GPTConfig, GPTModel, lm_loss  # noqa: E402
-from zeropp.comm.accounting import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes  # noqa: E402
 
 RESULT_PREFIX = "LAB_RESULT "
 FP32_BYTES = 4
@@ -106,25 +119,18 @@ class Layout:
 
 
 class TrainingSystem:
-    """One system's training iteration and its inter-node byte count."""
-
-    bytes_source = "theory"
+    """One system's training iteration; byte counts beyond the shared counter are optional."""
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
         raise RuntimeError(f"{type(self).__name__} does not define train_step")
 
-    def inter_node_bytes(self, iterations: int) -> tuple[int, dict[str, int]]:
-        """Total over ``iterations`` timed iterations, and the same by phase."""
-        per_iteration = self.theory_bytes_per_iteration()
-        return sum(per_iteration.values()) * iterations, {
-            phase: value * iterations for phase, value in per_iteration.items()
-        }
+    def engine_bytes(self) -> dict[str, int] | None:
+        """Inter-node bytes by phase from the system's own counters since the last call."""
+        return None
 
-    def theory_bytes_per_iteration(self) -> dict[str, int]:
-        raise RuntimeError(f"{type(self).__name__} has no byte model")
-
-    def reset_counters(self) -> None:
-        """Forget bytes counted so far (only systems that count them need this)."""
+    def theory_bytes_per_iteration(self) -> dict[str, int] | None:
+        """Inter-node bytes by phase per iteration from the system's documented data path."""
+        return None
 
 
 def _loss(model: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor,
@@ -137,8 +143,6 @@ def _loss(model: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor,
 
 
 class OurEngine(TrainingSystem):
-    bytes_source = "engine"
-
     def __init__(self, shape: BenchShape, layout: Layout, switches: dict[str, bool]) -> None:
         from zeropp import QuantizationOptions, build_engine
 
@@ -161,13 +165,9 @@ class OurEngine(TrainingSystem):
         self.engine.step()
         return loss.item()
 
-    def reset_counters(self) -> None:
-        self.engine.comm_bytes(reset=True)
-
-    def inter_node_bytes(self, iterations: int) -> tuple[int, dict[str, int]]:
-        by_phase = {phase: counts["inter_node"]
-                    for phase, counts in self.engine.comm_bytes(reset=True).items()}
-        return sum(by_phase.values()), by_phase
+    def engine_bytes(self) -> dict[str, int]:
+        return {phase: counts["inter_node"]
+                for phase, counts in self.engine.comm_bytes(reset=True).items()}
 
 
 # ---- PyTorch FSDP2 ---------------------------------------------------------------------------
@@ -285,25 +285,12 @@ class DeepSpeedZero3(TrainingSystem):
         # dist_init_required=False: DeepSpeed adopts the gloo group already set up here.
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config, dist_init_required=False)
-        params = list(model.parameters())
-        self.gathered_numel = sum(p.partition_numel() for p in params if not p.ds_persist)
-        self.partitioned_numel = sum(p.partition_numel() for p in params)
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
         loss = _loss(self.engine, inputs, labels)
         self.engine.backward(loss)
         self.engine.step()
         return loss.item()
-
-    def theory_bytes_per_iteration(self) -> dict[str, int]:
-        """DeepSpeed ZeRO-3's data path: every non-persistent parameter partition gathered in
-        forward and again in backward (inside the hpZ group with hpZ), gradients
-        reduce-scattered over the world."""
-        world = self.layout.world_size
-        gather = all_gather_bytes(self.gathered_numel * FP32_BYTES, world)
-        reduce = reduce_scatter_bytes(self.partitioned_numel * world * FP32_BYTES, world)
-        return {"forward_all_gather": gather, "backward_all_gather": 0 if self.hpz else gather,
-                "gradient_reduce": reduce, "optimizer": 0}
 
 
 def build_system(name: str, shape: BenchShape, layout: Layout) -> TrainingSystem:
@@ -342,13 +329,18 @@ def random_batches(shape: BenchShape, count: int, rank: int, world: int, seed: i
         yield mine[:, :-1], mine[:, 1:]
 
 
-def measure(system: TrainingSystem, shape: BenchShape, layout: Layout, iters: int,
-            warmup: int, seed: int) -> dict:
+def _per_iteration(by_key: dict[str, int] | None, iters: int) -> dict[str, float] | None:
+    return None if by_key is None else {k: v / iters for k, v in by_key.items()}
+
+
+def measure(system: TrainingSystem, counter: CollectiveByteCounter, shape: BenchShape,
+            layout: Layout, iters: int, warmup: int, seed: int) -> dict:
     rank = dist.get_rank()
     batches = random_batches(shape, warmup + iters, rank, layout.world_size, seed)
     losses = [system.train_step(*next(batches)) for _ in range(warmup)]
-    system.reset_counters()
     tx_before = node_tx_bytes(layout)
+    system.engine_bytes()  # forget the warm-up's bytes
+    counter.reset()
     step_seconds = []
     for _ in range(iters):
         inputs, labels = next(batches)
@@ -357,19 +349,27 @@ def measure(system: TrainingSystem, shape: BenchShape, layout: Layout, iters: in
         losses.append(system.train_step(inputs, labels))
         dist.barrier()
         step_seconds.append(time.perf_counter() - started)
+    calls = _per_iteration({name: c["inter_node"] for name, c in counter.snapshot().items()},
+                           iters)
+    engine = _per_iteration(system.engine_bytes(), iters)
+    theory = system.theory_bytes_per_iteration()
     wire_bytes = node_tx_bytes(layout) - tx_before
-    inter_node, by_phase = system.inter_node_bytes(iters)
     median = statistics.median(step_seconds)
     has_veth = bool(os.environ.get("GLOO_SOCKET_IFNAME"))
+    by_phase = engine if engine is not None else calls
     return {
         "status": "ok",
         "median_step_s": median,
         "step_times_s": step_seconds,
         "tokens_per_sec": shape.global_batch_size * shape.seq_length / median,
-        "inter_node_bytes_per_iter": inter_node / iters,
-        "inter_node_bytes_by_phase": {k: v / iters for k, v in by_phase.items()},
-        "inter_node_bytes_source": system.bytes_source,
-        # Barriers add a few hundred bytes per iteration, TCP/IP headers about 4%.
+        "inter_node_bytes_per_iter": sum(by_phase.values()),
+        "inter_node_bytes_by_phase": by_phase,
+        "inter_node_bytes_source": "engine" if engine is not None else "collective calls",
+        "collective_inter_node_bytes_per_iter": sum(calls.values()),
+        "collective_inter_node_bytes_by_op": calls,
+        "theory_inter_node_bytes_per_iter": None if theory is None else sum(theory.values()),
+        "theory_inter_node_bytes_by_phase": theory,
+        # Barriers and the counter read add a few hundred bytes, TCP/IP headers about 4%.
         "wire_inter_node_bytes_per_iter": (wire_bytes / iters / layout.world_size
                                            if has_veth else None),
         "losses": losses,
@@ -416,12 +416,15 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank()
     try:
         layout = resolve_layout(args)
+        # Before any system is built: the engine and DeepSpeed keep references to the
+        # torch.distributed functions they call, made when they are imported or start.
+        counter = CollectiveByteCounter(layout.ranks_per_node).install()
         shape = BenchShape(args.num_layers, args.hidden_size, args.num_attention_heads,
                            args.seq_length, args.vocab_size, args.global_batch_size)
         started = time.perf_counter()
         system = build_system(args.system, shape, layout)
         setup_s = time.perf_counter() - started
-        result = measure(system, shape, layout, args.iters, args.warmup, args.seed)
+        result = measure(system, counter, shape, layout, args.iters, args.warmup, args.seed)
     except Exception as error:  # the launcher ends the other ranks; say why on stdout
         traceback.print_exc()
         message = f"{type(error).__name__}: {error}".splitlines()[0]
