@@ -110,7 +110,7 @@ def read_curves(metrics: Path) -> dict:
             "final_iteration": valid[-1][0]}
 
 
-def run_variant(args: argparse.Namespace, name: str, port: int) -> dict:
+def run_variant(args: argparse.Namespace, name: str) -> dict:
     run_dir = args.out.parent / f"{args.out.stem}_runs" / name
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = run_dir / "metrics.jsonl"
@@ -120,8 +120,8 @@ def run_variant(args: argparse.Namespace, name: str, port: int) -> dict:
     print(f"[convergence] {name}: {args.train_iters} iterations ...", flush=True)
     started = time.perf_counter()
     try:
-        launch(command, nodes=args.nodes, ranks_per_node=args.ranks_per_node,
-               master_port=port, cluster=None, timeout_s=args.timeout)
+        launch(command, nodes=args.nodes, ranks_per_node=args.ranks_per_node, cluster=None,
+               timeout_s=args.timeout)
     except LaunchError as error:
         message = describe_failure(error)
         print(f"[convergence] {name}: failed: {message}", flush=True)
@@ -152,8 +152,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-attention-heads", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=64)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--global-batch-size", type=int, default=16)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--global-batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--log-interval", type=int, default=10)
@@ -162,7 +162,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--data-path", type=Path, default=DEFAULT_DATA_PREFIX)
-    parser.add_argument("--master-port", type=int, default=29700)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per variant")
     parser.add_argument("--out", type=Path, required=True, help="JSON results file")
     parser.add_argument("--plot", type=Path, default=None,
@@ -195,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                   "data_path": str(args.data_path)},
         "variants": {},
     }
-    for index, name in enumerate(args.variants):
-        record["variants"][name] = run_variant(args, name, args.master_port + index)
+    for name in args.variants:
+        record["variants"][name] = run_variant(args, name)
         record["final_valid_loss_gap_vs_zero3"] = relative_gaps(record["variants"])
         write_json(args.out, record)
     record["load_average_after"] = load_average()

@@ -21,12 +21,15 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,6 +37,8 @@ if __package__ in (None, ""):
 from cluster import SimCluster  # noqa: E402
 
 LOCALHOST = "127.0.0.1"
+# Inside a node namespace nothing else listens, so a fixed port is always free there.
+CLUSTER_MASTER_PORT = 29500
 TERMINATE_GRACE_S = 5.0
 POLL_INTERVAL_S = 0.1
 STDERR_TAIL_CHARS = 3000
@@ -43,7 +48,7 @@ STDERR_TAIL_CHARS = 3000
 class RankOutput:
     rank: int
     node: int
-    returncode: int | None  # None: ended by the launcher before it exited by itself
+    returncode: int  # negative: ended by that signal (the launcher TERMs, then KILLs)
     stdout: str
     stderr: str
 
@@ -110,34 +115,45 @@ def _end(processes: list[subprocess.Popen]) -> None:
             process.wait()
 
 
+def free_local_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((LOCALHOST, 0))
+        return probe.getsockname()[1]
+
+
 def launch(
     command: list[str],
     *,
     nodes: int,
     ranks_per_node: int,
-    master_port: int,
     cluster: SimCluster | None,
+    master_port: int | None = None,
     env: dict[str, str] | None = None,
     timeout_s: float = 1800.0,
 ) -> list[RankOutput]:
     """Run ``command`` as every rank; returns the outputs in rank order when all succeed.
 
-    ``cluster=None`` runs the ranks on localhost without namespaces. Raises ``LaunchError``
+    ``cluster=None`` runs the ranks on localhost without namespaces. ``master_port=None``
+    picks a free port on localhost, or CLUSTER_MASTER_PORT on the cluster. Raises ``LaunchError``
     when a rank exits non-zero or the job exceeds ``timeout_s``; every other rank is ended
     first, so no rank is left waiting in a collective.
     """
     if not command:
         raise ValueError("no command to launch")
     placements = place_ranks(nodes, ranks_per_node)
+    if master_port is None:
+        master_port = CLUSTER_MASTER_PORT if cluster else free_local_port()
     base_env = dict(os.environ if env is None else env)
-    with tempfile.TemporaryDirectory(prefix="zpp-launch-") as log_dir:
-        processes, logs = [], []
+    with tempfile.TemporaryDirectory(prefix="zpp-launch-") as log_dir, ExitStack() as files:
+        processes: list[subprocess.Popen] = []
+        logs: list[tuple[IO[str], IO[str]]] = []
         try:
             for placement in placements:
-                argv = cluster.netns_command(placement.node, command) if cluster else command
-                out = open(Path(log_dir) / f"rank{placement.rank}.out", "w+")
-                err = open(Path(log_dir) / f"rank{placement.rank}.err", "w+")
+                prefix = Path(log_dir) / f"rank{placement.rank}"
+                out = files.enter_context(open(prefix.with_suffix(".out"), "w+"))
+                err = files.enter_context(open(prefix.with_suffix(".err"), "w+"))
                 logs.append((out, err))
+                argv = cluster.netns_command(placement.node, command) if cluster else command
                 processes.append(subprocess.Popen(
                     argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                     env=rank_environment(placement, nodes, ranks_per_node, master_port,
@@ -146,8 +162,8 @@ def launch(
             failure = _wait_all(processes, timeout_s)
         finally:
             _end(processes)
-        outputs = [_collect(p, process, files)
-                   for p, process, files in zip(placements, processes, logs)]
+        outputs = [_collect(p, process, log)
+                   for p, process, log in zip(placements, processes, logs, strict=True)]
     if failure:
         raise LaunchError(failure, outputs)
     return outputs
@@ -169,19 +185,19 @@ def _wait_all(processes: list[subprocess.Popen], timeout_s: float) -> str | None
         time.sleep(POLL_INTERVAL_S)
 
 
-def _collect(placement: RankPlacement, process: subprocess.Popen, files) -> RankOutput:
+def _collect(placement: RankPlacement, process: subprocess.Popen,
+             log: tuple[IO[str], IO[str]]) -> RankOutput:
     texts = []
-    for handle in files:
+    for handle in log:
         handle.seek(0)
         texts.append(handle.read())
-        handle.close()
     return RankOutput(placement.rank, placement.node, process.returncode, *texts)
 
 
 def describe_failure(error: LaunchError) -> str:
     """The failure line plus the stderr tail of the rank that failed first."""
     lines = [str(error)]
-    failed = [o for o in error.outputs if o.returncode not in (0, None, -signal.SIGTERM)]
+    failed = [o for o in error.outputs if o.returncode not in (0, -signal.SIGTERM, -signal.SIGKILL)]
     for output in failed[:1] or error.outputs[:1]:
         lines.append(f"--- rank {output.rank} stderr (end) ---")
         lines.append(output.stderr[-STDERR_TAIL_CHARS:].rstrip())
@@ -193,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                                      usage="%(prog)s [options] -- CMD [ARG...]")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--ranks-per-node", type=int, default=2)
-    parser.add_argument("--master-port", type=int, default=29500)
+    parser.add_argument("--master-port", type=int, default=None,
+                        help="default: a free port on localhost, 29500 on the cluster")
     parser.add_argument("--local", action="store_true",
                         help="run every rank on localhost, without namespaces")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for the job")

@@ -27,31 +27,63 @@ def rate_sort_key(rate: str) -> tuple[int, str]:
     return (RATE_ORDER.index(rate) if rate in RATE_ORDER else len(RATE_ORDER), rate)
 
 
-def throughput_bars(runs: list[dict], path: Path) -> Path:
-    """Grouped bars: one group per link rate, one bar per system (tokens/s; failed = none)."""
-    runs = sorted(runs, key=lambda run: rate_sort_key(run["rate"]))
-    systems: list[str] = []
+def _systems_in_order(runs: list[dict]) -> list[str]:
+    """Every system of any run, in the fixed order of SYSTEM_COLOURS (unknown ones last)."""
+    seen: list[str] = []
     for run in runs:
-        systems += [s for s in run["systems"] if s not in systems]
+        seen += [s for s in run["systems"] if s not in seen]
+    known = [s for s in SYSTEM_COLOURS if s in seen]
+    return known + [s for s in seen if s not in SYSTEM_COLOURS]
+
+
+def _bar_heights(runs: list[dict], system: str, baseline: str | None) -> list[float]:
+    """Tokens/s per run (or the ratio to ``baseline``'s); 0 where it has no value."""
+    heights = []
+    for run in runs:
+        record, base = run["systems"].get(system, {}), run["systems"].get(baseline or "", {})
+        if record.get("status") != "ok":
+            heights.append(0.0)
+        elif baseline is None:
+            heights.append(record["tokens_per_sec"])
+        elif base.get("status") == "ok":
+            heights.append(record["tokens_per_sec"] / base["tokens_per_sec"])
+        else:
+            heights.append(0.0)
+    return heights
+
+
+def throughput_bars(runs: list[dict], path: Path, baseline: str = "zero3") -> Path:
+    """Grouped bars, one group per link rate and one bar per system: tokens/s (left, log
+    scale) and speed-up over ``baseline`` at the same rate (right). A failed run has no bar
+    and an "x" on the axis."""
+    runs = sorted(runs, key=lambda run: rate_sort_key(run["rate"]))
+    systems = _systems_in_order(runs)
     width = 0.8 / max(len(systems), 1)
-    figure, axes = plt.subplots(figsize=(max(6.0, 1.2 + 1.6 * len(runs)), 4.2))
-    for index, system in enumerate(systems):
-        heights = []
-        for run in runs:
-            record = run["systems"].get(system, {})
-            heights.append(record.get("tokens_per_sec", 0.0) if record.get("status") == "ok"
-                           else 0.0)
-        positions = [group + (index - (len(systems) - 1) / 2) * width
-                     for group in range(len(runs))]
-        axes.bar(positions, heights, width, label=system,
-                 color=SYSTEM_COLOURS.get(system))
-    axes.set_xticks(range(len(runs)), [run["rate"] for run in runs])
-    axes.set_xlabel("inter-node link rate (each node's up- and downlink)")
-    axes.set_ylabel("tokens / s (whole job)")
+    figure, (absolute, relative) = plt.subplots(
+        1, 2, figsize=(max(9.0, 2.0 + 3.0 * len(runs)), 4.8), layout="constrained")
+    for axes, reference in ((absolute, None), (relative, baseline)):
+        for index, system in enumerate(systems):
+            heights = _bar_heights(runs, system, reference)
+            positions = [group + (index - (len(systems) - 1) / 2) * width
+                         for group in range(len(runs))]
+            axes.bar(positions, heights, width, label=system, color=SYSTEM_COLOURS.get(system))
+            if reference is not None:  # a log axis has no 0 to mark failures at
+                failed = [x for x, run in zip(positions, runs, strict=True)
+                          if run["systems"].get(system, {}).get("status") == "error"]
+                axes.plot(failed, [0] * len(failed), "x", color="black")
+        axes.set_xticks(range(len(runs)), [run["rate"] for run in runs])
+        axes.set_xlabel("inter-node link rate")
+        axes.grid(axis="y", alpha=0.3)
+    absolute.set_yscale("log")
+    absolute.set_ylabel("tokens / s (whole job)")
+    relative.set_ylabel(f"speed-up over {baseline} at the same rate")
+    relative.axhline(1.0, color="black", linewidth=0.8)
     nodes, per_node = runs[0].get("nodes"), runs[0].get("ranks_per_node")
-    axes.set_title(f"Training throughput, {nodes} nodes x {per_node} ranks (gloo, CPU)")
-    axes.legend(fontsize=7, ncol=2, frameon=False)
-    axes.grid(axis="y", alpha=0.3)
+    figure.suptitle(f"Training throughput, {nodes} nodes x {per_node} ranks (gloo, CPU); "
+                    "x: the system failed to run")
+    handles, labels = relative.get_legend_handles_labels()
+    figure.legend(handles[:len(systems)], labels[:len(systems)], loc="outside lower center",
+                  ncol=min(len(systems), 5), fontsize=8, frameon=False)
     return _save(figure, path)
 
 
@@ -62,11 +94,13 @@ def loss_curves(convergence: dict, path: Path) -> Path:
         colour = f"C{index}"
         train = variant.get("train_curve", [])
         if train:
-            axes.plot(*zip(*train), color=colour, linewidth=1.2, label=f"{name} (train)")
+            iterations, losses = zip(*train, strict=True)
+            axes.plot(iterations, losses, color=colour, linewidth=1.2, label=f"{name} (train)")
         valid = variant.get("valid_curve", [])
         if valid:
-            axes.plot(*zip(*valid), color=colour, marker="o", linestyle="--", linewidth=0.8,
-                      label=f"{name} (validation)")
+            iterations, losses = zip(*valid, strict=True)
+            axes.plot(iterations, losses, color=colour, marker="o", linestyle="--",
+                      linewidth=0.8, label=f"{name} (validation)")
     axes.set_xlabel("iteration")
     axes.set_ylabel("LM loss")
     setup = convergence.get("setup", {})
@@ -79,7 +113,8 @@ def loss_curves(convergence: dict, path: Path) -> Path:
 
 def _save(figure, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.tight_layout()
+    if not figure.get_layout_engine():
+        figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path

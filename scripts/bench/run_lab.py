@@ -11,8 +11,8 @@ it up). A system that fails is recorded with its error message and the run goes 
 ``--local`` runs the ranks on localhost without namespaces or shaping (no root needed).
 
 The JSON holds, per system, ``median_step_s``, ``tokens_per_sec``,
-``inter_node_bytes_per_iter`` (with its source: engine or theory) and the measured
-``wire_inter_node_bytes_per_iter``, plus the machine, the date, the load average before and
+``inter_node_bytes_per_iter`` (source: the engine's counters or the collective calls) and the
+measured ``wire_inter_node_bytes_per_iter``, plus the machine, the date, the load average before and
 after (the machine may be shared) and the exact command. It is rewritten after every system,
 so an interrupted run keeps what it measured.
 """
@@ -80,7 +80,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="leave the simulated cluster up afterwards")
     parser.add_argument("--link-check-mib", type=int, default=8,
                         help="MiB sent once node 0 -> node 1 to measure the link (0: skip)")
-    parser.add_argument("--master-port", type=int, default=29500)
     parser.add_argument("--system-timeout", type=float, default=900.0,
                         help="seconds allowed for one system's run")
     args = parser.parse_args(argv)
@@ -141,14 +140,13 @@ def result_from_outputs(outputs: list[RankOutput]) -> dict | None:
     return None
 
 
-def run_system(args: argparse.Namespace, system: str, port: int,
-               cluster: SimCluster | None) -> dict:
+def run_system(args: argparse.Namespace, system: str, cluster: SimCluster | None) -> dict:
     """One system's record; failures become ``{"status": "error", "error": ...}``."""
     print(f"[lab] {system} at {'localhost' if cluster is None else args.rate} ...", flush=True)
     try:
         outputs = launch(bench_command(args, system), nodes=args.nodes,
-                         ranks_per_node=args.ranks_per_node, master_port=port,
-                         cluster=cluster, timeout_s=args.system_timeout)
+                         ranks_per_node=args.ranks_per_node, cluster=cluster,
+                         timeout_s=args.system_timeout)
     except LaunchError as error:
         reported = result_from_outputs(error.outputs)
         if reported is not None and reported.get("status") == "error":
@@ -203,9 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             record["shaping"] = cluster.shaping(0)
             if args.link_check_mib > 0 and args.nodes > 1:
                 record["link"] = check_links.measure(cluster, 1, args.link_check_mib)
-        for index, system in enumerate(args.systems):
-            record["systems"][system] = run_system(args, system, args.master_port + index,
-                                                   cluster)
+        for system in args.systems:
+            record["systems"][system] = run_system(args, system, cluster)
             write_json(args.out, record)
     finally:
         if cluster is not None and not args.keep_cluster:
