@@ -18,17 +18,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, out_dir, env):
+def _worker(rank, world_size, fn, args, out_dir, env):
     os.environ.update(env)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
-    )
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # A file store, not a TCP port: nothing to collide with when many tests run back to back.
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank,
+                            world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
         payload = ("ok", result)
@@ -48,7 +48,7 @@ def run_ranks(fn, world_size: int, *args, env: dict | None = None, timeout: floa
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, free_port(), fn, args, out_dir, dict(env or {})),
+            args=(world_size, fn, args, out_dir, dict(env or {})),
             nprocs=world_size,
             join=False,
             start_method="spawn",

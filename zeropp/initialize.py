@@ -93,6 +93,7 @@ def _collectives(topology: Topology, options: ShardingOptions, quant: Quantizati
                 bits=quant.gradient_bits,
                 block_size=quant.block_size,
                 error_feedback=quant.error_feedback,
+                async_op=options.overlap_comm,
             )
     hpz = None
     if quant.hpz_size > 1:

@@ -24,10 +24,12 @@ equal the exact reduce-scatter (up to the order of the fp32 additions).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from zeropp import kernels
-from zeropp.comm.accounting import CommStats, all_gather_bytes
+from zeropp.comm.accounting import CommStats, all_gather_bytes, all_to_all_bytes
 from zeropp.comm.collectives import (
     CommGroup,
     Pending,
@@ -103,7 +105,10 @@ class HierarchicalReduceScatter:
         bits: int | None = 4,
         block_size: int = 256,
         error_feedback: bool = False,
+        async_op: bool = True,
     ) -> None:
+        self.async_op = async_op
+        self._executor: ThreadPoolExecutor | None = None
         self.nodes = topology.num_nodes
         self.per_node = topology.ranks_per_node
         self.intra = CommGroup(topology.intra_node_group, self.per_node, topology.local_rank, False)
@@ -139,18 +144,51 @@ class HierarchicalReduceScatter:
                 f"{group.size} does not match {self.nodes} nodes x {self.per_node} ranks "
                 f"with {output.numel()}-element slices"
             )
+        # Bytes are recorded here, in the caller's thread, so the accounting is never
+        # touched from the worker.
+        intra, inter = self.bytes_sent(output.numel(), full.element_size())
+        stats.record(phase, self.intra.spans_nodes, intra)
+        stats.record(phase, self.inter.spans_nodes, inter)
+        if not self.async_op:
+            self._reduce(output, full, key)
+            return Pending(None)
+        # [Note: qgZ worker] One worker thread runs every qgZ reduction in submission order:
+        # the intra- and inter-node groups are used only by it, so all ranks issue their
+        # all-to-alls in the same order, while backward keeps computing in the caller's
+        # thread. The caller's buffers are not touched again until wait().
+        future = self._worker().submit(self._reduce, output, full, key)
+        return Pending(None, future.result)
+
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-qgz")
+        return self._executor
+
+    def bytes_sent(self, slice_numel: int, element_size: int) -> tuple[int, int]:
+        """(intra-node, inter-node) bytes this rank sends for one reduction."""
+        chunk_numel = self.nodes * slice_numel
+        if self.bits is None:
+            first, second = self.per_node * chunk_numel * element_size, chunk_numel * 4
+        else:
+            first = self.per_node * kernels.quantized_nbytes(chunk_numel, self.bits, self.block_size)
+            second = self.nodes * kernels.quantized_nbytes(slice_numel, self.bits, self.block_size)
+        return (all_to_all_bytes(first, self.per_node), all_to_all_bytes(second, self.nodes))
+
+    def _reduce(self, output: torch.Tensor, full: torch.Tensor, key: object) -> None:
+        """The data path of [Note: qgZ data path], blocking."""
+        untracked = CommStats()  # already recorded by the caller
         slice_numel = output.numel()
         chunk_numel = self.nodes * slice_numel
         swizzled = kernels.swizzle(full, self.nodes, self.per_node)
 
         if self.bits is None:
             received = torch.empty_like(swizzled)
-            all_to_all(received, swizzled, self.intra, stats, phase, async_op=False)
+            all_to_all(received, swizzled, self.intra, untracked, "gradient_reduce", async_op=False)
             partial = received.view(self.per_node, chunk_numel).float().sum(0)
             second = torch.empty_like(partial)
-            all_to_all(second, partial, self.inter, stats, phase, async_op=False)
+            all_to_all(second, partial, self.inter, untracked, "gradient_reduce", async_op=False)
             output.copy_(second.view(self.nodes, slice_numel).sum(0))
-            return Pending(None)
+            return
 
         bits, block = self.bits, self.block_size
         if self.error_feedback:
@@ -163,12 +201,10 @@ class HierarchicalReduceScatter:
             self.residuals[key] = swizzled - sent
         send = split_payload(payload, self.per_node, chunk_numel, bits, block)
         received = torch.empty_like(send)
-        all_to_all(received, send, self.intra, stats, phase, async_op=False)
+        all_to_all(received, send, self.intra, untracked, "gradient_reduce", async_op=False)
 
         requantized = kernels.dequantize_reduce_quantize(received, chunk_numel, bits, bits, block)
         send2 = split_payload(requantized, self.nodes, slice_numel, bits, block)
         received2 = torch.empty_like(send2)
-        all_to_all(received2, send2, self.inter, stats, phase, async_op=False)
+        all_to_all(received2, send2, self.inter, untracked, "gradient_reduce", async_op=False)
         output.copy_(kernels.dequantize_reduce(received2, slice_numel, bits, block))
-        return Pending(None)
-
