@@ -21,6 +21,7 @@ pickled code.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -54,7 +55,8 @@ def read_latest(load_dir: str | os.PathLike) -> str:
     return tag
 
 
-def _unit_record(unit, master: torch.Tensor, adam_state: dict) -> dict:
+def _unit_record(unit, master: torch.Tensor, moments) -> dict:
+    exp_avg, exp_avg_sq = moments
     return {
         "name": unit.name,
         "slots": [[s.name, list(s.shape), s.offset] for s in unit.layout.slots],
@@ -62,8 +64,8 @@ def _unit_record(unit, master: torch.Tensor, adam_state: dict) -> dict:
         "shard_start": unit.shard_start,
         "shard_end": unit.shard_end,
         "master": master.detach().cpu(),
-        "exp_avg": adam_state.get("exp_avg", torch.zeros_like(master)).detach().cpu(),
-        "exp_avg_sq": adam_state.get("exp_avg_sq", torch.zeros_like(master)).detach().cpu(),
+        "exp_avg": exp_avg.detach().cpu(),
+        "exp_avg_sq": exp_avg_sq.detach().cpu(),
     }
 
 
@@ -92,17 +94,18 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
     _agree_or_raise(error, f"cannot create checkpoint directory {tmp_dir}")
 
     optimizer = engine.optimizer
-    adam = optimizer._adam
     state = {
         "format": SHARD_FORMAT,
         "rank": rank,
         "world_size": world,
         "units": [
-            _unit_record(unit, master, adam.state.get(master, {}))
-            for unit, master in zip(engine.sharded.units, optimizer.masters, strict=True)
+            _unit_record(unit, master, optimizer.moments(index))
+            for index, (unit, master) in enumerate(
+                zip(engine.sharded.units, optimizer.masters, strict=True))
         ],
-        "adam_step": _adam_step(adam, optimizer.masters),
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in adam.param_groups],
+        "adam_step": optimizer.step_count,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                         for g in optimizer.param_groups],
         "loss_scaler": engine.loss_scaler.state_dict(),
         "engine": {
             "global_steps": engine.global_steps,
@@ -147,14 +150,6 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
         error = exc
     _agree_or_raise(error, f"cannot publish checkpoint {final_dir}")
     return final_dir
-
-
-def _adam_step(adam, masters) -> float:
-    for master in masters:
-        step = adam.state.get(master, {}).get("step")
-        if step is not None:
-            return float(step)
-    return 0.0
 
 
 def _agree_or_raise(error: Exception | None, message: str) -> None:
@@ -231,9 +226,9 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
             f"checkpoint units {sorted(saved_units)} do not match the model's {sorted(ours)}"
         )
     optimizer = engine.optimizer
-    adam = optimizer._adam
     fields = ("master", "exp_avg", "exp_avg_sq") if load_optimizer_states else ("master",)
-    for unit, master in zip(engine.sharded.units, optimizer.masters, strict=True):
+    units = zip(engine.sharded.units, optimizer.masters, strict=True)
+    for index, (unit, master) in enumerate(units):
         values = {f: torch.zeros_like(master) for f in fields}
         for slot in unit.layout.slots:
             part = unit.layout.overlap(slot, unit.shard_start, unit.shard_end)
@@ -249,11 +244,8 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
             master.copy_(values["master"])
             unit.shard.copy_(master)
         if load_optimizer_states:
-            adam.state[master] = {
-                "step": torch.tensor(old.rank_state(0)["adam_step"]),
-                "exp_avg": values["exp_avg"],
-                "exp_avg_sq": values["exp_avg_sq"],
-            }
+            optimizer.set_moments(index, old.rank_state(0)["adam_step"],
+                                  values["exp_avg"], values["exp_avg_sq"])
         unit.zero_grad_shard()
     # Every derived copy of the weights (gathered buffers, hpZ secondary shards) is stale.
     for unit in engine.sharded.units:
@@ -262,7 +254,8 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
     mine = old.rank_state(engine.topology.rank) if engine.topology.rank < old.world_size else None
     reference = mine or old.rank_state(0)
     if load_optimizer_states:
-        for group, saved in zip(adam.param_groups, reference["param_groups"], strict=False):
+        for group, saved in zip(optimizer.param_groups, reference["param_groups"],
+                                strict=False):
             group.update(saved)
         engine.loss_scaler.load_state_dict(reference["loss_scaler"])
         if engine.lr_scheduler is not None and reference["lr_scheduler"] is not None:
@@ -285,9 +278,7 @@ def consolidate(load_dir: str | os.PathLike, tag: str | None = None) -> dict[str
     out = {}
     for name, _numel, _padded in old.meta["units"]:
         for param, shape, _offset in old.unit(0, name)["slots"]:
-            count = 1
-            for s in shape:
-                count *= s
+            count = math.prod(shape)
             out[param] = old.read(name, param, tuple(shape), 0, count, "master").view(shape).clone()
     return out
 

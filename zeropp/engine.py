@@ -140,13 +140,12 @@ class ZeroEngine:
             return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
 
         units = self.sharded.units
-        adam_state = [s for st in self.optimizer._adam.state.values() for s in st.values()
-                      if isinstance(s, torch.Tensor) and s.dim() > 0]
+        moments = [m for i in range(len(units)) for m in self.optimizer.moments(i)]
         return {
             "working_shards": nbytes(u.shard for u in units),
             "gathered_parameters": nbytes(u.full for u in units),
             "hpz_secondary_shards": nbytes(u.secondary_shard for u in units),
             "gradient_shards": nbytes(u.grad_shard for u in units),
             "fp32_master_shards": nbytes(self.optimizer.masters),
-            "optimizer_moments": nbytes(adam_state),
+            "optimizer_moments": nbytes(moments),
         }

@@ -59,19 +59,9 @@ class FlatLayout:
     def shard_numel(self) -> int:
         return self.padded_numel // self.num_shards
 
-    @property
-    def padding(self) -> int:
-        return self.padded_numel - self.numel
-
     def shard_range(self, shard_index: int) -> tuple[int, int]:
         start = shard_index * self.shard_numel
         return start, start + self.shard_numel
-
-    def slot(self, name: str) -> ParamSlot:
-        for slot in self.slots:
-            if slot.name == name:
-                return slot
-        raise KeyError(f"no parameter named {name!r} in this unit")
 
     def overlap(self, slot: ParamSlot, start: int, end: int) -> tuple[int, int] | None:
         """The part of ``slot`` inside flat range [start, end), as offsets into the slot."""

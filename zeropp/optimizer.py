@@ -87,6 +87,23 @@ class PartitionedAdamW:
             unit.zero_grad_shard()
 
     # ---- state ---------------------------------------------------------------------------
+    def moments(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(exp_avg, exp_avg_sq) of unit ``index``'s shard; zeros before the first step."""
+        state = self._adam.state.get(self.masters[index], {})
+        zeros = torch.zeros_like(self.masters[index])
+        return state.get("exp_avg", zeros), state.get("exp_avg_sq", zeros)
+
+    @property
+    def step_count(self) -> float:
+        """Adam's step counter (the same for every shard)."""
+        state = self._adam.state.get(self.masters[0], {}) if self.masters else {}
+        return float(state["step"]) if "step" in state else 0.0
+
+    def set_moments(self, index: int, step: float, exp_avg, exp_avg_sq) -> None:
+        self._adam.state[self.masters[index]] = {
+            "step": torch.tensor(step), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq,
+        }
+
     def state_dict(self) -> dict:
         return self._adam.state_dict()
 

@@ -317,7 +317,7 @@ class ShardedModel:
         """Average (divide by ``divisor`` once), clip and step; skip on a non-finite norm."""
         inv = 1.0 / divisor
         norm = optimizer.grad_norm_squared(inv) ** 0.5
-        finite = norm == norm and norm != float("inf")
+        finite = math.isfinite(norm)
         if finite:
             optimizer.step(inv * clip_coefficient(norm, max_norm))
         else:

@@ -86,10 +86,6 @@ class Topology:
     def world_spans_nodes(self) -> bool:
         return self.num_nodes > 1
 
-    @property
-    def inter_node_spans_nodes(self) -> bool:
-        return self.num_nodes > 1
-
     def describe(self) -> str:
         return (
             f"{self.world_size} ranks = {self.num_nodes} node(s) x {self.ranks_per_node}, "
