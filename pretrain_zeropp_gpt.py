@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import zeropp
-from data.gpt_dataset import build_train_valid_test_datasets
+from data.gpt_dataset import MockGPTDataset, build_train_valid_test_datasets
 from data.samplers import build_pretraining_data_loader
 from data.tokenizers import build_tokenizer
 from megatron_lite.arguments import (
@@ -53,10 +53,14 @@ USAGE_ERRORS = (ArgumentError, zeropp.ConfigError, zeropp.TopologyError)
 
 
 def main(argv: list[str] | None = None) -> int:
+    owns_process_group = False
     try:
         args = parse_args(argv)
         if args.dry_run:
             return run_dry_run(args)  # no process group: plans any cluster size
+        # A process group that exists already (an embedding program, the simulated GPU
+        # cluster) belongs to the caller: used, not destroyed.
+        owns_process_group = not dist.is_initialized()
         zeropp.init_distributed(timeout_s=args.distributed_timeout_minutes * 60)
         rank, world_size = dist.get_rank(), dist.get_world_size()
         ds_config = read_ds_config(args)
@@ -67,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
                                     merge_file=args.merge_file,
                                     tokenizer_model=args.tokenizer_model)
-        train_loader, valid_loader = build_loader_factories(args, rank, world_size)
+        train_loader, valid_loader = build_loader_factories(args, rank, world_size,
+                                                            tokenizer.vocab_size)
         model = build_meta_model(args, tokenizer.vocab_size)
         engine = build_engine(args, model, ds_config)
         print_run_description(args, model, engine.topology.describe())
@@ -75,25 +80,28 @@ def main(argv: list[str] | None = None) -> int:
                                 warmup_iters=args.lr_warmup_iters,
                                 decay_iters=args.lr_decay_iters, decay_style=args.lr_decay_style)
     except USAGE_ERRORS as error:
-        return fail(error, status=2)
+        return fail(error, status=2, destroy=owns_process_group)
     except (FileNotFoundError, ValueError) as error:
-        return fail(error, status=1)
+        return fail(error, status=1, destroy=owns_process_group)
     run_control = RunControl(args, engine, scheduler, model.config)
     try:
         with MetricsWriter.from_args(args, enabled=rank == world_size - 1) as metrics_writer:
             summary = pretrain(args, engine, scheduler, model.config, train_loader,
-                               valid_loader, metrics_writer, compute_device(),
+                               valid_loader, metrics_writer, engine.device,
                                run_control=run_control)
     except (SaveFailed, FloatingPointError, zeropp.CheckpointError, ValueError) as error:
-        return fail(error, status=1)
+        return fail(error, status=1, destroy=owns_process_group)
+    finally:
+        engine.close()
     report(summary)
-    dist.destroy_process_group()
+    if owns_process_group:
+        dist.destroy_process_group()
     return 0
 
 
-def fail(error: Exception, status: int) -> int:
+def fail(error: Exception, status: int, destroy: bool) -> int:
     print(f"error: {error}", file=sys.stderr, flush=True)
-    if dist.is_initialized():
+    if destroy:
         dist.destroy_process_group()
     return status
 
@@ -119,8 +127,10 @@ def read_ds_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def check_supported(args: argparse.Namespace, ds_config: dict[str, Any]) -> None:
-    if args.data_path is None:
-        raise ArgumentError("--data-path is required for training")
+    if args.data_path is None and not args.mock_data:
+        raise ArgumentError("--data-path is required for training (or --mock-data)")
+    if args.data_path is not None and args.mock_data:
+        raise ArgumentError("--mock-data and --data-path exclude each other: pick one")
     if "scheduler" in ds_config:
         raise ArgumentError(
             f"the scheduler block in {args.deepspeed_config} would be ignored: the lr "
@@ -168,7 +178,7 @@ def build_meta_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:
 
 
 def build_loader_factories(
-    args: argparse.Namespace, rank: int, world_size: int
+    args: argparse.Namespace, rank: int, world_size: int, vocab_size: int
 ) -> tuple[LoaderFactory, LoaderFactory | None]:
     """This rank's (train, valid) loader factories; valid is None when its split is empty.
 
@@ -178,11 +188,17 @@ def build_loader_factories(
     """
     global_batch = args.global_batch_size
     valid_samples = args.eval_iters * global_batch if args.split_fractions[1] > 0 else 0
-    train, valid, _ = build_train_valid_test_datasets(
-        args.data_path, args.split, args.seq_length, args.seed,
-        (args.train_iters * global_batch, valid_samples, 0),
-        cache_dir=args.data_cache_dir, build_barrier=dist.barrier, is_builder=rank == 0,
-    )
+    if args.mock_data:
+        train = MockGPTDataset(args.train_iters * global_batch, args.seq_length, vocab_size,
+                               args.seed)
+        valid = MockGPTDataset(valid_samples, args.seq_length, vocab_size, args.seed + 1) \
+            if valid_samples else None
+    else:
+        train, valid, _ = build_train_valid_test_datasets(
+            args.data_path, args.split, args.seq_length, args.seed,
+            (args.train_iters * global_batch, valid_samples, 0),
+            cache_dir=args.data_cache_dir, build_barrier=dist.barrier, is_builder=rank == 0,
+        )
 
     def factory(dataset: Any) -> LoaderFactory:
         return lambda consumed_samples: build_pretraining_data_loader(
@@ -206,13 +222,6 @@ def build_engine(args: argparse.Namespace, model: GPTModel, ds_config: dict[str,
                           "eps": args.adam_eps, "weight_decay": args.weight_decay},
     )
     return engine
-
-
-def compute_device() -> torch.device:
-    # init_distributed has made this rank's GPU (LOCAL_RANK) the current one.
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def print_run_description(args: argparse.Namespace, model: GPTModel, topology: str) -> None:

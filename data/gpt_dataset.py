@@ -523,7 +523,28 @@ class BlendedDataset:
         return dataset[int(self.dataset_sample_index[index])]
 
 
-TrainingDataset = GPTDataset | BlendedDataset
+class MockGPTDataset:
+    """Megatron's ``--mock-data``: ``num_samples`` samples of random token ids, no files.
+
+    Sample ``i`` is drawn from its own seeded generator, so it is the same on every rank and
+    in every run, and any sample can be read without the others.
+    """
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int) -> None:
+        self.num_samples, self.seq_length = num_samples, seq_length
+        self.vocab_size, self.seed = vocab_size, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"mock data index {index} out of range for {self.num_samples}")
+        rng = np.random.default_rng((self.seed, index))
+        return {"text": rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)}
+
+
+TrainingDataset = GPTDataset | BlendedDataset | MockGPTDataset
 
 
 # -- Entry point used by the training script ------------------------------------------------------

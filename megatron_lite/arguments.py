@@ -148,6 +148,9 @@ def _add_learning_rate_args(group: argparse._ArgumentGroup) -> None:
 def _add_data_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--data-path", nargs="*", default=None,
                        help="Indexed-dataset prefix, or a weighted blend: 0.3 PREFIX 0.7 PREFIX.")
+    group.add_argument("--mock-data", action="store_true",
+                       help="Train on random token ids instead of --data-path (Megatron's flag: "
+                            "for trying a configuration, e.g. on the simulated GPU cluster).")
     group.add_argument("--split", default="969,30,1",
                        help="Train,validation,test weights (default: 969,30,1).")
     group.add_argument("--tokenizer-type", default="GPT2BPETokenizer",

@@ -126,11 +126,21 @@ class RunControl:
             self.save(trainer)
 
     # ---- stop conditions -----------------------------------------------------------------
-    def should_stop(self, trainer, loss: torch.Tensor) -> bool:
-        """Agree across ranks on SIGTERM and on a loss that stays non-finite."""
-        flags = torch.tensor(
-            [float(self._signal_received), float(not math.isfinite(float(loss)))]
-        )
+    def should_stop(self, trainer, loss: torch.Tensor, applied: bool) -> bool:
+        """Agree across ranks on SIGTERM and on a loss that stays non-finite.
+
+        Reading the loss is a host sync, so it is read only when the update was skipped:
+        a non-finite loss gives a non-finite gradient norm, which every rank's engine
+        agrees to skip. The flags cross ranks only when there is something to agree on.
+        """
+        check_loss = bool(self.args.exit_on_nan) and not applied
+        if not (self.args.exit_signal_handler or check_loss):
+            self.nonfinite_streak = 0
+            return False
+        nonfinite = (~torch.isfinite(loss.detach().float())).float() if check_loss \
+            else torch.zeros((), device=loss.device)
+        flags = torch.stack([torch.tensor(float(self._signal_received), device=loss.device),
+                             nonfinite.to(loss.device)])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         signalled, nonfinite = flags.tolist()

@@ -54,17 +54,23 @@ def _warn(message: str) -> None:
 
 
 class Timer:
-    """One named wall-clock timer that accumulates over start/stop pairs."""
+    """One named timer that accumulates over start/stop pairs.
+
+    On CPU it reads ``clock``. With ``event_factory`` (CUDA events on GPU) start and stop
+    record events on the compute stream instead, and the intervals are read when the timer
+    is read (at the log interval): one wait there instead of a device sync at every start
+    and stop, which would stall the GPU and hide the overlap being measured.
+    """
 
     def __init__(self, name: str, clock: Callable[[], float],
-                 synchronize: Callable[[], None] | None) -> None:
+                 event_factory: Callable[[], Any] | None = None) -> None:
         self.name = name
         self._clock = clock
-        # On CUDA, kernels run asynchronously: without a device sync the timer would measure
-        # only the launch of the work, not the work.
-        self._synchronize = synchronize
+        self._event_factory = event_factory
         self._accumulated = 0.0
         self._started_at: float | None = None
+        self._start_event: Any = None
+        self._intervals: list[tuple[Any, Any]] = []  # recorded, not yet read
 
     @property
     def running(self) -> bool:
@@ -73,14 +79,17 @@ class Timer:
     def start(self) -> None:
         if self.running:
             raise RuntimeError(f"timer {self.name!r} is already running")
-        self._sync()
+        if self._event_factory is not None:
+            self._start_event = self._record()
         self._started_at = self._clock()
 
     def stop(self) -> None:
         if self._started_at is None:
             raise RuntimeError(f"timer {self.name!r} was stopped without being started")
-        self._sync()
-        self._accumulated += self._clock() - self._started_at
+        if self._event_factory is not None:
+            self._intervals.append((self._start_event, self._record()))
+        else:
+            self._accumulated += self._clock() - self._started_at
         self._started_at = None
 
     def elapsed(self, reset: bool = True) -> float:
@@ -88,6 +97,10 @@ class Timer:
         was_running = self.running
         if was_running:
             self.stop()
+        for start, stop in self._intervals:
+            stop.synchronize()
+            self._accumulated += start.elapsed_time(stop) / 1000.0  # events count in ms
+        self._intervals.clear()
         seconds = self._accumulated
         if reset:
             self._accumulated = 0.0
@@ -95,27 +108,34 @@ class Timer:
             self.start()
         return seconds
 
-    def _sync(self) -> None:
-        if self._synchronize is not None:
-            self._synchronize()
+    def _record(self) -> Any:
+        event = self._event_factory()
+        event.record()
+        return event
+
+
+def cuda_timing_event() -> Any:
+    import torch
+
+    return torch.cuda.Event(enable_timing=True)
 
 
 class Timers:
     """Named timers created on first use: ``timers("forward").start()``.
 
-    ``synchronize`` is called at every start and stop (pass ``torch.cuda.synchronize`` on GPU);
-    ``clock`` is injectable so tests need not sleep.
+    ``event_factory`` makes them time with device events (pass ``cuda_timing_event`` on
+    GPU); ``clock`` is injectable so tests need not sleep.
     """
 
-    def __init__(self, synchronize: Callable[[], None] | None = None,
+    def __init__(self, event_factory: Callable[[], Any] | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        self._synchronize = synchronize
+        self._event_factory = event_factory
         self._clock = clock
         self._timers: dict[str, Timer] = {}
 
     def __call__(self, name: str) -> Timer:
         if name not in self._timers:
-            self._timers[name] = Timer(name, self._clock, self._synchronize)
+            self._timers[name] = Timer(name, self._clock, self._event_factory)
         return self._timers[name]
 
     def elapsed_ms(self, names: list[str], normalizer: float = 1.0,

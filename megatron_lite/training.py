@@ -36,7 +36,13 @@ import torch.distributed as dist
 from data.samplers import get_batch
 from megatron_lite.checkpointing import RunControl
 from megatron_lite.lr_schedule import LRScheduler
-from megatron_lite.metrics import MAX_LOSS_FOR_PERPLEXITY, MetricsWriter, Timers, training_log_line
+from megatron_lite.metrics import (
+    MAX_LOSS_FOR_PERPLEXITY,
+    MetricsWriter,
+    Timers,
+    cuda_timing_event,
+    training_log_line,
+)
 from megatron_lite.model import GPTConfig, flops_per_token, lm_loss
 
 # (logits, labels, loss_mask) -> scalar mean loss of one micro-batch.
@@ -161,7 +167,7 @@ class Trainer:
         self.world_size = engine.topology.world_size
         # Megatron prints from the last rank: with pipelining it is the one that has the loss.
         self.is_logging_rank = engine.topology.rank == self.world_size - 1
-        self.timers = Timers(torch.cuda.synchronize if device.type == "cuda" else None)
+        self.timers = Timers(cuda_timing_event if device.type == "cuda" else None)
         self.iteration = 0
         self.consumed_samples = 0
         self.applied_updates = 0
@@ -193,7 +199,7 @@ class Trainer:
                 self.timers("interval-time").start()
             if self.run_control is not None:
                 self.run_control.maybe_save(self)
-                if self.run_control.should_stop(self, loss):
+                if self.run_control.should_stop(self, loss, applied):
                     break
             if args.exit_interval and self.iteration % args.exit_interval == 0:
                 self._print(f"exiting after iteration {self.iteration} (--exit-interval "

@@ -63,12 +63,37 @@ def test_reading_a_running_timer_keeps_it_running() -> None:
     assert timers("step").elapsed() == pytest.approx(2.0)
 
 
-def test_synchronize_is_called_at_start_and_stop() -> None:
-    calls: list[str] = []
-    timers = Timers(synchronize=lambda: calls.append("sync"), clock=FakeClock())
-    timers("backward").start()
-    timers("backward").stop()
-    assert calls == ["sync", "sync"]
+class FakeEvent:
+    """A device event on a fake clock: records the time, counts waits."""
+
+    waits = 0
+
+    def __init__(self, clock) -> None:
+        self.clock = clock
+        self.at = None
+
+    def record(self) -> None:
+        self.at = self.clock.now
+
+    def synchronize(self) -> None:
+        FakeEvent.waits += 1
+
+    def elapsed_time(self, other) -> float:
+        return (other.at - self.at) * 1000.0
+
+
+def test_event_timers_wait_only_when_read() -> None:
+    clock = FakeClock()
+    FakeEvent.waits = 0
+    timers = Timers(event_factory=lambda: FakeEvent(clock), clock=clock)
+    for _ in range(3):
+        timers("backward").start()
+        clock.now += 0.5
+        timers("backward").stop()
+    assert FakeEvent.waits == 0  # no device sync at start or stop
+    assert timers("backward").elapsed() == pytest.approx(1.5)
+    assert FakeEvent.waits == 3
+    assert timers("backward").elapsed() == 0.0
 
 
 def test_timer_misuse_is_reported() -> None:

@@ -83,6 +83,7 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
     root = Path(save_dir)
     rank, world = engine.topology.rank, engine.topology.world_size
     tmp_dir, final_dir = root / f"{tag}.tmp", root / tag
+    device = engine.sharded.device
     error: Exception | None = None
     try:
         if rank == 0:
@@ -91,7 +92,7 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
             tmp_dir.mkdir(parents=True)
     except OSError as exc:
         error = exc
-    _agree_or_raise(error, f"cannot create checkpoint directory {tmp_dir}")
+    _agree_or_raise(error, device, f"cannot create checkpoint directory {tmp_dir}")
 
     optimizer = engine.optimizer
     state = {
@@ -133,7 +134,7 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
             _atomic_write_text(tmp_dir / "meta.json", json.dumps(meta, indent=1))
     except (OSError, RuntimeError) as exc:
         error = exc
-    _agree_or_raise(error, f"cannot write checkpoint shard in {tmp_dir}")
+    _agree_or_raise(error, device, f"cannot write checkpoint shard in {tmp_dir}")
 
     try:
         if rank == 0:
@@ -148,13 +149,16 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
             _atomic_write_text(root / "latest", tag)
     except OSError as exc:
         error = exc
-    _agree_or_raise(error, f"cannot publish checkpoint {final_dir}")
+    _agree_or_raise(error, device, f"cannot publish checkpoint {final_dir}")
     return final_dir
 
 
-def _agree_or_raise(error: Exception | None, message: str) -> None:
-    """Every rank learns whether any rank failed, so all raise together (nobody hangs)."""
-    failed = torch.tensor([1.0 if error is not None else 0.0])
+def _agree_or_raise(error: Exception | None, device: torch.device, message: str) -> None:
+    """Every rank learns whether any rank failed, so all raise together (nobody hangs).
+
+    The flag lives on the engine's device: NCCL groups take no CPU tensors.
+    """
+    failed = torch.tensor([1.0 if error is not None else 0.0], device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(failed)
     if failed.item() > 0:

@@ -52,6 +52,11 @@ class ZeroEngine:
         return self.sharded.topology
 
     @property
+    def device(self) -> torch.device:
+        """Where the working weights, gradients and activations live (DeepSpeed's name)."""
+        return self.sharded.device
+
+    @property
     def comm_stats(self):
         return self.sharded.stats
 
@@ -99,6 +104,10 @@ class ZeroEngine:
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return not overflow
+
+    def close(self) -> None:
+        """Finish what is in flight and stop the engine's communication threads, if any."""
+        self.sharded.close()
 
     def get_global_grad_norm(self) -> float | None:
         return self.last_grad_norm

@@ -14,6 +14,7 @@ from torch import nn
 
 from zeropp.comm import CommGroup, all_gather, reduce_scatter_sum
 from zeropp.comm.collectives import replicated_gradient_reduce
+from zeropp.comm.streams import Execution, execution_for
 from zeropp.engine import ZeroEngine
 from zeropp.loss_scaler import DynamicLossScaler, LossScaler
 from zeropp.optimizer import PartitionedAdamW
@@ -69,14 +70,14 @@ class QuantizationOptions:
     error_feedback: bool = False
 
 
-def _collectives(topology: Topology, options: ShardingOptions, quant: QuantizationOptions):
+def _collectives(topology: Topology, options: ShardingOptions, quant: QuantizationOptions,
+                 execution: Execution):
     """Pick the gather and reduce functions for this configuration (same contracts)."""
-    gather = partial(all_gather, async_op=options.overlap_comm)
-    reduce = partial(reduce_scatter_sum, async_op=options.overlap_comm)
+    gather = partial(all_gather, execution=execution)
+    reduce = partial(reduce_scatter_sum, execution=execution)
     if not options.partition:
         world = CommGroup(None, topology.world_size, topology.rank, topology.world_spans_nodes)
-        reduce = partial(replicated_gradient_reduce, data_parallel=world,
-                         async_op=options.overlap_comm)
+        reduce = partial(replicated_gradient_reduce, data_parallel=world, execution=execution)
     if quant.quantized_weights or quant.quantized_gradients:
         from zeropp.comm import quantized
 
@@ -85,7 +86,7 @@ def _collectives(topology: Topology, options: ShardingOptions, quant: Quantizati
                 quantized.quantized_all_gather,
                 bits=quant.weight_bits,
                 block_size=quant.block_size,
-                async_op=options.overlap_comm,
+                execution=execution,
             )
         if quant.quantized_gradients:
             reduce = quantized.HierarchicalReduceScatter(
@@ -93,7 +94,7 @@ def _collectives(topology: Topology, options: ShardingOptions, quant: Quantizati
                 bits=quant.gradient_bits,
                 block_size=quant.block_size,
                 error_feedback=quant.error_feedback,
-                async_op=options.overlap_comm,
+                execution=execution,
             )
     hpz = None
     if quant.hpz_size > 1:
@@ -129,9 +130,10 @@ def build_engine(
     device = device or default_device()
     if param_init_fn is None and hasattr(model, "initial_value"):
         param_init_fn = model.initial_value
-    gather, reduce, hpz = _collectives(topology, sharding, quantization)
+    execution = execution_for(device, sharding.overlap_comm)
+    gather, reduce, hpz = _collectives(topology, sharding, quantization, execution)
     sharded = ShardedModel(
-        model, topology, sharding, dtype, device, gather, reduce, hpz,
+        model, topology, sharding, dtype, device, gather, reduce, hpz, execution,
         slice_multiple=getattr(reduce, "slice_multiple", 1),
         param_init_fn=param_init_fn, unit_modules=unit_modules,
     )

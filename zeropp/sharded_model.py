@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -34,6 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from zeropp.comm import CommGroup, CommStats
+from zeropp.comm.streams import Execution
 from zeropp.flat_layout import FlatLayout
 from zeropp.optimizer import PartitionedAdamW, clip_coefficient
 from zeropp.prefetch import units_to_prefetch
@@ -56,6 +58,9 @@ class ShardingOptions:
     max_live_numel: int = 1_000_000_000
     persistence_threshold: int = 100_000
     overlap_comm: bool = True
+    # Units whose gradient reduction may be in flight at once. Each holds its flat gradient
+    # buffer until waited for, so this, not the model's depth, bounds that memory.
+    max_inflight_reductions: int = 2
     # False is ZeRO stage 0: every rank keeps the whole model (a shard group of one) and
     # gradients are all-reduced over the data-parallel world, like DDP.
     partition: bool = True
@@ -92,6 +97,7 @@ class ShardedModel:
         gather_fn,
         reduce_fn,
         hpz_group: CommGroup | None,
+        execution: Execution,
         slice_multiple: int = 1,
         param_init_fn: Callable[[str], torch.Tensor] | None = None,
         unit_modules: list[nn.Module] | None = None,
@@ -117,7 +123,7 @@ class ShardedModel:
             reduce=reduce_fn,
             stats=self.stats,
             reduce_bucket_numel=options.reduce_bucket_numel,
-            async_op=options.overlap_comm,
+            execution=execution,
             slice_multiple=slice_multiple,
         )
         self.phase = TrainingPhase.IDLE
@@ -126,6 +132,7 @@ class ShardedModel:
             param_init_fn,
         )
         self.root = self.units[0]
+        self._reducing: deque[ShardedUnit] = deque()  # units with reductions in flight, oldest first
         self._forward_order: list[ShardedUnit] = []
         self._last_forward_order: list[ShardedUnit] = []
         self._install_hooks()
@@ -263,6 +270,13 @@ class ShardedModel:
         unit.start_reduce()
         unit.release(keep_secondary=False)
         unit.drop_secondary()
+        self._reducing.append(unit)
+        while len(self._reducing) > self.options.max_inflight_reductions:
+            self._reducing.popleft().finish_reduce()
+
+    def _finish_reductions(self) -> None:
+        while self._reducing:
+            self._reducing.popleft().finish_reduce()
 
     def _prefetch(self, unit: ShardedUnit, forward: bool) -> None:
         order = self._last_forward_order
@@ -288,6 +302,10 @@ class ShardedModel:
             unit.release(keep_secondary=False)
             unit.drop_secondary()
 
+    def close(self) -> None:
+        self._finish_reductions()
+        self.comm.execution.close()
+
     # ---- public API ----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -304,8 +322,8 @@ class ShardedModel:
             for unit in self.units:
                 if not unit.reduced_this_backward:
                     self._reduce_and_release(unit)
+            self._finish_reductions()
             for unit in self.units:
-                unit.finish_reduce()
                 unit.reduced_this_backward = False
         finally:
             self.phase = TrainingPhase.IDLE

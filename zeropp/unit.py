@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from zeropp.comm import CommGroup, CommStats, Pending, all_gather
+from zeropp.comm.streams import Execution
 from zeropp.flat_layout import FlatLayout
 
 GatherFn = Callable[[torch.Tensor, torch.Tensor, CommGroup, CommStats, str], Pending]
@@ -49,7 +50,7 @@ class UnitComm:
     reduce: ReduceFn  # gradient reduce-scatter over the world: exact, or qgZ
     stats: CommStats
     reduce_bucket_numel: int
-    async_op: bool
+    execution: Execution  # where collectives run: streams on CUDA, threads on gloo
     # Shards (and reduction buckets) are padded to a multiple of this many elements; qgZ
     # needs whole quantization blocks per slice.
     slice_multiple: int = 1
@@ -143,7 +144,7 @@ class ShardedUnit:
             assert self.comm.hpz is not None and self.secondary_shard is not None
             pending = all_gather(
                 self.full, self.secondary_shard, self.comm.hpz, self.comm.stats, phase,
-                async_op=self.comm.async_op,
+                execution=self.comm.execution,
             )
         else:
             pending = self.comm.gather(self.full, self.shard, self.comm.world, self.comm.stats, phase)
@@ -169,8 +170,7 @@ class ShardedUnit:
             return
         self.drop_secondary()
         self._alloc_full()
-        all_gather(self.full, self.shard, self.comm.world, stats, "optimizer",
-                   async_op=False).wait()
+        all_gather(self.full, self.shard, self.comm.world, stats, "optimizer").wait()
         self.state = ShardState.GATHERED
 
     def release(self, keep_secondary: bool) -> None:
@@ -231,7 +231,12 @@ class ShardedUnit:
         self._grads_ready = 0
         self.reduced_this_backward = True
 
+    @property
+    def reducing(self) -> bool:
+        return bool(self._reduce_pending)
+
     def finish_reduce(self) -> None:
+        """Wait for this unit's reductions and add them to the fp32 gradient shard."""
         for pending, out, lo, hi in self._reduce_pending:
             pending.wait()
             self.grad_shard[lo:hi].add_(out.float())

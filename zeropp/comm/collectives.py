@@ -1,14 +1,13 @@
 """Exact collectives as pure functions over tensors and groups, with byte accounting.
 
-Each returns a ``Pending`` handle; ``wait()`` blocks until the result is in the output
-tensor. With ``async_op=True`` on gloo the transfer runs on gloo's own threads and on NCCL on
-its internal stream, so it overlaps the compute issued before ``wait()``.
+Each returns a ``Pending`` handle; after ``wait()`` the result is in the output tensor (and
+usable on the compute stream). ``execution`` decides where the transfer runs and what it
+holds until then (see ``zeropp.comm.streams``); without one, the call completes at once.
 The quantized collectives in ``zeropp.comm.quantized`` keep exactly these contracts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +19,7 @@ from zeropp.comm.accounting import (
     all_reduce_bytes,
     reduce_scatter_bytes,
 )
+from zeropp.comm.streams import SYNCHRONOUS, Execution, Pending
 
 # torch 2.13 renamed the tensor collectives; keep working on older releases too.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -36,24 +36,6 @@ class CommGroup:
     spans_nodes: bool
 
 
-class Pending:
-    """A collective in flight; ``wait()`` finishes it and runs its completion step once."""
-
-    def __init__(self, work: object | None, finish: Callable[[], None] | None = None) -> None:
-        self._work = work
-        self._finish = finish
-        self.done = False
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        if self._work is not None:
-            self._work.wait()
-        if self._finish is not None:
-            self._finish()
-        self.done = True
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -64,7 +46,7 @@ def all_gather(
     group: CommGroup,
     stats: CommStats,
     phase: str,
-    async_op: bool = True,
+    execution: Execution = SYNCHRONOUS,
 ) -> Pending:
     """``output`` (group.size * shard.numel()) <- the shards of all ranks, in rank order."""
     if output.numel() != shard.numel() * group.size:
@@ -75,9 +57,12 @@ def all_gather(
     stats.record(phase, group.spans_nodes, all_gather_bytes(_nbytes(shard), group.size))
     if group.size == 1:
         output.copy_(shard)
-        return Pending(None)
-    work = _all_gather_single(output, shard, group=group.group, async_op=async_op)
-    return Pending(work if async_op else None)
+        return Pending()
+    return execution.launch(
+        "gather",
+        lambda async_op: _all_gather_single(output, shard, group=group.group, async_op=async_op),
+        keep=(output, shard),
+    )
 
 
 def reduce_scatter_sum(
@@ -86,7 +71,7 @@ def reduce_scatter_sum(
     group: CommGroup,
     stats: CommStats,
     phase: str,
-    async_op: bool = True,
+    execution: Execution = SYNCHRONOUS,
     key: object = None,
 ) -> Pending:
     """``output`` <- this rank's slice of the element-wise SUM of ``full`` over the group.
@@ -105,11 +90,13 @@ def reduce_scatter_sum(
     stats.record(phase, group.spans_nodes, reduce_scatter_bytes(_nbytes(full), group.size))
     if group.size == 1:
         output.copy_(full)
-        return Pending(None)
-    work = _reduce_scatter_single(
-        output, full, op=dist.ReduceOp.SUM, group=group.group, async_op=async_op
+        return Pending()
+    return execution.launch(
+        "reduce",
+        lambda async_op: _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM,
+                                                group=group.group, async_op=async_op),
+        keep=(output, full),
     )
-    return Pending(work if async_op else None)
 
 
 def all_to_all(
@@ -118,15 +105,16 @@ def all_to_all(
     group: CommGroup,
     stats: CommStats,
     phase: str,
-    async_op: bool = True,
-) -> Pending:
-    """Chunk j of ``send`` goes to group rank j; chunk j of ``output`` comes from rank j."""
+) -> None:
+    """Chunk j of ``send`` goes to group rank j; chunk j of ``output`` comes from rank j.
+
+    Blocking on the host executions; on CUDA ordered on the current (side) stream.
+    """
     stats.record(phase, group.spans_nodes, reduce_scatter_bytes(_nbytes(send), group.size))
     if group.size == 1:
         output.copy_(send)
-        return Pending(None)
-    work = dist.all_to_all_single(output, send, group=group.group, async_op=async_op)
-    return Pending(work if async_op else None)
+        return
+    dist.all_to_all_single(output, send, group=group.group)
 
 
 def replicated_gradient_reduce(
@@ -137,7 +125,7 @@ def replicated_gradient_reduce(
     phase: str,
     *,
     data_parallel: CommGroup,
-    async_op: bool = True,
+    execution: Execution = SYNCHRONOUS,
     key: object = None,
 ) -> Pending:
     """Stage 0's reduction under ``reduce_scatter_sum``'s contract: the shard group is one
@@ -148,10 +136,13 @@ def replicated_gradient_reduce(
     stats.record(phase, data_parallel.spans_nodes,
                  all_reduce_bytes(_nbytes(full), data_parallel.size))
     if data_parallel.size == 1:
-        return Pending(None)
-    work = dist.all_reduce(output, op=dist.ReduceOp.SUM, group=data_parallel.group,
-                           async_op=async_op)
-    return Pending(work if async_op else None)
+        return Pending()
+    return execution.launch(
+        "reduce",
+        lambda async_op: dist.all_reduce(output, op=dist.ReduceOp.SUM,
+                                         group=data_parallel.group, async_op=async_op),
+        keep=(output,),
+    )
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: CommGroup, stats: CommStats, phase: str) -> None:

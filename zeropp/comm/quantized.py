@@ -24,18 +24,16 @@ equal the exact reduce-scatter (up to the order of the fp32 additions).
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 
 from zeropp import kernels
 from zeropp.comm.accounting import CommStats, all_gather_bytes, all_to_all_bytes
 from zeropp.comm.collectives import (
     CommGroup,
-    Pending,
     _all_gather_single,
     all_to_all,
 )
+from zeropp.comm.streams import SYNCHRONOUS, Execution, Pending
 from zeropp.topology import Topology
 
 
@@ -48,33 +46,41 @@ def quantized_all_gather(
     *,
     bits: int = 8,
     block_size: int = 256,
-    async_op: bool = True,
+    execution: Execution = SYNCHRONOUS,
 ) -> Pending:
-    """``all_gather`` with the shard sent block-quantized; scales travel in the payload."""
+    """``all_gather`` with the shard sent block-quantized; scales travel in the payload.
+
+    Quantization and dequantization run where the transfer runs (the gather stream on CUDA),
+    so they overlap compute like the transfer itself.
+    """
     numel = shard.numel()
     if output.numel() != numel * group.size:
         raise ValueError(
             f"quantized_all_gather: output has {output.numel()} elements, expected "
             f"{group.size} x {numel}"
         )
-    payload = kernels.quantize_blockwise(shard, bits, block_size)
-    stats.record(phase, group.spans_nodes, all_gather_bytes(payload.numel(), group.size))
-    gathered = torch.empty(group.size * payload.numel(), dtype=torch.uint8, device=shard.device)
+    payload_nbytes = kernels.quantized_nbytes(numel, bits, block_size)
+    stats.record(phase, group.spans_nodes, all_gather_bytes(payload_nbytes, group.size))
+    buffers: dict[str, torch.Tensor] = {}
+
+    def issue(async_op: bool):
+        payload = kernels.quantize_blockwise(shard, bits, block_size)
+        gathered = torch.empty(group.size * payload_nbytes, dtype=torch.uint8,
+                               device=shard.device)
+        buffers.update(payload=payload, gathered=gathered)
+        if group.size == 1:
+            gathered.copy_(payload)
+            return None
+        return _all_gather_single(gathered, payload, group=group.group, async_op=async_op)
 
     def finish() -> None:
         values = kernels.dequantize_blockwise_many(
-            gathered.view(group.size, -1), numel, bits, block_size, output.dtype
+            buffers.pop("gathered").view(group.size, -1), numel, bits, block_size, output.dtype
         )
         output.view(group.size, numel).copy_(values)
+        buffers.clear()
 
-    if group.size == 1:
-        gathered.copy_(payload)
-        return Pending(None, finish)
-    work = _all_gather_single(gathered, payload, group=group.group, async_op=async_op)
-    pending = Pending(work if async_op else None, finish)
-    if not async_op:
-        pending.wait()
-    return pending
+    return execution.launch("gather", issue, finish=finish, keep=(output, shard))
 
 
 def split_payload(payload: torch.Tensor, parts: int, numel: int, bits: int, block_size: int):
@@ -105,10 +111,9 @@ class HierarchicalReduceScatter:
         bits: int | None = 4,
         block_size: int = 256,
         error_feedback: bool = False,
-        async_op: bool = True,
+        execution: Execution = SYNCHRONOUS,
     ) -> None:
-        self.async_op = async_op
-        self._executor: ThreadPoolExecutor | None = None
+        self.execution = execution
         self.nodes = topology.num_nodes
         self.per_node = topology.ranks_per_node
         self.intra = CommGroup(topology.intra_node_group, self.per_node, topology.local_rank, False)
@@ -144,25 +149,19 @@ class HierarchicalReduceScatter:
                 f"{group.size} does not match {self.nodes} nodes x {self.per_node} ranks "
                 f"with {output.numel()}-element slices"
             )
-        # Bytes are recorded here, in the caller's thread, so the accounting is never
-        # touched from the worker.
+        # Bytes are recorded here, in the caller's thread: the accounting is never touched
+        # from a host worker thread.
         intra, inter = self.bytes_sent(output.numel(), full.element_size())
         stats.record(phase, self.intra.spans_nodes, intra)
         stats.record(phase, self.inter.spans_nodes, inter)
-        if not self.async_op:
-            self._reduce(output, full, key)
-            return Pending(None)
-        # [Note: qgZ worker] One worker thread runs every qgZ reduction in submission order:
-        # the intra- and inter-node groups are used only by it, so all ranks issue their
-        # all-to-alls in the same order, while backward keeps computing in the caller's
-        # thread. The caller's buffers are not touched again until wait().
-        future = self._worker().submit(self._reduce, output, full, key)
-        return Pending(None, future.result)
-
-    def _worker(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-qgz")
-        return self._executor
+        # [Note: qgZ issue order] Both hops and the requantization between them are one
+        # sequence on the reduce lane: on CUDA issued from the backward thread on the reduce
+        # stream, on gloo on the host worker (the only user of the intra- and inter-node
+        # groups), so every rank issues its all-to-alls in the same order.
+        return self.execution.launch(
+            "reduce", lambda async_op: self._reduce(output, full, key),
+            keep=(output, full), sequence=True,
+        )
 
     def bytes_sent(self, slice_numel: int, element_size: int) -> tuple[int, int]:
         """(intra-node, inter-node) bytes this rank sends for one reduction."""
@@ -183,10 +182,10 @@ class HierarchicalReduceScatter:
 
         if self.bits is None:
             received = torch.empty_like(swizzled)
-            all_to_all(received, swizzled, self.intra, untracked, "gradient_reduce", async_op=False)
+            all_to_all(received, swizzled, self.intra, untracked, "gradient_reduce")
             partial = received.view(self.per_node, chunk_numel).float().sum(0)
             second = torch.empty_like(partial)
-            all_to_all(second, partial, self.inter, untracked, "gradient_reduce", async_op=False)
+            all_to_all(second, partial, self.inter, untracked, "gradient_reduce")
             output.copy_(second.view(self.nodes, slice_numel).sum(0))
             return
 
@@ -201,10 +200,10 @@ class HierarchicalReduceScatter:
             self.residuals[key] = swizzled - sent
         send = split_payload(payload, self.per_node, chunk_numel, bits, block)
         received = torch.empty_like(send)
-        all_to_all(received, send, self.intra, untracked, "gradient_reduce", async_op=False)
+        all_to_all(received, send, self.intra, untracked, "gradient_reduce")
 
         requantized = kernels.dequantize_reduce_quantize(received, chunk_numel, bits, bits, block)
         send2 = split_payload(requantized, self.nodes, slice_numel, bits, block)
         received2 = torch.empty_like(send2)
-        all_to_all(received2, send2, self.inter, untracked, "gradient_reduce", async_op=False)
+        all_to_all(received2, send2, self.inter, untracked, "gradient_reduce")
         output.copy_(kernels.dequantize_reduce(received2, slice_numel, bits, block))

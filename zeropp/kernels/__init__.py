@@ -2,7 +2,9 @@
 and the qgZ swizzle.
 
 Each call dispatches on its tensor: CUDA tensors go to the Triton kernels when Triton is
-importable and the block size fits them, everything else to the pure-torch reference. The
+importable and the block size fits them, meta tensors (the simulated GPU cluster) to
+`meta` (the Triton kernels' allocations, no compute), everything else to the pure-torch
+reference. The
 two are bit-identical (see `reference` for the payload layout and the numeric contract).
 `ZEROPP_KERNELS=reference|triton` forces one backend, read at every call.
 
@@ -21,7 +23,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from zeropp.kernels import reference
+from zeropp.kernels import meta, reference
 from zeropp.kernels.reference import (
     SUPPORTED_BITS,
     SUPPORTED_DTYPES,
@@ -69,6 +71,8 @@ def backend_for(tensor: Tensor, block_size: int) -> ModuleType:
         raise ValueError(
             f"{BACKEND_ENV_VAR} must be 'reference' or 'triton', got {os.environ[BACKEND_ENV_VAR]!r}"
         )
+    if isinstance(tensor, Tensor) and tensor.is_meta:
+        return meta
     if forced == "reference":
         return reference
     if forced == "triton":

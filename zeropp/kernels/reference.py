@@ -188,13 +188,12 @@ def _block_codes(blocks: Tensor, scales: Tensor, qmax: int, overwrite: bool) -> 
     With `overwrite`, `blocks` is consumed to hold the codes (saves one full allocation).
     """
     # An infinite divisor sends every finite value of a zero-scale row to code 0 without a
-    # masking pass; NaN-scale rows (rare) are zeroed explicitly below.
+    # masking pass; NaN-scale rows (rare) are zeroed by a mask, not by testing for them
+    # first: that test would be a host sync on a GPU.
     divisor = torch.where(scales > 0, scales, torch.full_like(scales, float("inf")))[:, None]
     codes = blocks.div_(divisor) if overwrite else blocks / divisor
     codes.round_().clamp_(-qmax, qmax)
-    nonfinite_rows = torch.isnan(scales)
-    if nonfinite_rows.any():
-        codes[nonfinite_rows] = 0.0
+    codes.masked_fill_(torch.isnan(scales)[:, None], 0.0)
     return codes.to(torch.int8).view(-1)
 
 

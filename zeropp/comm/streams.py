@@ -1,0 +1,157 @@
+"""Where collectives run relative to compute: one execution model per engine.
+
+[Note: execution models]
+The engine issues every collective through an ``Execution``; the collectives and the units
+never branch on the device themselves.
+
+- ``CudaExecution`` (FSDP2's pattern): a gather stream and a reduce stream. Before issuing,
+  the side stream waits for the compute stream (its inputs were written there); the
+  collective is issued synchronously *on the side stream* (NCCL orders it on that stream, the
+  host does not block), its completion step (qwZ's dequantize) runs there too, and an event
+  is recorded. ``Pending.wait()`` makes the compute stream wait for that event and only then
+  drops the references to the buffers, so a buffer allocated on the compute stream is never
+  reused while a side stream still reads it: no ``record_stream``. Everything is issued from
+  the thread running forward and backward, so every rank issues the same order on every
+  communicator, and kernels launch on this thread's current device.
+- ``InlineExecution``: the same protocol with no streams (each collective runs to completion
+  when issued, references still held until ``wait()``). This is the CUDA model on the meta
+  device (the simulated GPU cluster: memory and order exactly as on GPUs), and the
+  synchronous mode of ``overlap_comm: false`` on any device.
+- ``HostThreadExecution`` (CPU / gloo): single collectives use gloo's own async work; a
+  sequence of blocking collectives (qgZ's two hops) runs on one worker thread, the CPU's
+  stand-in for a reduce stream. Only that thread uses the groups it is given (qgZ's intra-
+  and inter-node groups), so the order per communicator is still the same on every rank.
+
+The number of reductions in flight is bounded by the caller (``ShardedModel``), so memory
+held by in-flight collectives does not grow with the model's depth on any execution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+# issue(async_op) -> a torch Work (or None when it completed synchronously)
+IssueFn = Callable[[bool], object | None]
+
+
+class Pending:
+    """A collective in flight; ``wait()`` finishes it once and releases what it holds.
+
+    ``work``: a torch Work or a Future to wait for; ``finish``: the completion step to run
+    after it (on host executions); ``event``: the side-stream event the compute stream must
+    wait for (CUDA); ``keep``: tensors that must outlive the collective.
+    """
+
+    def __init__(self, work: object | None = None, finish: Callable[[], None] | None = None,
+                 *, event: object | None = None, keep: tuple = ()) -> None:
+        self._work = work
+        self._finish = finish
+        self._event = event
+        self._keep = keep
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+        if self._work is not None:
+            if hasattr(self._work, "wait"):
+                self._work.wait()
+            else:  # a concurrent.futures.Future from the host worker
+                self._work.result()
+        if self._finish is not None:
+            self._finish()
+        self._keep = ()
+        self.done = True
+
+
+class Execution:
+    """Issues collectives on a lane ("gather" or "reduce"); see [Note: execution models]."""
+
+    name = "base"
+
+    def launch(self, lane: str, issue: IssueFn, *, finish: Callable[[], None] | None = None,
+               keep: tuple = (), sequence: bool = False) -> Pending:
+        """Issue a collective (``sequence``: several blocking collectives and kernels)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release threads or streams (the engine calls it when it is done)."""
+
+
+class InlineExecution(Execution):
+    """Run each collective to completion when issued; hold its buffers until ``wait()``."""
+
+    name = "inline"
+
+    def launch(self, lane, issue, *, finish=None, keep=(), sequence=False) -> Pending:
+        work = issue(False)
+        if work is not None:
+            work.wait()
+        if finish is not None:
+            finish()
+        return Pending(keep=keep)
+
+
+class CudaExecution(Execution):
+    """A gather stream and a reduce stream on one CUDA device; events to the compute stream."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        # Gathers and reductions on separate streams so a reduction of block i overlaps the
+        # gather of block i-1 in backward, and neither blocks compute.
+        self.streams = {lane: torch.cuda.Stream(device=device) for lane in ("gather", "reduce")}
+
+    def launch(self, lane, issue, *, finish=None, keep=(), sequence=False) -> Pending:
+        stream = self.streams[lane]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            issue(False)
+            if finish is not None:
+                finish()
+            event = stream.record_event()
+        return Pending(event=event, keep=keep)
+
+
+class HostThreadExecution(Execution):
+    """gloo: async work for single collectives, one worker thread for blocking sequences."""
+
+    name = "host-threads"
+
+    def __init__(self) -> None:
+        self._worker: ThreadPoolExecutor | None = None
+
+    def launch(self, lane, issue, *, finish=None, keep=(), sequence=False) -> Pending:
+        if not sequence:
+            return Pending(issue(True), finish, keep=keep)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-reduce")
+        return Pending(self._worker.submit(issue, False), finish, keep=keep)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+
+SYNCHRONOUS = InlineExecution()
+
+
+def execution_for(device: torch.device, overlap: bool) -> Execution:
+    """The execution model of an engine on ``device`` (see [Note: execution models])."""
+    if not overlap:
+        return SYNCHRONOUS
+    if device.type == "cuda":
+        return CudaExecution(device)
+    if device.type == "cpu":
+        return HostThreadExecution()
+    # meta (the simulated GPU cluster) and any other accelerator take the CUDA model's order
+    # and lifetimes without real streams.
+    return InlineExecution()
+
