@@ -161,7 +161,7 @@ def _agree_or_raise(error: Exception | None, device: torch.device, message: str)
     failed = torch.tensor([1.0 if error is not None else 0.0], device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(failed)
-    if failed.item() > 0:
+    if error is not None or failed.item() > 0:
         detail = f": {error}" if error is not None else " (on another rank)"
         raise CheckpointError(message + detail)
 
@@ -214,7 +214,7 @@ class _OldShards:
             a = max(start, record["shard_start"]) - record["shard_start"]
             b = min(end, record["shard_end"]) - record["shard_start"]
             pieces.append(record[field][a:b])
-        return torch.cat(pieces)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def load(engine, load_dir: str | os.PathLike, tag: str | None = None,

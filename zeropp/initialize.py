@@ -51,8 +51,14 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> N
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+SIMULATED_BACKEND = "zeropp_sim"  # zeropp.simulation's process group: the meta device
+
+
 def default_device() -> torch.device:
-    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+    backend = dist.get_backend() if dist.is_initialized() else None
+    if backend == SIMULATED_BACKEND:
+        return torch.device("meta")
+    if torch.cuda.is_available() and backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -60,7 +60,7 @@ class ShardingOptions:
     overlap_comm: bool = True
     # Units whose gradient reduction may be in flight at once. Each holds its flat gradient
     # buffer until waited for, so this, not the model's depth, bounds that memory.
-    max_inflight_reductions: int = 2
+    max_inflight_reductions: int = 1
     # False is ZeRO stage 0: every rank keeps the whole model (a shard group of one) and
     # gradients are all-reduced over the data-parallel world, like DDP.
     partition: bool = True
@@ -219,12 +219,16 @@ class ShardedModel:
                     )
 
     def _install_hooks(self) -> None:
+        self._hook_handles = []
         for unit in self.units:
-            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
-            unit.module.register_forward_hook(partial(self._post_forward, unit))
+            self._hook_handles += [
+                unit.module.register_forward_pre_hook(partial(self._pre_forward, unit)),
+                unit.module.register_forward_hook(partial(self._post_forward, unit)),
+            ]
             for param in unit.params:
                 if param.requires_grad:
-                    param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit))
+                    self._hook_handles.append(param.register_post_accumulate_grad_hook(
+                        partial(self._on_grad_ready, unit)))
 
     # ---- hooks ---------------------------------------------------------------------------
     def _pre_forward(self, unit: ShardedUnit, module, args) -> None:
@@ -263,7 +267,7 @@ class ShardedModel:
         return grad
 
     def _on_grad_ready(self, unit: ShardedUnit, param) -> None:
-        if unit.on_grad_ready():
+        if unit.on_grad_ready(param):
             self._reduce_and_release(unit)
 
     def _reduce_and_release(self, unit: ShardedUnit) -> None:
@@ -303,8 +307,17 @@ class ShardedModel:
             unit.drop_secondary()
 
     def close(self) -> None:
+        """Finish the reductions in flight, stop communication threads, remove the hooks.
+
+        The hooks make a reference cycle through the parameters that Python's collector
+        does not always break, so a program that builds a second engine (a resumed run in
+        the same process) would otherwise keep the first one's shards alive.
+        """
         self._finish_reductions()
         self.comm.execution.close()
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
 
     # ---- public API ----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):

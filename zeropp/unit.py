@@ -96,6 +96,9 @@ class ShardedUnit:
         # fp32 gradient shard, accumulated across micro-batches (summed, not yet averaged).
         self.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
         self._reduce_pending: list[tuple[Pending, torch.Tensor, int, int]] = []
+        # This micro-batch's gradients, flat in the layout of ``full`` (see on_grad_ready).
+        self._grad_flat: torch.Tensor | None = None
+        self._held_grads: list[nn.Parameter] = []  # arrived, not yet in _grad_flat
         self._grads_ready = 0
         self.reduced_this_backward = False
 
@@ -109,6 +112,7 @@ class ShardedUnit:
                 owner._parameters[attr] = param
             self.params.append(param)
         self.num_grad_params = sum(p.requires_grad for p in self.params)
+        self._slot_of = {id(p): slot for p, slot in zip(self.params, layout.slots, strict=True)}
         self._free_full()  # the views above stay bound to the (now empty) storage
 
     # ---- storage -------------------------------------------------------------------------
@@ -204,36 +208,53 @@ class ShardedUnit:
             self.gather_now("forward_all_gather")
 
     # ---- gradients -----------------------------------------------------------------------
-    def on_grad_ready(self) -> bool:
-        """Count one accumulated parameter gradient; True when the unit's last one arrived."""
+    def on_grad_ready(self, param: nn.Parameter) -> bool:
+        """Take a parameter's just-accumulated gradient; True when the unit's last arrived.
+
+        Gradients move into the unit's flat buffer (in the layout of ``full``) and are freed
+        as soon as the ones held reach half the unit: a block's gradients then cost one flat
+        buffer plus the gradient in hand, not the gradients and a flat copy of them at once
+        (``contiguous_gradients``). Below that they stay as autograd made them, so the root,
+        whose small gradients arrive at the start of backward and the embedding's at the
+        end, does not hold a whole flat buffer through the backward.
+        """
         self._grads_ready += 1
+        self._held_grads.append(param)
+        held = sum(p.grad.numel() for p in self._held_grads)
+        if self._grad_flat is not None or 2 * held >= self.layout.padded_numel:
+            self._flatten_held_grads()
         return self._grads_ready == self.num_grad_params
 
+    def _flatten_held_grads(self) -> None:
+        if self._grad_flat is None:
+            self._grad_flat = torch.zeros(self.layout.padded_numel, dtype=self.dtype,
+                                          device=self.device)
+        for param in self._held_grads:
+            slot = self._slot_of[id(param)]
+            self._grad_flat[slot.offset : slot.end].add_(param.grad.reshape(-1))
+            param.grad = None
+        self._held_grads.clear()
+
     def start_reduce(self, phase: str = "gradient_reduce") -> None:
-        """Flatten this micro-batch's gradients and launch their reduce-scatter, in buckets."""
-        flat = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        for slot, param in zip(self.layout.slots, self.params, strict=True):
-            if param.grad is not None:
-                flat[slot.offset : slot.end].copy_(param.grad.reshape(-1))
-                param.grad = None
+        """Launch the reduce-scatter of this micro-batch's flat gradients, in buckets."""
+        # A unit no parameter of which got a gradient still takes part (with zeros).
+        self._flatten_held_grads()
+        flat, self._grad_flat = self._grad_flat, None
         world = self.comm.world
         by_rank = flat.view(world.size, self.layout.shard_numel)
         multiple = self.comm.slice_multiple
         step = max(multiple, self.comm.reduce_bucket_numel // world.size // multiple * multiple)
         for lo in range(0, self.layout.shard_numel, step):
             hi = min(lo + step, self.layout.shard_numel)
-            bucket_in = by_rank[:, lo:hi].contiguous() if world.size > 1 else flat[lo:hi]
             out = torch.empty(hi - lo, dtype=self.dtype, device=self.device)
+            # A strided view: the collective copies it where and when it runs, so the
+            # buckets of a unit cost one flat buffer, not two (see reduce_scatter_sum).
             pending = self.comm.reduce(
-                out, bucket_in.reshape(-1), world, self.comm.stats, phase, key=(self.name, lo)
+                out, by_rank[:, lo:hi], world, self.comm.stats, phase, key=(self.name, lo)
             )
             self._reduce_pending.append((pending, out, lo, hi))
         self._grads_ready = 0
         self.reduced_this_backward = True
-
-    @property
-    def reducing(self) -> bool:
-        return bool(self._reduce_pending)
 
     def finish_reduce(self) -> None:
         """Wait for this unit's reductions and add them to the fp32 gradient shard."""

@@ -76,6 +76,11 @@ def reduce_scatter_sum(
 ) -> Pending:
     """``output`` <- this rank's slice of the element-wise SUM of ``full`` over the group.
 
+    ``full`` holds the group's slices in rank order: flat, or a ``[group.size, width]`` view
+    that may be strided (a bucket cut out of a unit's gradients). A strided view is made
+    contiguous only when the reduction is issued, where it runs, so the copy is transient
+    instead of living as long as the reduction is in flight.
+
     ``key`` names the buffer being reduced; exact reductions ignore it, quantized ones with
     error feedback keep their residuals under it.
 
@@ -89,11 +94,11 @@ def reduce_scatter_sum(
         )
     stats.record(phase, group.spans_nodes, reduce_scatter_bytes(_nbytes(full), group.size))
     if group.size == 1:
-        output.copy_(full)
+        output.copy_(full.reshape(-1))
         return Pending()
     return execution.launch(
         "reduce",
-        lambda async_op: _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM,
+        lambda async_op: _reduce_scatter_single(output, full.reshape(-1), op=dist.ReduceOp.SUM,
                                                 group=group.group, async_op=async_op),
         keep=(output, full),
     )
@@ -132,7 +137,7 @@ def replicated_gradient_reduce(
     rank, so ``output`` is the whole buffer, summed over the data-parallel world."""
     if group.size != 1 or output.numel() != full.numel():
         raise ValueError("replicated_gradient_reduce needs a shard group of one rank")
-    output.copy_(full)
+    output.copy_(full.reshape(-1))
     stats.record(phase, data_parallel.spans_nodes,
                  all_reduce_bytes(_nbytes(full), data_parallel.size))
     if data_parallel.size == 1:

@@ -178,7 +178,7 @@ class HierarchicalReduceScatter:
         untracked = CommStats()  # already recorded by the caller
         slice_numel = output.numel()
         chunk_numel = self.nodes * slice_numel
-        swizzled = kernels.swizzle(full, self.nodes, self.per_node)
+        swizzled = kernels.swizzle(full.reshape(-1), self.nodes, self.per_node)
 
         if self.bits is None:
             received = torch.empty_like(swizzled)

@@ -1,0 +1,301 @@
+"""This program on the simulated GPU cluster: rank r of N GPUs, measured.
+
+    python -m megatron_lite.simulate --sim-nodes 4 --sim-gpus-per-node 16 -- \\
+        --num-layers 40 --hidden-size 6144 --num-attention-heads 32 --seq-length 512 \\
+        --micro-batch-size 1 --global-batch-size 64 --fp16 --checkpoint-activations \\
+        --deepspeed_config configs/ds_zeropp_config.json
+
+The real entry point (``pretrain_zeropp_gpt.main``) runs with ``--mock-data`` as one rank of
+the cluster, under ``zeropp.simulation``: torch's process-group machinery with a backend that
+moves no data but enforces NCCL's rules, tensors on the meta device (the engine then takes
+its CUDA execution model, with no real streams), a memory tracker and a host-sync counter.
+It trains two iterations and saves a checkpoint, then a second run of ``main`` loads it and
+trains one more: every collective of set-up, training, evaluation, save and load is checked.
+
+Measured exactly: peak bytes per GPU by category (what the engine and autograd allocate; no
+allocator fragmentation, no CUDA context, no NCCL buffers), the order of operations on every
+communicator, collectives given a tensor off the device or issued off the training thread,
+and host reads of device values per iteration by call site. Values are meaningless here.
+
+[Note: which ranks]
+Every rank runs the same program on different shards, so rank 0 and rank N-1 (first and last
+node, first and last local rank) bound the others: their peaks are reported, and their
+operation order on the communicators they share (the world) must be identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+GIB = 1024**3
+
+
+@dataclass
+class RankMeasurement:
+    """What one simulated rank measured."""
+
+    rank: int
+    world_size: int
+    peak_bytes: int  # during the training iterations
+    peak_by_category: dict[str, int]
+    phase_peaks: dict[str, int]  # forward / backward / optimizer step, over all iterations
+    host_syncs_per_iteration: dict[str, int]  # iteration 2 (steady): call site -> count
+    violations: list[str]
+    order: dict  # communicator (global ranks) -> operations, in issue order
+    collectives: dict = field(default_factory=dict)
+    max_in_flight: int = 0
+    seconds: float = 0.0
+    exit_status: int = 0
+
+
+# Flags the simulation sets itself (the value follows in the argv).
+_OVERRIDES = ("--train-iters", "--save", "--save-interval", "--load", "--log-interval",
+              "--eval-iters", "--eval-interval", "--num-workers", "--ranks-per-node",
+              "--wandb-project", "--tensorboard-dir", "--metrics-file", "--exit-interval")
+
+
+def _strip(argv: list[str]) -> list[str]:
+    """The user's training flags without the data, dry-run and run-length ones."""
+    out, dropping = [], False
+    for arg in argv:
+        if arg.startswith("--"):
+            name = arg.split("=", 1)[0]
+            dropping = (name in _OVERRIDES or name in ("--data-path", "--mock-data")
+                        or name.startswith("--dry-run"))
+            if dropping:
+                continue
+        elif dropping:  # a value of a dropped flag
+            continue
+        out.append(arg)
+    return out
+
+
+def training_argv(argv: list[str], gpus_per_node: int, save_dir: str, iterations: int,
+                  load_dir: str | None) -> list[str]:
+    run = ["--mock-data", "--train-iters", str(iterations), "--log-interval", "1",
+           "--eval-iters", "1", "--eval-interval", str(iterations + 1), "--num-workers", "0",
+           "--ranks-per-node", str(gpus_per_node), "--save", save_dir,
+           "--save-interval", str(iterations)]
+    if load_dir is not None:
+        run += ["--load", load_dir]
+    return _strip(argv) + run
+
+
+@contextlib.contextmanager
+def _patched(obj, name: str, wrapper) -> Iterator[None]:
+    original = getattr(obj, name)
+    setattr(obj, name, wrapper(original))
+    try:
+        yield
+    finally:
+        setattr(obj, name, original)
+
+
+@contextlib.contextmanager
+def _launcher_env(rank: int, world_size: int, gpus_per_node: int) -> Iterator[None]:
+    """What torchrun would export for this rank (restored afterwards)."""
+    values = {"RANK": rank, "WORLD_SIZE": world_size, "LOCAL_RANK": rank % gpus_per_node,
+              "LOCAL_WORLD_SIZE": gpus_per_node}
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update({key: str(value) for key, value in values.items()})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _stand_in_for_rank_0(save_dir: Path, rank: int, iterations: int, before: bool) -> None:
+    """Rank 0's part of a save, for a simulated rank that runs without it.
+
+    A save is a collective of the file system too: rank 0 creates ``TAG.tmp/``, every rank
+    writes its shard there, rank 0 renames it to ``TAG/`` and writes ``latest``. Rank 0's
+    simulation (run first, into the same directory) published the tag; here the directory
+    is created before this rank writes, and its shard moved into the published tag after.
+    """
+    from megatron_lite.checkpointing import checkpoint_tag
+    from zeropp.checkpoint import shard_file
+
+    tag = checkpoint_tag(iterations)
+    staging = save_dir / f"{tag}.tmp"
+    if before:
+        staging.mkdir(parents=True, exist_ok=True)
+        return
+    published = save_dir / tag
+    if not published.is_dir():
+        raise RuntimeError(f"simulate rank 0 into {save_dir} before rank {rank}")
+    os.replace(shard_file(staging, rank), shard_file(published, rank))
+    shutil.rmtree(staging)
+
+
+def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
+                  save_dir: str | os.PathLike, quiet: bool = True) -> RankMeasurement:
+    """Run the program as ``rank`` of ``nodes x gpus_per_node`` simulated GPUs and measure.
+
+    ``save_dir`` receives the checkpoint; simulate rank 0 into it before any other rank.
+    """
+    import pretrain_zeropp_gpt
+    from megatron_lite.training import Trainer
+    from zeropp.engine import ZeroEngine
+    from zeropp.simulation import HostSyncCounter, MemoryTracker, simulated_process_group
+
+    world_size = nodes * gpus_per_node
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a cluster of {world_size} GPUs")
+    tracker = MemoryTracker(torch.device("meta"))
+    syncs = HostSyncCounter()
+    iteration_syncs: list[dict[str, int]] = []
+    measuring = {"on": False}
+
+    def iteration(step):
+        # Host syncs are counted from the start of one iteration to the start of the next,
+        # so the log line and the checks after an iteration count with it.
+        def run(self, batches):
+            if not measuring["on"]:
+                measuring["on"] = True
+                tracker.reset_peak()
+            else:
+                iteration_syncs.append(dict(syncs.counts))
+            syncs.reset()
+            return step(self, batches)
+        return run
+
+    def in_phase(label):
+        def wrap(method):
+            def run(self, *args, **kwargs):
+                with tracker.phase(label):
+                    return method(self, *args, **kwargs)
+            return run
+        return wrap
+
+    started = time.perf_counter()
+    statuses, run_peaks = [], []
+    save_dir = Path(save_dir)
+    with _launcher_env(rank, world_size, gpus_per_node), \
+            simulated_process_group(rank, world_size, torch.device("meta")) as simulation, \
+            _patched(Trainer, "train_step", iteration), \
+            _patched(ZeroEngine, "__call__", in_phase("forward")), \
+            _patched(ZeroEngine, "backward", in_phase("backward")), \
+            _patched(ZeroEngine, "step", in_phase("optimizer step")), \
+            _quiet(quiet), tracker, syncs:
+        # Three iterations and a save; then a resume from it, one iteration and another save.
+        for iterations, save_to, load_from in ((3, save_dir / "first", None),
+                                               (4, save_dir / "resumed", save_dir / "first")):
+            if rank != 0:
+                _stand_in_for_rank_0(save_to, rank, iterations, before=True)
+            gc.collect()  # the previous run's engine is garbage: not this run's memory
+            measuring["on"] = False
+            statuses.append(pretrain_zeropp_gpt.main(training_argv(
+                argv, gpus_per_node, str(save_to), iterations,
+                None if load_from is None else str(load_from))))
+            if statuses[-1] != 0:
+                break
+            if rank != 0:
+                _stand_in_for_rank_0(save_to, rank, iterations, before=False)
+            run_peaks.append((tracker.peak_bytes, dict(tracker.peak_by_category)))
+        order = simulation.order_signature()
+        violations = list(simulation.violations)
+        collectives = dict(simulation.counts)
+        max_in_flight = simulation.max_in_flight
+    if any(statuses):
+        raise RuntimeError(f"the simulated rank {rank} exited with status {statuses[-1]}")
+    peak, by_category = max(run_peaks, key=lambda peak: peak[0])
+    return RankMeasurement(
+        rank=rank, world_size=world_size, peak_bytes=peak, peak_by_category=by_category,
+        phase_peaks=dict(tracker.phase_peaks),
+        host_syncs_per_iteration=iteration_syncs[1],  # from iteration 2 to 3: steady state
+        violations=violations, order=order, collectives=collectives,
+        max_in_flight=max_in_flight, seconds=time.perf_counter() - started,
+    )
+
+
+@contextlib.contextmanager
+def _quiet(enabled: bool) -> Iterator[None]:
+    if not enabled:
+        yield
+        return
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        yield
+
+
+@dataclass
+class ClusterMeasurement:
+    """Ranks 0 and N-1 of one configuration (see [Note: which ranks])."""
+
+    first: RankMeasurement
+    last: RankMeasurement
+    order_mismatches: list[str]
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.first.peak_bytes, self.last.peak_bytes)
+
+
+def simulate_cluster(argv: list[str], nodes: int, gpus_per_node: int,
+                     quiet: bool = True) -> ClusterMeasurement:
+    from zeropp.simulation import compare_orders
+
+    world_size = nodes * gpus_per_node
+    with tempfile.TemporaryDirectory(prefix="zeropp-sim-") as save_dir:
+        first = simulate_rank(argv, 0, nodes, gpus_per_node, save_dir, quiet)
+        last = simulate_rank(argv, world_size - 1, nodes, gpus_per_node, save_dir, quiet) \
+            if world_size > 1 else first
+    return ClusterMeasurement(first, last, compare_orders(first.order, last.order))
+
+
+def render(measurement: ClusterMeasurement) -> str:
+    lines = []
+    for result in (measurement.first, measurement.last):
+        lines.append(f"rank {result.rank} of {result.world_size}: peak "
+                     f"{result.peak_bytes / GIB:.2f} GiB ({result.seconds:.1f} s simulated)")
+        for category, nbytes in sorted(result.peak_by_category.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {category:<28}{nbytes / GIB:>10.2f} GiB")
+        syncs = ", ".join(f"{site} x{count}" for site, count in
+                          sorted(result.host_syncs_per_iteration.items())) or "none"
+        lines.append(f"  host syncs per iteration: {syncs}")
+        lines.append(f"  collectives: {sum(result.collectives.values())} issued, at most "
+                     f"{result.max_in_flight} in flight; rule violations: "
+                     f"{len(result.violations)}")
+        lines += [f"    {violation}" for violation in result.violations[:10]]
+    mismatches = measurement.order_mismatches
+    lines.append("operation order on shared communicators, first vs last rank: "
+                 + ("identical" if not mismatches else f"{len(mismatches)} mismatch(es)"))
+    lines += [f"  {mismatch}" for mismatch in mismatches[:10]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    program = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sim-nodes", type=int, default=1)
+    parser.add_argument("--sim-gpus-per-node", type=int, default=8)
+    parser.add_argument("--verbose", action="store_true", help="Show the program's own output.")
+    options = parser.parse_args(own)
+    measurement = simulate_cluster(program, options.sim_nodes, options.sim_gpus_per_node,
+                                   quiet=not options.verbose)
+    print(render(measurement), flush=True)
+    clean = not measurement.order_mismatches and not measurement.first.violations \
+        and not measurement.last.violations
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.exit(main())

@@ -1,0 +1,424 @@
+"""Measuring tools for the simulated cluster: device memory by category, and host syncs.
+
+Both are ``TorchDispatchMode``s, so they see every aten op below autograd (forward, backward
+and optimizer alike) while a meta-device training program runs. Use them together::
+
+    with MemoryTracker() as mem, HostSyncCounter() as syncs:
+        mem.track_existing(model)            # model states built before measuring
+        with mem.phase("forward"):
+            loss = model(batch)
+    mem.peak_bytes, mem.peak_by_category, syncs.counts
+
+What they cannot see (torch 2.13):
+- ``torch.tensor(data, device=...)`` and the ``torch.UntypedStorage(n, device=...)``
+  constructor allocate without dispatching an op; such storages are counted only once an op
+  returns a view of them (``set_``), or via ``track_existing``.
+- ``Tensor.numpy()`` checks the device before dispatching, so the counter patches
+  ``torch.Tensor.numpy`` while active; ``UntypedStorage.resize_`` is not dispatched either,
+  so the tracker patches it while active.
+- Modes are thread-local: ops issued from a thread the program started itself are not seen
+  (autograd's backward on meta runs on the calling thread, so it is seen).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["CATEGORY_RULES", "DEFAULT_CATEGORY", "HostSyncCounter", "MemoryTracker", "Rule",
+           "default_category"]
+
+aten = torch.ops.aten
+_META = torch.device("meta")
+
+
+# ---- attribution ---------------------------------------------------------------------------
+class Rule(NamedTuple):
+    """Frames of files whose path ends with ``path`` (or lies under it, when it ends with
+    "/"), in one of ``functions`` (None: any function), allocate memory of ``category``."""
+
+    path: str
+    functions: frozenset[str] | None
+    category: str
+
+
+def _rule(path: str, category: str, *functions: str) -> Rule:
+    return Rule(path, frozenset(functions) or None, category)
+
+
+DEFAULT_CATEGORY = "activations"  # autograd's saved tensors, activation and parameter grads
+
+# Checked per frame, innermost frame first; within a frame, the first matching rule wins.
+CATEGORY_RULES: list[Rule] = [
+    _rule("zeropp/kernels/", "quantization buffers"),
+    _rule("zeropp/comm/quantized.py", "quantization buffers"),
+    _rule("zeropp/unit.py", "gathered weights", "_alloc_full"),
+    _rule("zeropp/unit.py", "hpZ secondary shards", "release"),
+    _rule("zeropp/unit.py", "gradients in flight", "_flatten_held_grads", "start_reduce",
+          "finish_reduce"),
+    _rule("zeropp/comm/collectives.py", "gradients in flight"),
+    _rule("zeropp/comm/streams.py", "gradients in flight"),
+    _rule("zeropp/optimizer.py", "model states"),
+    _rule("zeropp/checkpoint.py", "model states"),
+    _rule("zeropp/unit.py", "model states", "__init__"),
+    _rule("zeropp/sharded_model.py", "model states", "_build_units"),
+]
+
+
+def _match(rules: tuple[Rule, ...], filename: str, function: str) -> str | None:
+    path = filename.replace(os.sep, "/")
+    for rule in rules:
+        if rule.path.endswith("/"):
+            hit = ("/" + rule.path) in path or path.startswith(rule.path)
+        else:
+            hit = path.endswith("/" + rule.path) or path == rule.path
+        if hit and (rule.functions is None or function in rule.functions):
+            return rule.category
+    return None
+
+
+# A code object always has the same file and name, so its verdict is cached; the cache is
+# dropped whenever the rule table changes (tests and integrators may edit CATEGORY_RULES).
+_code_verdicts: dict[Any, str | None] = {}
+_verdicts_for: tuple[Rule, ...] = ()
+
+
+def default_category() -> str:
+    """Category of the innermost frame on the Python stack that matches ``CATEGORY_RULES``."""
+    global _verdicts_for
+    rules = tuple(CATEGORY_RULES)
+    if rules != _verdicts_for:
+        _code_verdicts.clear()
+        _verdicts_for = rules
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        verdict = _code_verdicts.get(code, _code_verdicts)  # the dict itself means "unseen"
+        if verdict is _code_verdicts:
+            verdict = _code_verdicts[code] = _match(rules, code.co_filename, code.co_name)
+        if verdict is not None:
+            return verdict
+        frame = frame.f_back
+    return DEFAULT_CATEGORY
+
+
+# ---- helpers ------------------------------------------------------------------------------
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors in an op's outputs or arguments (tensors, nested lists/tuples, dict values)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+def _device_matcher(device: torch.device | str) -> Callable[[torch.device], bool]:
+    device = torch.device(device)
+    if device.index is None:  # "cuda" means any cuda device
+        return lambda d: d.type == device.type
+    return lambda d: d == device
+
+
+# ---- memory --------------------------------------------------------------------------------
+class _Entry:
+    __slots__ = ("nbytes", "category", "ref")
+
+    def __init__(self, nbytes: int, category: str | None, ref: weakref.ref) -> None:
+        self.nbytes = nbytes
+        self.category = category  # None while the storage holds 0 bytes
+        self.ref = ref  # kept alive here: a weakref that is itself collected never calls back
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Live and peak bytes of the storages on ``device``, by category (see module doc)."""
+
+    def __init__(self, device: torch.device | str = _META,
+                 categorize: Callable[[], str] = default_category) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self.categorize = categorize
+        self._on_device = _device_matcher(self.device)
+        self._live: dict[int, _Entry] = {}  # id(storage) -> entry; removed by the finalizer
+        self._by_category: dict[str, int] = {}
+        self._peak_by_category: dict[str, int] = {}
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self.phase_peaks: dict[str, int] = {}
+        self._phases: list[str] = []
+        self._saved_resize: list[Any] = []
+
+    # -- results --
+    @property
+    def current_by_category(self) -> dict[str, int]:
+        return {k: v for k, v in self._by_category.items() if v}
+
+    @property
+    def peak_by_category(self) -> dict[str, int]:
+        """Live bytes per category at the moment ``peak_bytes`` was reached."""
+        return {k: v for k, v in self._peak_by_category.items() if v}
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is live now (``phase_peaks`` are kept)."""
+        self.peak_bytes = self.current_bytes
+        self._peak_by_category = dict(self._by_category)
+
+    @contextlib.contextmanager
+    def phase(self, label: str) -> Iterator[MemoryTracker]:
+        """Record into ``phase_peaks[label]`` the peak reached while the block runs; phases
+        nest, and a label used again keeps the larger peak."""
+        self.phase_peaks[label] = max(self.phase_peaks.get(label, 0), self.current_bytes)
+        self._phases.append(label)
+        try:
+            yield self
+        finally:
+            self._phases.remove(label)
+
+    def track_existing(self, objs: Any, category: str = "model states") -> None:
+        """Count storages allocated before the tracker started. ``objs``: tensors, storages,
+        modules (their parameters and buffers), or any nesting of lists, tuples, dicts and
+        iterables of them. Storages already tracked are left as they are."""
+        for obj in self._flatten(objs):
+            st = obj if isinstance(obj, torch.UntypedStorage) else obj.untyped_storage()
+            if self._on_device(st.device) and id(st) not in self._live:
+                self._add(st, category)
+
+    def _flatten(self, objs: Any) -> Iterator[torch.Tensor | torch.UntypedStorage]:
+        if isinstance(objs, (torch.Tensor, torch.UntypedStorage)):
+            yield objs
+        elif isinstance(objs, torch.nn.Module):
+            yield from objs.parameters()
+            yield from objs.buffers()
+        elif isinstance(objs, dict):
+            for v in objs.values():
+                yield from self._flatten(v)
+        elif isinstance(objs, Iterable) and not isinstance(objs, (str, bytes)):
+            for v in objs:
+                yield from self._flatten(v)
+
+    # -- bookkeeping --
+    def _add(self, st: torch.UntypedStorage, category: str | None = None) -> None:
+        nbytes = st.nbytes()
+        if nbytes and category is None:
+            category = self.categorize()
+        key = id(st)  # ids are unique among live objects, and the finalizer drops the entry
+        ref = weakref.ref(st, functools.partial(self._on_free, key))
+        self._live[key] = _Entry(nbytes, category if nbytes else None, ref)
+        if nbytes:
+            self._bump(category, nbytes)
+
+    def _resized(self, entry: _Entry, nbytes: int) -> None:
+        old = entry.nbytes
+        if old == nbytes:
+            return
+        if old == 0:  # re-allocated: attribute to whoever grows it now
+            entry.category = self.categorize()
+        else:
+            self._bump(entry.category, -old)
+        entry.nbytes = nbytes
+        if nbytes:
+            self._bump(entry.category, nbytes)
+        else:
+            entry.category = None
+
+    def _on_free(self, key: int, _ref: weakref.ref) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None and entry.nbytes:
+            self._bump(entry.category, -entry.nbytes)
+
+    def _bump(self, category: str, delta: int) -> None:
+        self.current_bytes += delta
+        self._by_category[category] = self._by_category.get(category, 0) + delta
+        if delta > 0:
+            cur = self.current_bytes
+            if cur > self.peak_bytes:
+                self.peak_bytes = cur
+                self._peak_by_category = dict(self._by_category)
+            for label in self._phases:
+                if cur > self.phase_peaks[label]:
+                    self.phase_peaks[label] = cur
+
+    # -- hooks --
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        input_storages = None
+        for t in _tensors(out):
+            if t.layout is not torch.strided or not self._on_device(t.device):
+                continue  # cheap exit: no stack walk for other devices
+            st = t.untyped_storage()
+            entry = self._live.get(id(st))
+            if entry is not None:  # a view or in-place result; aten.resize_/out= may grow it
+                self._resized(entry, st.nbytes())
+                continue
+            if input_storages is None:  # computed once per op, only when needed
+                input_storages = {id(a.untyped_storage()) for a in _tensors((args, kwargs))
+                                  if a.layout is torch.strided}
+            if id(st) not in input_storages:  # else a view of a storage that predates us
+                self._add(st)
+        return out
+
+    def _on_resize(self, st: torch.UntypedStorage) -> None:
+        if not self._on_device(st.device):
+            return
+        entry = self._live.get(id(st))
+        if entry is None:  # predates the tracker: counted from this resize on
+            self._add(st)
+        else:
+            self._resized(entry, st.nbytes())
+
+    def __enter__(self) -> MemoryTracker:
+        # UntypedStorage.resize_ is not dispatched, so wrap it (chaining whatever is installed,
+        # e.g. an outer tracker's wrapper) and restore it on exit.
+        own = "resize_" in torch.UntypedStorage.__dict__
+        prev = torch.UntypedStorage.resize_
+        self._saved_resize.append((own, prev))
+
+        @functools.wraps(prev)
+        def resize_(st: torch.UntypedStorage, size: int):
+            result = prev(st, size)
+            self._on_resize(st)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        own, prev = self._saved_resize.pop()
+        if own:
+            torch.UntypedStorage.resize_ = prev
+        else:
+            del torch.UntypedStorage.resize_  # it was inherited from torch._C.StorageBase
+        return super().__exit__(*exc)
+
+
+# ---- host syncs ----------------------------------------------------------------------------
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _call_site(root: str) -> str:
+    """'path:LINE in function' of the innermost frame outside torch and this file."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename != _THIS_FILE and not filename.startswith(_TORCH_DIR):
+            break
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    path = filename
+    if os.path.isabs(path):
+        rel = os.path.relpath(path, root)
+        if not rel.startswith(".."):
+            path = rel
+    return f"{path.replace(os.sep, '/')}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+_THIS_FILE = _call_site.__code__.co_filename  # exactly as frames of this module spell it
+
+
+def _zero_scalar(dtype: torch.dtype) -> bool | int | float | complex:
+    if dtype is torch.bool:
+        return False
+    if dtype.is_floating_point:
+        return 0.0
+    if dtype.is_complex:
+        return 0j
+    return 0
+
+
+# Ops that return a Python bool computed from device data in one dispatched op.
+_COMPARISONS = (aten.allclose.default, aten.equal.default)
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Counts reads of ``device`` values by the host, by call site ("path:LINE in function",
+    path relative to ``root``, default the working directory).
+
+    Counted: ``_local_scalar_dense`` (``item``, ``bool``, ``int``, ``float``), ``allclose``
+    and ``equal`` (True on meta), ``_to_copy`` to the CPU
+    (``cpu()``, ``to("cpu")``, ``tolist()``: one count per call), ``copy_`` into a CPU
+    tensor (non_blocking copies included), and ``Tensor.numpy()``. On the meta device, where
+    they would raise, they return zeros (False / 0 / 0.0, CPU tensors of zeros); on a real
+    device they run as usual.
+    """
+
+    def __init__(self, device: torch.device | str = _META,
+                 root: str | os.PathLike | None = None) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self._on_device = _device_matcher(self.device)
+        self.root = os.path.abspath(root if root is not None else os.getcwd())
+        self.counts: Counter[str] = Counter()
+        self._saved_numpy: list[Any] = []
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+    def _record(self) -> None:
+        self.counts[_call_site(self.root)] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten._local_scalar_dense.default and self._on_device(args[0].device):
+            self._record()
+            if args[0].device.type == "meta":
+                return _zero_scalar(args[0].dtype)
+        elif func in _COMPARISONS and self._on_device(args[0].device):
+            self._record()  # dispatched whole, reading the scalar inside: count them here
+            if args[0].device.type == "meta":
+                return True  # "equal": the harmless answer for checks like `assert equal(...)`
+        elif func is aten._to_copy.default and self._on_device(args[0].device):
+            target = kwargs.get("device")
+            if target is not None and torch.device(target).type == "cpu":
+                self._record()
+                if args[0].device.type == "meta":
+                    # One zero broadcast to the shape: a meta shard read out (a checkpoint
+                    # save) costs no host memory and writes one element, not gigabytes.
+                    dtype = kwargs.get("dtype") or args[0].dtype
+                    return torch.zeros((), dtype=dtype).expand(args[0].shape)
+        elif (func is aten.copy_.default and args[0].device.type == "cpu"
+              and isinstance(args[1], torch.Tensor) and self._on_device(args[1].device)):
+            self._record()
+            if args[1].device.type == "meta":
+                return args[0].zero_()
+        return func(*args, **kwargs)
+
+    def __enter__(self) -> HostSyncCounter:
+        # Tensor.numpy() rejects non-CPU tensors before any op is dispatched: wrap it.
+        own = "numpy" in torch.Tensor.__dict__
+        prev = torch.Tensor.numpy
+        self._saved_numpy.append((own, prev))
+
+        @functools.wraps(prev)
+        def numpy(t: torch.Tensor, *, force: bool = False):
+            if self._on_device(t.device):
+                self._record()
+                if t.device.type == "meta":
+                    return torch.zeros(t.shape, dtype=t.dtype).numpy()
+            return prev(t, force=force)
+
+        torch.Tensor.numpy = numpy
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        own, prev = self._saved_numpy.pop()
+        if own:
+            torch.Tensor.numpy = prev
+        else:
+            del torch.Tensor.numpy  # it was inherited from torch._C.TensorBase
+        return super().__exit__(*exc)
