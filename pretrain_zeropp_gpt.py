@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         if args.dry_run:
-            return run_dry_run(args)  # no process group: plans any cluster size
+            return run_dry_run(args, argv)  # plans any cluster size, simulates its rank 0
         # A process group that exists already (an embedding program, the simulated GPU
         # cluster) belongs to the caller: used, not destroyed.
         owns_process_group = not dist.is_initialized()

@@ -24,14 +24,14 @@ CUDA context and no communication buffers, so leave a few GiB of margin.
 
 [Note: comparison with the ZeRO++ tutorial]
 For the tutorial's 18B on 4 x 16 V100-32GB, DeepSpeed reports a peak of 8.28 GB (ZeRO-3) and
-10.26 GB (ZeRO++), 1.98 GB apart; this planner prints 9.98 and 12.09 GiB, 2.11 GiB apart.
-The hpZ cost agrees: both are the 2*Psi/alpha secondary shards (here the blocks' only, the
-root never has one). The totals differ because this engine accumulates gradient shards in
-fp32 (DeepSpeed keeps 16-bit gradient partitions), and because the planner adds up the peak
-of every transient as if they coincided: the root's gradients through the whole backward,
-the largest block's gradients with their flat copy, a block gathered next to one still
-being reduced. DeepSpeed's figure is a measured ``max_memory_allocated``: the same buffers
-as they actually overlap.
+10.26 GB (ZeRO++), 1.98 GB apart; this planner prints 11.25 and 13.36 GiB, the simulated GPU
+cluster measures 10.34 and 12.39 GiB. The hpZ cost agrees: the 2*Psi/alpha secondary shards
+(here the blocks' only, the root never has one). The totals differ because this engine
+accumulates gradient shards in fp32 (DeepSpeed keeps 16-bit gradient partitions), and the
+planner adds up the peak of every transient as if they coincided: the root's gradients
+through the whole backward, the gradient buffers in flight and the one filling, a block
+gathered next to one still being reduced. The measurement is what the program allocates,
+with the buffers as they actually overlap.
 """
 
 from __future__ import annotations
@@ -110,7 +110,12 @@ class DryRunReport:
     plans: tuple[SystemPlan, SystemPlan]  # (ZeRO-3, configured ZeRO++)
 
     def total_bytes(self, plan: SystemPlan) -> int:
-        return plan.memory.total + self.activations.total
+        """Peak per GPU: the larger of the forward's and the backward's (see MemoryPlan)."""
+        activations = self.activations
+        return plan.memory.peak(
+            forward_activations=activations.kept_for_backward + activations.logits,
+            backward_activations=activations.kept_for_backward + activations.recomputed_chunk,
+        )
 
     def fits(self, plan: SystemPlan) -> bool:
         return self.total_bytes(plan) <= self.cluster.gpu_memory_bytes
@@ -251,10 +256,11 @@ def memory_lines(report: DryRunReport) -> list[str]:
     ]
     lines = [_row("per-GPU memory (GiB)", [plan.name for plan in plans])]
     lines += [_row(label, [_gib(v) for v in values]) for label, values in rows]
-    lines.append(_row("total", [_gib(report.total_bytes(plan)) for plan in plans]))
+    lines.append(_row("peak (larger of forward and backward)",
+                      [_gib(report.total_bytes(plan)) for plan in plans]))
     verdicts = ["fits" if report.fits(plan) else "does NOT fit" for plan in plans]
     lines.append(_row(f"vs GPU memory {report.cluster.gpu_memory_gib:g} GiB", verdicts))
-    increase = memories[1].total - memories[0].total
+    increase = report.total_bytes(plans[1]) - report.total_bytes(plans[0])
     lines.append(f"  ZeRO++ over ZeRO-3: {increase / GIB:+.2f} GiB per GPU, of which hpZ "
                  f"secondary shards {memories[1].hpz_secondary_shards / GIB:.2f} GiB")
     return lines
@@ -302,10 +308,70 @@ def render(report: DryRunReport) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def run_dry_run(args: argparse.Namespace) -> int:
+# ---- measured on the simulated GPU cluster --------------------------------------------------
+
+MEASURED_ROWS = (
+    ("model states", "model states (shards, fp32, Adam)"),
+    ("gathered weights", "gathered units"),
+    ("hpZ secondary shards", "hpZ secondary shards"),
+    ("gradients in flight", "gradient buffers in flight"),
+    ("quantization buffers", "quantization buffers"),
+    ("activations", "activations and autograd's gradients"),
+)
+
+
+def baseline_ds_config(args: argparse.Namespace) -> dict:
+    """The user's DeepSpeed JSON with qwZ, hpZ and qgZ off: the ZeRO-3 run to compare."""
+    config = read_json_config(args.deepspeed_config) if args.deepspeed_config else {}
+    zero = dict(config.get("zero_optimization", {}))
+    zero.update(zero_quantized_weights=False, zero_hpz_partition_size=1,
+                zero_quantized_gradients=False)
+    zero.pop("zero_quantized_gradients_error_feedback", None)
+    return {**config, "zero_optimization": zero}
+
+
+def simulate_plans(args: argparse.Namespace, argv: list[str], report: DryRunReport) -> list:
+    """Rank 0 of the planned cluster, run for real on meta tensors, for each planned system."""
+    from megatron_lite.simulate import simulate_rank
+
+    cluster = report.cluster
+    zero3, configured = report.plans
+    baseline = simulate_rank(argv, 0, cluster.nodes, cluster.gpus_per_node, save_dir=None,
+                             ds_config=baseline_ds_config(args))
+    if dataclasses.replace(configured.zero, stage=3) == zero3.zero:
+        return [baseline, baseline]
+    return [baseline, simulate_rank(argv, 0, cluster.nodes, cluster.gpus_per_node,
+                                    save_dir=None)]
+
+
+def measured_lines(report: DryRunReport, measurements: list) -> list[str]:
+    lines = [_row("measured peak per GPU (GiB)", [plan.name for plan in report.plans])]
+    for category, label in MEASURED_ROWS:
+        values = [m.peak_by_category.get(category, 0) for m in measurements]
+        if any(values):
+            lines.append(_row(f"  {label}", [_gib(v) for v in values]))
+    lines.append(_row("peak, measured", [_gib(m.peak_bytes) for m in measurements]))
+    planned = [report.total_bytes(plan) for plan in report.plans]
+    lines.append(_row("peak, planned (above)", [_gib(v) for v in planned]))
+    lines.append(_row("planned vs measured",
+                      [f"{p / m.peak_bytes - 1:+.1%}" for p, m in zip(planned, measurements,
+                                                                       strict=True)]))
+    verdicts = ["fits" if m.peak_bytes <= report.cluster.gpu_memory_bytes else "does NOT fit"
+                for m in measurements]
+    lines.append(_row(f"measured vs GPU memory {report.cluster.gpu_memory_gib:g} GiB", verdicts))
+    seconds = sum({id(m): m.seconds for m in measurements}.values())
+    lines.append(f"  rank 0 of {report.cluster.world_size} on the simulated GPU cluster "
+                 f"(meta tensors, 3 iterations, {seconds:.0f} s); no allocator fragmentation, "
+                 "CUDA context or NCCL buffers: leave a few GiB")
+    return lines
+
+
+def run_dry_run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Print the plan for ``args`` and return the exit status (0, 2 for usage errors, else 1).
 
-    Call it right after ``parse_args``, before any process group exists.
+    Call it right after ``parse_args``, before any process group exists. With
+    ``--dry-run-simulate`` (the default) ``argv``, the command line ``args`` came from, is
+    also run as rank 0 of the planned cluster on the simulated GPU cluster.
     """
     try:
         report = build_report(args)
@@ -316,4 +382,8 @@ def run_dry_run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 1
     print(render(report), flush=True)
+    if args.dry_run_simulate:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        print("", flush=True)
+        print("\n".join(measured_lines(report, simulate_plans(args, argv, report))), flush=True)
     return 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import os
 import shutil
 import sys
@@ -49,7 +50,8 @@ class RankMeasurement:
     rank: int
     world_size: int
     peak_bytes: int  # during the training iterations
-    peak_by_category: dict[str, int]
+    peak_by_category: dict[str, int]  # at the moment of the peak
+    category_peaks: dict[str, int]  # each category's own peak, whenever it happened
     phase_peaks: dict[str, int]  # forward / backward / optimizer step, over all iterations
     host_syncs_per_iteration: dict[str, int]  # iteration 2 (steady): call site -> count
     violations: list[str]
@@ -63,17 +65,21 @@ class RankMeasurement:
 # Flags the simulation sets itself (the value follows in the argv).
 _OVERRIDES = ("--train-iters", "--save", "--save-interval", "--load", "--log-interval",
               "--eval-iters", "--eval-interval", "--num-workers", "--ranks-per-node",
-              "--wandb-project", "--tensorboard-dir", "--metrics-file", "--exit-interval")
+              "--wandb-project", "--tensorboard-dir", "--metrics-file", "--exit-interval",
+              # the lr schedule's length must fit the few simulated iterations
+              "--lr-warmup-iters", "--lr-warmup-fraction", "--lr-decay-iters")
+_DS_CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed-config")
 
 
-def _strip(argv: list[str]) -> list[str]:
-    """The user's training flags without the data, dry-run and run-length ones."""
+def _strip(argv: list[str], drop: tuple[str, ...] = ()) -> list[str]:
+    """The user's training flags without the data, dry-run and run-length ones (and
+    ``drop``)."""
     out, dropping = [], False
     for arg in argv:
         if arg.startswith("--"):
             name = arg.split("=", 1)[0]
-            dropping = (name in _OVERRIDES or name in ("--data-path", "--mock-data")
-                        or name.startswith("--dry-run"))
+            dropping = (name in _OVERRIDES or name in drop or name.startswith("--dry-run")
+                        or name in ("--data-path", "--mock-data"))
             if dropping:
                 continue
         elif dropping:  # a value of a dropped flag
@@ -82,15 +88,21 @@ def _strip(argv: list[str]) -> list[str]:
     return out
 
 
-def training_argv(argv: list[str], gpus_per_node: int, save_dir: str, iterations: int,
-                  load_dir: str | None) -> list[str]:
+def training_argv(argv: list[str], gpus_per_node: int, iterations: int, ds_config: str | None,
+                  save_dir: str | None = None, load_dir: str | None = None) -> list[str]:
+    """``argv`` as a short run on mock data; ``ds_config`` replaces the user's JSON."""
     run = ["--mock-data", "--train-iters", str(iterations), "--log-interval", "1",
            "--eval-iters", "1", "--eval-interval", str(iterations + 1), "--num-workers", "0",
-           "--ranks-per-node", str(gpus_per_node), "--save", save_dir,
-           "--save-interval", str(iterations)]
+           "--ranks-per-node", str(gpus_per_node)]
+    if ds_config is not None:
+        run += ["--deepspeed_config", ds_config]
+    if save_dir is not None:
+        run += ["--save", save_dir, "--save-interval", str(iterations)]
     if load_dir is not None:
         run += ["--load", load_dir]
-    return _strip(argv) + run
+    if not any(arg.split("=", 1)[0] == "--lr" for arg in argv):
+        run += ["--lr", "1e-4"]  # a dry run needs none; values do not matter here
+    return _strip(argv, drop=_DS_CONFIG_FLAGS if ds_config is not None else ()) + run
 
 
 @contextlib.contextmanager
@@ -144,10 +156,13 @@ def _stand_in_for_rank_0(save_dir: Path, rank: int, iterations: int, before: boo
 
 
 def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
-                  save_dir: str | os.PathLike, quiet: bool = True) -> RankMeasurement:
+                  save_dir: str | os.PathLike | None, quiet: bool = True,
+                  ds_config: dict | None = None) -> RankMeasurement:
     """Run the program as ``rank`` of ``nodes x gpus_per_node`` simulated GPUs and measure.
 
-    ``save_dir`` receives the checkpoint; simulate rank 0 into it before any other rank.
+    ``save_dir`` receives the checkpoints (simulate rank 0 into it before any other rank);
+    None measures three iterations without the save and the resume. ``ds_config`` replaces
+    the DeepSpeed JSON of ``argv`` (the dry run's ZeRO-3 baseline).
     """
     import pretrain_zeropp_gpt
     from megatron_lite.training import Trainer
@@ -185,38 +200,50 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
 
     started = time.perf_counter()
     statuses, run_peaks = [], []
-    save_dir = Path(save_dir)
-    with _launcher_env(rank, world_size, gpus_per_node), \
+    config_dir = tempfile.TemporaryDirectory(prefix="zeropp-sim-config-")
+    config_path = None
+    if ds_config is not None:
+        config_path = os.path.join(config_dir.name, "ds_config.json")
+        with open(config_path, "w") as f:
+            json.dump(ds_config, f)
+    if save_dir is None:
+        runs = [(3, None, None)]
+    else:
+        # Three iterations and a save; then a resume from it, one iteration and another save.
+        save_dir = Path(save_dir)
+        runs = [(3, save_dir / "first", None), (4, save_dir / "resumed", save_dir / "first")]
+    with config_dir, _launcher_env(rank, world_size, gpus_per_node), \
             simulated_process_group(rank, world_size, torch.device("meta")) as simulation, \
             _patched(Trainer, "train_step", iteration), \
             _patched(ZeroEngine, "__call__", in_phase("forward")), \
             _patched(ZeroEngine, "backward", in_phase("backward")), \
             _patched(ZeroEngine, "step", in_phase("optimizer step")), \
             _quiet(quiet), tracker, syncs:
-        # Three iterations and a save; then a resume from it, one iteration and another save.
-        for iterations, save_to, load_from in ((3, save_dir / "first", None),
-                                               (4, save_dir / "resumed", save_dir / "first")):
-            if rank != 0:
+        for iterations, save_to, load_from in runs:
+            if rank != 0 and save_to is not None:
                 _stand_in_for_rank_0(save_to, rank, iterations, before=True)
             gc.collect()  # the previous run's engine is garbage: not this run's memory
             measuring["on"] = False
             statuses.append(pretrain_zeropp_gpt.main(training_argv(
-                argv, gpus_per_node, str(save_to), iterations,
-                None if load_from is None else str(load_from))))
+                argv, gpus_per_node, iterations, config_path,
+                save_dir=None if save_to is None else str(save_to),
+                load_dir=None if load_from is None else str(load_from))))
             if statuses[-1] != 0:
                 break
-            if rank != 0:
+            if rank != 0 and save_to is not None:
                 _stand_in_for_rank_0(save_to, rank, iterations, before=False)
-            run_peaks.append((tracker.peak_bytes, dict(tracker.peak_by_category)))
+            run_peaks.append((tracker.peak_bytes, dict(tracker.peak_by_category),
+                              dict(tracker.category_peaks)))
         order = simulation.order_signature()
         violations = list(simulation.violations)
         collectives = dict(simulation.counts)
         max_in_flight = simulation.max_in_flight
     if any(statuses):
         raise RuntimeError(f"the simulated rank {rank} exited with status {statuses[-1]}")
-    peak, by_category = max(run_peaks, key=lambda peak: peak[0])
+    peak, by_category, category_peaks = max(run_peaks, key=lambda peak: peak[0])
     return RankMeasurement(
         rank=rank, world_size=world_size, peak_bytes=peak, peak_by_category=by_category,
+        category_peaks=category_peaks,
         phase_peaks=dict(tracker.phase_peaks),
         host_syncs_per_iteration=iteration_syncs[1],  # from iteration 2 to 3: steady state
         violations=violations, order=order, collectives=collectives,

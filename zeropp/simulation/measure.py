@@ -153,6 +153,8 @@ class MemoryTracker(TorchDispatchMode):
         self._live: dict[int, _Entry] = {}  # id(storage) -> entry; removed by the finalizer
         self._by_category: dict[str, int] = {}
         self._peak_by_category: dict[str, int] = {}
+        # Each category's own peak, whenever it happened (not only at the overall peak).
+        self.category_peaks: dict[str, int] = {}
         self.current_bytes = 0
         self.peak_bytes = 0
         self.phase_peaks: dict[str, int] = {}
@@ -173,6 +175,7 @@ class MemoryTracker(TorchDispatchMode):
         """Start a new peak from what is live now (``phase_peaks`` are kept)."""
         self.peak_bytes = self.current_bytes
         self._peak_by_category = dict(self._by_category)
+        self.category_peaks = dict(self._by_category)
 
     @contextlib.contextmanager
     def phase(self, label: str) -> Iterator[MemoryTracker]:
@@ -241,6 +244,8 @@ class MemoryTracker(TorchDispatchMode):
         self.current_bytes += delta
         self._by_category[category] = self._by_category.get(category, 0) + delta
         if delta > 0:
+            if self._by_category[category] > self.category_peaks.get(category, 0):
+                self.category_peaks[category] = self._by_category[category]
             cur = self.current_bytes
             if cur > self.peak_bytes:
                 self.peak_bytes = cur

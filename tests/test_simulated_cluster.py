@@ -1,0 +1,108 @@
+"""The real program on the simulated GPU cluster: NCCL's rules, memory, host syncs.
+
+Each test runs ``pretrain_zeropp_gpt.main`` as ranks of a cluster of GPUs that do not
+exist (meta tensors, the simulated process group), so the GPU path (the CUDA execution
+model) is what is checked, not the CPU one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_lite.arguments import parse_args
+from megatron_lite.dry_run import build_report, run_dry_run
+from megatron_lite.simulate import simulate_cluster, simulate_rank
+
+# GPT-3 XL's shape (1.3B), fp16 with activation checkpointing: the tutorial's recipe, small.
+GPT_1P3B = ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 1024 "
+            "--max-position-embeddings 1024 --micro-batch-size 1 --global-batch-size 16 "
+            "--lr 1e-4 --fp16 --checkpoint-activations").split()
+SMALL = ("--num-layers {layers} --hidden-size 256 --num-attention-heads 4 --seq-length 128 "
+         "--max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 32 --lr 1e-4 "
+         "--fp16 --checkpoint-activations").split()
+# The only host reads of device values allowed per iteration: the step's global norm
+# (its overflow decision) and the loss at the log interval (every iteration here).
+ALLOWED_SYNCS = {"grad_norm_squared", "mean_across_ranks"}
+
+
+def ds_config(tmp_path, **zero) -> str:
+    with open("configs/ds_zeropp_config.json") as f:
+        config = json.load(f)
+    config["zero_optimization"].update(zero)
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def functions(syncs: dict[str, int]) -> dict[str, int]:
+    return {site.rsplit(" in ", 1)[1]: count for site, count in syncs.items()}
+
+
+@pytest.mark.parametrize("system", ["zero3", "zeropp"])
+def test_1p3b_on_2x8_follows_nccl_rules_and_the_plan(tmp_path, system):
+    zero = dict(zero_quantized_weights=False, zero_hpz_partition_size=1,
+                zero_quantized_gradients=False) if system == "zero3" else \
+        dict(zero_hpz_partition_size=8)
+    argv = GPT_1P3B + ["--deepspeed_config", ds_config(tmp_path, **zero)]
+    cluster = simulate_cluster(argv, nodes=2, gpus_per_node=8)
+
+    for rank in (cluster.first, cluster.last):
+        assert rank.violations == []  # no tensor off the device, nothing off the thread
+        assert functions(rank.host_syncs_per_iteration) == dict.fromkeys(ALLOWED_SYNCS, 1)
+        assert sum(rank.collectives.values()) > 100
+    assert (cluster.first.rank, cluster.last.rank) == (0, 15)
+    assert cluster.order_mismatches == []  # training, save and resume: same order
+    world = tuple(range(16))
+    assert len(cluster.first.order[world]) == len(cluster.last.order[world]) > 100
+
+    # ZeRO++ gathers for backward inside the node (hpZ) and reduces by all-to-all (qgZ)
+    node_ops = {record.op for key, records in cluster.first.order.items() if key != world
+                for record in records}
+    expected = {"all_gather_single", "all_to_all_single"} if system == "zeropp" else set()
+    assert node_ops == expected
+    peak = cluster.first.peak_by_category
+    assert peak["model states"] > 0 and peak["gathered weights"] > 0
+    report = build_report(parse_args(argv + ["--dry-run", "--dry-run-nodes", "2",
+                                              "--dry-run-gpus-per-node", "8"]))
+    planned = report.total_bytes(report.plans[1 if system == "zeropp" else 0])
+    assert abs(planned / cluster.peak_bytes - 1) < 0.10
+
+
+def test_memory_of_gradients_in_flight_does_not_grow_with_depth():
+    def gradients_in_flight(layers: int) -> int:
+        argv = [a.format(layers=layers) for a in SMALL] + [
+            "--deepspeed_config", "configs/ds_zero3_config.json"]
+        return simulate_rank(argv, 0, 1, 4, save_dir=None).category_peaks[
+            "gradients in flight"]
+
+    assert gradients_in_flight(8) == gradients_in_flight(2)
+
+
+def test_a_collective_off_the_training_thread_is_caught(monkeypatch, tmp_path):
+    """The check works: qgZ on a host worker thread (the CPU path) breaks NCCL's rule."""
+    import importlib
+
+    from zeropp.comm.streams import HostThreadExecution
+
+    # (the package's ``initialize`` function shadows its module of the same name)
+    monkeypatch.setattr(importlib.import_module("zeropp.initialize"), "execution_for",
+                        lambda device, overlap: HostThreadExecution())
+    argv = [a.format(layers=2) for a in SMALL] + [
+        "--deepspeed_config", ds_config(tmp_path, zero_hpz_partition_size=2)]
+    result = simulate_rank(argv, 0, 2, 2, save_dir=None)
+    threads = [v for v in result.violations if v.rule == "thread"]
+    assert threads and all("all_to_all" in str(v) for v in threads)
+
+
+def test_dry_run_prints_measured_next_to_planned(capsys):
+    argv = [a.format(layers=2) for a in SMALL] + [
+        "--deepspeed_config", "configs/ds_zeropp_config.json", "--dry-run",
+        "--dry-run-nodes", "2", "--dry-run-gpus-per-node", "16", "--global-batch-size", "64"]
+    assert run_dry_run(parse_args(argv), argv) == 0
+    out = capsys.readouterr().out
+    measured = next(line for line in out.splitlines() if "peak, measured" in line)
+    zero3, zeropp = (float(v) for v in measured.split()[-2:])
+    assert 0 < zero3 <= zeropp
+    assert "rank 0 of 32 on the simulated GPU cluster" in out
