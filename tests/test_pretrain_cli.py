@@ -118,7 +118,8 @@ def test_two_ranks_match_one_rank(data_prefix, tmp_path):
 def test_dry_run_counts_the_18b_model_quickly():
     result = run([sys.executable, ENTRY_POINT, "--num-layers", "40", "--hidden-size", "6144",
                   "--num-attention-heads", "32", "--seq-length", "512", "--batch-size", "1",
-                  "--zero-stage", "3", "--fp16", "--checkpoint-activations", "--dry-run"],
+                  "--zero-stage", "3", "--fp16", "--checkpoint-activations", "--dry-run",
+                  "--no-dry-run-simulate"],
                  timeout=60)
     assert result.returncode == 0, result.stderr
     expected = GPTConfig(num_layers=40, hidden_size=6144, num_attention_heads=32,

@@ -106,8 +106,9 @@ def main() -> int:
                               f"{by_nodes[nodes] / GIB:.2f} GiB, measured {peak / GIB:.2f} GiB "
                               f"({seconds:.0f} s)", flush=True)
                     rows.append(row)
-    options.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
-    options.out.write_text(render(rows, limit, options.gpu_memory_gb))
+                # written as it goes: the 138B cells take minutes each
+                options.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+                options.out.write_text(render(rows, limit, options.gpu_memory_gb))
     print(f"wrote {options.out}")
     return 0
 
