@@ -219,7 +219,8 @@ class ShardedUnit:
         end, does not hold a whole flat buffer through the backward.
         """
         self._grads_ready += 1
-        self._held_grads.append(param)
+        if not any(p is param for p in self._held_grads):  # its .grad accumulates in place
+            self._held_grads.append(param)
         held = sum(p.grad.numel() for p in self._held_grads)
         if self._grad_flat is not None or 2 * held >= self.layout.padded_numel:
             self._flatten_held_grads()

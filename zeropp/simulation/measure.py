@@ -131,6 +131,19 @@ def _device_matcher(device: torch.device | str) -> Callable[[torch.device], bool
     return lambda d: d == device
 
 
+def _save_method(owner: type, name: str) -> tuple[bool, Any]:
+    """(whether ``owner`` defines ``name`` itself, the method now) before patching it."""
+    return name in owner.__dict__, getattr(owner, name)
+
+
+def _restore_method(owner: type, name: str, saved: tuple[bool, Any]) -> None:
+    own, previous = saved
+    if own:
+        setattr(owner, name, previous)
+    else:
+        delattr(owner, name)  # it was inherited from torch's C base class
+
+
 # ---- memory --------------------------------------------------------------------------------
 class _Entry:
     __slots__ = ("nbytes", "category", "ref")
@@ -285,9 +298,8 @@ class MemoryTracker(TorchDispatchMode):
     def __enter__(self) -> MemoryTracker:
         # UntypedStorage.resize_ is not dispatched, so wrap it (chaining whatever is installed,
         # e.g. an outer tracker's wrapper) and restore it on exit.
-        own = "resize_" in torch.UntypedStorage.__dict__
+        self._saved_resize.append(_save_method(torch.UntypedStorage, "resize_"))
         prev = torch.UntypedStorage.resize_
-        self._saved_resize.append((own, prev))
 
         @functools.wraps(prev)
         def resize_(st: torch.UntypedStorage, size: int):
@@ -299,11 +311,7 @@ class MemoryTracker(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        own, prev = self._saved_resize.pop()
-        if own:
-            torch.UntypedStorage.resize_ = prev
-        else:
-            del torch.UntypedStorage.resize_  # it was inherited from torch._C.StorageBase
+        _restore_method(torch.UntypedStorage, "resize_", self._saved_resize.pop())
         return super().__exit__(*exc)
 
 
@@ -405,9 +413,8 @@ class HostSyncCounter(TorchDispatchMode):
 
     def __enter__(self) -> HostSyncCounter:
         # Tensor.numpy() rejects non-CPU tensors before any op is dispatched: wrap it.
-        own = "numpy" in torch.Tensor.__dict__
+        self._saved_numpy.append(_save_method(torch.Tensor, "numpy"))
         prev = torch.Tensor.numpy
-        self._saved_numpy.append((own, prev))
 
         @functools.wraps(prev)
         def numpy(t: torch.Tensor, *, force: bool = False):
@@ -421,9 +428,5 @@ class HostSyncCounter(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        own, prev = self._saved_numpy.pop()
-        if own:
-            torch.Tensor.numpy = prev
-        else:
-            del torch.Tensor.numpy  # it was inherited from torch._C.TensorBase
+        _restore_method(torch.Tensor, "numpy", self._saved_numpy.pop())
         return super().__exit__(*exc)
