@@ -275,5 +275,5 @@ def test_prefetch_allows_the_next_unit_whatever_the_live_cap():
     assert units_to_prefetch(upcoming, 765_000_000, 50_000_000, 1_000_000_000) == [0]
     # beyond the next unit the cap holds; a bucket of 0 still disables prefetch
     assert units_to_prefetch(upcoming, 0, 2_000_000_000, 1_000_000_000) == [0, 1]
-    assert units_to_prefetch(upcoming, 100, 2_000_000_000, 1_000_000_000) == [0]
+    assert units_to_prefetch(upcoming, 200_000_000, 2_000_000_000, 1_000_000_000) == [0]
     assert units_to_prefetch(upcoming, 0, 0, 1_000_000_000) == []
