@@ -57,7 +57,6 @@ class RankMeasurement:
     violations: list[str]
     order: dict  # communicator (global ranks) -> operations, in issue order
     collectives: dict = field(default_factory=dict)
-    max_in_flight: int = 0
     seconds: float = 0.0
     exit_status: int = 0
 
@@ -237,7 +236,6 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
         order = simulation.order_signature()
         violations = list(simulation.violations)
         collectives = dict(simulation.counts)
-        max_in_flight = simulation.max_in_flight
     if any(statuses):
         raise RuntimeError(f"the simulated rank {rank} exited with status {statuses[-1]}")
     peak, by_category, category_peaks = max(run_peaks, key=lambda peak: peak[0])
@@ -247,7 +245,7 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
         phase_peaks=dict(tracker.phase_peaks),
         host_syncs_per_iteration=iteration_syncs[1],  # from iteration 2 to 3: steady state
         violations=violations, order=order, collectives=collectives,
-        max_in_flight=max_in_flight, seconds=time.perf_counter() - started,
+        seconds=time.perf_counter() - started,
     )
 
 

@@ -28,6 +28,7 @@ held by in-flight collectives does not grow with the model's depth on any execut
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -69,17 +70,17 @@ class Pending:
         self.done = True
 
 
-class Execution:
+class Execution(abc.ABC):
     """Issues collectives on a lane ("gather" or "reduce"); see [Note: execution models]."""
 
     name = "base"
 
+    @abc.abstractmethod
     def launch(self, lane: str, issue: IssueFn, *, finish: Callable[[], None] | None = None,
                keep: tuple = (), sequence: bool = False) -> Pending:
         """Issue a collective (``sequence``: several blocking collectives and kernels)."""
-        raise NotImplementedError
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (most executions hold nothing to release)
         """Release threads or streams (the engine calls it when it is done)."""
 
 
