@@ -8,7 +8,9 @@ per-GPU peak (``--dry-run``'s total), and rank 0 of the cluster run for real on 
 by ``megatron_lite.simulate`` (3 iterations of ``pretrain_zeropp_gpt.main`` with the paper's
 flags). Memory per GPU falls as nodes are added, so each (model, tokens, system) is measured
 where the planner puts the edge: the fewest nodes it says fit, and the node count below;
-``--measure all`` measures every cell (hours for the 138B).
+``--measure all`` measures every cell (hours for the 138B). ``--budget-minutes`` stops
+measuring when the time is spent (the remaining cells are planned only) and ``--reuse FILE``
+keeps the measurements of an earlier run's JSON instead of repeating them.
 """
 
 from __future__ import annotations
@@ -84,9 +86,21 @@ def main() -> int:
     parser.add_argument("--tokens", default="1024,2048", help="tokens per GPU per micro-batch")
     parser.add_argument("--gpu-memory-gb", type=float, default=32.0)
     parser.add_argument("--measure", choices=("edge", "all", "none"), default="edge")
+    parser.add_argument("--budget-minutes", type=float, default=None,
+                        help="stop measuring after this long; later cells are planned only")
+    parser.add_argument("--reuse", type=Path, default=None,
+                        help="JSON of an earlier run whose measurements to keep")
     parser.add_argument("--out", type=Path, required=True, help="markdown table (and .json)")
     options = parser.parse_args()
     limit = options.gpu_memory_gb * GIB
+    deadline = None if options.budget_minutes is None else \
+        time.monotonic() + 60 * options.budget_minutes
+    earlier = {}
+    if options.reuse is not None:
+        for row in json.loads(options.reuse.read_text()):
+            if "measured_bytes" in row:
+                key = (row["model"], row["tokens_per_gpu"], row["system"], row["nodes"])
+                earlier[key] = row
     rows = []
     for model in options.models.split(","):
         for tokens in (int(t) for t in options.tokens.split(",")):
@@ -98,7 +112,11 @@ def main() -> int:
                 for nodes in NODES:
                     row = {"model": model, "tokens_per_gpu": tokens, "system": system,
                            "nodes": nodes, "planned_bytes": by_nodes[nodes]}
-                    if nodes in chosen:
+                    reused = earlier.get((model, tokens, system, nodes))
+                    if reused is not None:
+                        row.update(measured_bytes=reused["measured_bytes"],
+                                   simulation_s=reused["simulation_s"])
+                    elif nodes in chosen and (deadline is None or time.monotonic() < deadline):
                         peak, seconds = measured(program_argv(model, nodes, tokens), nodes,
                                                  system)
                         row.update(measured_bytes=peak, simulation_s=round(seconds, 1))
@@ -122,11 +140,14 @@ def render(rows: list[dict], limit: float, gpu_gb: float) -> str:
         "**bold**: does not fit. Regenerate with `python scripts/bench/paper_memory.py "
         "--out docs/paper_memory.md`.",
         "",
+        f"{sum('measured_bytes' in r for r in rows)} of {len(rows)} cells measured, "
+        f"{sum(r.get('simulation_s', 0) for r in rows) / 60:.0f} minutes of simulation.",
+        "",
         "| model | tokens/GPU | system | " + " | ".join(f"{n} nodes" for n in NODES) + " |",
         "|---|---|---|" + "---|" * len(NODES),
     ]
     keys = sorted({(r["model"], r["tokens_per_gpu"], r["system"]) for r in rows},
-                  key=lambda k: (int(k[0][:-1]), k[1], k[2]))
+                  key=lambda k: (int(k[0][:-1]), k[1], k[2] != "ZeRO-3"))
     for key in keys:
         cells = []
         for nodes in NODES:
