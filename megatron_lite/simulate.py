@@ -9,8 +9,8 @@ The real entry point (``pretrain_zeropp_gpt.main``) runs with ``--mock-data`` as
 the cluster, under ``zeropp.simulation``: torch's process-group machinery with a backend that
 moves no data but enforces NCCL's rules, tensors on the meta device (the engine then takes
 its CUDA execution model, with no real streams), a memory tracker and a host-sync counter.
-It trains two iterations and saves a checkpoint, then a second run of ``main`` loads it and
-trains one more: every collective of set-up, training, evaluation, save and load is checked.
+It trains three iterations and saves a checkpoint, then a second run of ``main`` loads it
+and trains one more: every collective of set-up, training, evaluation, save and load is checked.
 
 Measured exactly: peak bytes per GPU by category (what the engine and autograd allocate; no
 allocator fragmentation, no CUDA context, no NCCL buffers), the order of operations on every
