@@ -58,7 +58,6 @@ class RankMeasurement:
     order: dict  # communicator (global ranks) -> operations, in issue order
     collectives: dict = field(default_factory=dict)
     seconds: float = 0.0
-    exit_status: int = 0
 
 
 # Flags the simulation sets itself (the value follows in the argv).

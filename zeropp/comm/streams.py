@@ -153,6 +153,6 @@ def execution_for(device: torch.device, overlap: bool) -> Execution:
     if device.type == "cpu":
         return HostThreadExecution()
     # meta (the simulated GPU cluster) and any other accelerator take the CUDA model's order
-    # and lifetimes without real streams.
-    return InlineExecution()
+    # and lifetimes without real streams (the inline execution holds no state).
+    return SYNCHRONOUS
 
