@@ -14,7 +14,9 @@ class ToyBlock(nn.Module):
         self.up = nn.Linear(width, hidden)
         self.down = nn.Linear(hidden, width)
 
-    def forward(self, x):
+    def forward(self, x, bypass: bool = False):
+        if bypass:  # called (so gathered, as on every rank), but its parameters get no gradient
+            return x.clone()
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
@@ -22,18 +24,21 @@ class ToyLM(nn.Module):
     """Awkward sizes on purpose (17 x 257 and friends): nothing divides the world size."""
 
     def __init__(self, vocab: int = 257, width: int = 17, hidden: int = 41, layers: int = 3,
-                 checkpoint: bool = False) -> None:
+                 checkpoint: bool | str = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.layers = nn.ModuleList(ToyBlock(width, hidden) for _ in range(layers))
         self.norm = nn.LayerNorm(width)
-        self.checkpoint = checkpoint
+        self.checkpoint = checkpoint  # False, True, or "reentrant" (Hugging Face's default)
 
-    def forward(self, ids):
+    def forward(self, ids, skip_layer: int | None = None):
         x = self.embed(ids)
-        for layer in self.layers:
-            if self.checkpoint and self.training and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+        for index, layer in enumerate(self.layers):
+            if index == skip_layer:
+                x = layer(x, bypass=True)
+            elif self.checkpoint and self.training and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(
+                    layer, x, use_reentrant=self.checkpoint == "reentrant")
             else:
                 x = layer(x)
         return F.linear(self.norm(x), self.embed.weight)  # tied head

@@ -100,9 +100,8 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
         "rank": rank,
         "world_size": world,
         "units": [
-            _unit_record(unit, master, optimizer.moments(index))
-            for index, (unit, master) in enumerate(
-                zip(engine.sharded.units, optimizer.masters, strict=True))
+            _unit_record(unit, optimizer.shard_master(index), optimizer.shard_moments(index))
+            for index, unit in enumerate(engine.sharded.units)
         ],
         "adam_step": optimizer.step_count,
         "param_groups": [{k: v for k, v in g.items() if k != "params"}
@@ -231,9 +230,8 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
         )
     optimizer = engine.optimizer
     fields = ("master", "exp_avg", "exp_avg_sq") if load_optimizer_states else ("master",)
-    units = zip(engine.sharded.units, optimizer.masters, strict=True)
-    for index, (unit, master) in enumerate(units):
-        values = {f: torch.zeros_like(master) for f in fields}
+    for index, unit in enumerate(engine.sharded.units):
+        values = {f: torch.zeros_like(unit.grad_shard) for f in fields}
         for slot in unit.layout.slots:
             part = unit.layout.overlap(slot, unit.shard_start, unit.shard_end)
             if part is None:
@@ -243,13 +241,9 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
             for field in fields:
                 values[field][dst : dst + hi - lo] = old.read(
                     unit.name, slot.name, slot.shape, lo, hi, field
-                ).to(master.device)
-        with torch.no_grad():
-            master.copy_(values["master"])
-            unit.shard.copy_(master)
-        if load_optimizer_states:
-            optimizer.set_moments(index, old.rank_state(0)["adam_step"],
-                                  values["exp_avg"], values["exp_avg_sq"])
+                ).to(unit.grad_shard.device)
+        moments = (values["exp_avg"], values["exp_avg_sq"]) if load_optimizer_states else None
+        optimizer.load_shard(index, values["master"], moments, old.rank_state(0)["adam_step"])
         unit.zero_grad_shard()
     # Every derived copy of the weights (gathered buffers, hpZ secondary shards) is stale.
     for unit in engine.sharded.units:

@@ -149,7 +149,7 @@ class ZeroEngine:
             return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
 
         units = self.sharded.units
-        moments = [m for i in range(len(units)) for m in self.optimizer.moments(i)]
+        moments = self.optimizer.moment_tensors()
         return {
             "working_shards": nbytes(u.shard for u in units),
             "gathered_parameters": nbytes(u.full for u in units),

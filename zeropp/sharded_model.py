@@ -9,15 +9,27 @@ gradients are reduced, since backward starts with the head and ends with the emb
 Backward: a hook on each block's output fires just before the block's backward; it gathers
 the block (from the secondary shards inside the node with hpZ) and prefetches the previous
 one. Activation-checkpoint recompute runs the block's forward hooks again while the engine is
-in the BACKWARD phase; they then only make sure the block is gathered. When a unit's last
-parameter gradient is accumulated, its gradients are flattened and reduce-scattered (qgZ:
-hierarchical all-to-all), the fp32 shard accumulates them, and the unit is released.
+in the BACKWARD phase; they then only make sure the block is gathered. After a unit's whole
+backward (an identity autograd node on the block's inputs fires once their gradient exists:
+FSDP2's post-backward) its gradients are reduce-scattered (qgZ: hierarchical all-to-all) and
+its weights released. Frozen weights that backward still reads thus stay gathered after the
+last *trainable* gradient has arrived, and the reductions sit at the same place among the
+gathers on every rank, whatever parameters a rank left unused (those are reduced as zeros):
+reducing when a unit's last gradient arrives would let two ranks interleave different
+collectives on the same group. Units with no such point (the root, a first block under
+frozen embeddings) are reduced and released when backward ends, in the unit list's reverse
+order. The fp32 shard accumulates the results.
+
+With hpZ, a training forward keeps each block's secondary shard even when the block ran
+under ``no_grad`` (reentrant activation checkpointing), so its recompute gathers inside the
+node too.
 Step: at the accumulation boundary, ``PartitionedAdamW`` averages once, clips, checks
 overflow, updates the fp32 shards and casts them into the working shards; every derived copy
 (gathered buffers, secondary shards) is dropped.
 
-Every rank issues the same collectives in the same order: hook order follows the model's
-graph, prefetch decisions follow the previous iteration's recorded order and fixed sizes.
+Every rank issues the same collectives in the same order: gathers follow the model's graph,
+prefetch decisions follow the previous iteration's recorded order and fixed sizes, and
+reductions follow the graph's post-backward points, then the unit list.
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from zeropp.comm import CommGroup, CommStats
 from zeropp.comm.streams import Execution
@@ -41,6 +53,20 @@ from zeropp.optimizer import PartitionedAdamW, clip_coefficient
 from zeropp.prefetch import units_to_prefetch
 from zeropp.topology import Topology
 from zeropp.unit import ParamRef, ShardedUnit, ShardState, UnitComm
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once their gradient is complete."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
 
 
 class TrainingPhase(enum.Enum):
@@ -133,6 +159,9 @@ class ShardedModel:
         )
         self.root = self.units[0]
         self._reducing: deque[ShardedUnit] = deque()  # units with reductions in flight, oldest first
+        # True while a forward that will be backpropagated runs (grad mode on at the root):
+        # blocks inside it that run under no_grad are checkpointed and will be recomputed.
+        self._training_forward = False
         self._forward_order: list[ShardedUnit] = []
         self._last_forward_order: list[ShardedUnit] = []
         self._install_hooks()
@@ -222,7 +251,8 @@ class ShardedModel:
         self._hook_handles = []
         for unit in self.units:
             self._hook_handles += [
-                unit.module.register_forward_pre_hook(partial(self._pre_forward, unit)),
+                unit.module.register_forward_pre_hook(partial(self._pre_forward, unit),
+                                                      with_kwargs=True),
                 unit.module.register_forward_hook(partial(self._post_forward, unit)),
             ]
             for param in unit.params:
@@ -231,17 +261,39 @@ class ShardedModel:
                         partial(self._on_grad_ready, unit)))
 
     # ---- hooks ---------------------------------------------------------------------------
-    def _pre_forward(self, unit: ShardedUnit, module, args) -> None:
+    def _pre_forward(self, unit: ShardedUnit, module, args, kwargs):
         if self.phase is TrainingPhase.BACKWARD:  # activation-checkpoint recompute
             unit.gather_now("backward_all_gather")
-            return
+            self._prefetch(unit, forward=False)
+            return self._watch_backward(unit, args, kwargs)
         if unit is self.root:
             self.phase = TrainingPhase.FORWARD
+            self._training_forward = torch.is_grad_enabled()
             self._last_forward_order = self._forward_order or self._last_forward_order
             self._forward_order = []
         unit.gather_now("forward_all_gather")
         self._forward_order.append(unit)
         self._prefetch(unit, forward=True)
+        return self._watch_backward(unit, args, kwargs)
+
+    def _watch_backward(self, unit: ShardedUnit, args, kwargs):
+        """Route the unit's inputs through a node whose backward marks the unit's backward done.
+
+        Under ``no_grad`` (evaluation, the first pass of reentrant checkpointing) nothing is
+        recorded; the recompute of a reentrant checkpoint records it instead.
+        """
+        if unit is self.root or not torch.is_grad_enabled():
+            return None
+        leaves, spec = tree_flatten((args, kwargs))
+        positions = [i for i, t in enumerate(leaves)
+                     if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not positions:
+            return None
+        outputs = _PostBackward.apply(partial(self._post_backward, unit),
+                                      *(leaves[i] for i in positions))
+        for i, tensor in zip(positions, outputs, strict=True):
+            leaves[i] = tensor
+        return tree_unflatten(leaves, spec)
 
     def _post_forward(self, unit: ShardedUnit, module, args, output):
         if self.phase is TrainingPhase.BACKWARD:
@@ -258,7 +310,10 @@ class ShardedModel:
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(partial(self._pre_backward, unit))
-        unit.release(keep_secondary=needs_backward)
+        # A block run under no_grad inside a training forward is checkpointed: its backward
+        # recomputes it, so with hpZ it needs its secondary shard like any other block.
+        recomputed = self._training_forward and not torch.is_grad_enabled()
+        unit.release(keep_secondary=needs_backward or recomputed)
         return output
 
     def _pre_backward(self, unit: ShardedUnit, grad):
@@ -266,14 +321,31 @@ class ShardedModel:
         self._prefetch(unit, forward=False)
         return grad
 
-    def _on_grad_ready(self, unit: ShardedUnit, param) -> None:
-        if unit.on_grad_ready(param):
-            self._reduce_and_release(unit)
+    def _post_backward(self, unit: ShardedUnit) -> None:
+        """The unit's backward is over (its inputs' gradient exists): reduce, free the weights.
 
-    def _reduce_and_release(self, unit: ShardedUnit) -> None:
-        unit.start_reduce()
+        Autograd accumulates a parameter's gradient as soon as the node that computes it has
+        run, before any other ready node, so every gradient of the unit is in by now. This
+        point sits at the same place in the graph on every rank, which keeps the reductions
+        in step with the gathers whatever parameters a rank left unused.
+        """
+        if unit.backward_done:  # a block called twice: its second use is not supported
+            return
+        unit.backward_done = True
         unit.release(keep_secondary=False)
         unit.drop_secondary()
+        self._start_reduction(unit)
+
+    def _on_grad_ready(self, unit: ShardedUnit, param) -> None:
+        if unit.backward_done:
+            raise RuntimeError(
+                f"a gradient for a parameter of unit {unit.name!r} arrived after that module's "
+                "backward had finished (is the parameter used outside its module's forward?)"
+            )
+        unit.on_grad_ready(param)
+
+    def _start_reduction(self, unit: ShardedUnit) -> None:
+        unit.start_reduce()
         self._reducing.append(unit)
         while len(self._reducing) > self.options.max_inflight_reductions:
             self._reducing.popleft().finish_reduce()
@@ -330,16 +402,17 @@ class ShardedModel:
         self.phase = TrainingPhase.BACKWARD
         try:
             scaled_loss.backward()
-            # Units whose parameters got no gradient (unused in this graph) still take part
-            # in the collective, in unit order, so every rank issues the same sequence.
-            for unit in self.units:
-                if not unit.reduced_this_backward:
-                    self._reduce_and_release(unit)
+            # Units with no post-backward point (the root, a block whose inputs need no
+            # gradient) are reduced now, in the unit list's reverse order on every rank.
+            for unit in reversed(self.units):
+                if not unit.backward_done:
+                    unit.backward_done = True
+                    self._start_reduction(unit)
             self._finish_reductions()
-            for unit in self.units:
-                unit.reduced_this_backward = False
         finally:
             self.phase = TrainingPhase.IDLE
+            for unit in self.units:
+                unit.backward_done = False
         self._release_all()
 
     def grad_norm_and_step(

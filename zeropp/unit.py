@@ -99,8 +99,8 @@ class ShardedUnit:
         # This micro-batch's gradients, flat in the layout of ``full`` (see on_grad_ready).
         self._grad_flat: torch.Tensor | None = None
         self._held_grads: list[nn.Parameter] = []  # arrived, not yet in _grad_flat
-        self._grads_ready = 0
-        self.reduced_this_backward = False
+        # The unit's backward is over and its reduction started (ShardedModel._post_backward).
+        self.backward_done = False
 
         self.params: list[nn.Parameter] = []
         for ref, view in zip(refs, layout.views(self.full), strict=True):
@@ -208,8 +208,8 @@ class ShardedUnit:
             self.gather_now("forward_all_gather")
 
     # ---- gradients -----------------------------------------------------------------------
-    def on_grad_ready(self, param: nn.Parameter) -> bool:
-        """Take a parameter's just-accumulated gradient; True when the unit's last arrived.
+    def on_grad_ready(self, param: nn.Parameter) -> None:
+        """Take a parameter's just-accumulated gradient.
 
         Gradients move into the unit's flat buffer (in the layout of ``full``) and are freed
         as soon as the ones held reach half the unit: a block's gradients then cost one flat
@@ -218,13 +218,11 @@ class ShardedUnit:
         whose small gradients arrive at the start of backward and the embedding's at the
         end, does not hold a whole flat buffer through the backward.
         """
-        self._grads_ready += 1
         if not any(p is param for p in self._held_grads):  # its .grad accumulates in place
             self._held_grads.append(param)
         held = sum(p.grad.numel() for p in self._held_grads)
         if self._grad_flat is not None or 2 * held >= self.layout.padded_numel:
             self._flatten_held_grads()
-        return self._grads_ready == self.num_grad_params
 
     def _flatten_held_grads(self) -> None:
         if self._grad_flat is None:
@@ -237,7 +235,13 @@ class ShardedUnit:
         self._held_grads.clear()
 
     def start_reduce(self, phase: str = "gradient_reduce") -> None:
-        """Launch the reduce-scatter of this micro-batch's flat gradients, in buckets."""
+        """Launch the reduce-scatter of this micro-batch's flat gradients, in buckets.
+
+        A unit without trainable parameters sends nothing: every rank knows it (the model's
+        ``requires_grad`` flags are the same everywhere) and its gradient shard stays zero.
+        """
+        if self.num_grad_params == 0:
+            return
         # A unit no parameter of which got a gradient still takes part (with zeros).
         self._flatten_held_grads()
         flat, self._grad_flat = self._grad_flat, None
@@ -254,8 +258,6 @@ class ShardedUnit:
                 out, by_rank[:, lo:hi], world, self.comm.stats, phase, key=(self.name, lo)
             )
             self._reduce_pending.append((pending, out, lo, hi))
-        self._grads_ready = 0
-        self.reduced_this_backward = True
 
     def finish_reduce(self) -> None:
         """Wait for this unit's reductions and add them to the fp32 gradient shard."""
