@@ -250,6 +250,7 @@ def memory_lines(report: DryRunReport) -> list[str]:
         ("optimizer: fp32 master + Adam moments",
          [m.fp32_master_shards + m.optimizer_moments for m in memories]),
         ("hpZ secondary shards", [m.hpz_secondary_shards for m in memories]),
+        ("qgZ error feedback (int8 errors)", [m.error_feedback for m in memories]),
         ("activations: kept for backward", [activations.kept_for_backward] * 2),
         ("activations: recomputed chunk", [activations.recomputed_chunk] * 2),
         ("activations: logits and loss", [activations.logits] * 2),
@@ -327,6 +328,7 @@ def baseline_ds_config(args: argparse.Namespace) -> dict:
     zero.update(zero_quantized_weights=False, zero_hpz_partition_size=1,
                 zero_quantized_gradients=False)
     zero.pop("zero_quantized_gradients_error_feedback", None)
+    zero.pop("zeropp_loco_param", None)
     return {**config, "zero_optimization": zero}
 
 

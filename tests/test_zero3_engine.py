@@ -148,7 +148,8 @@ def error_feedback(rank, world, feedback):
 
     topo = build_topology(2)
     group = CommGroup(None, world, rank, True)
-    qgz = HierarchicalReduceScatter(topo, bits=4, block_size=64, error_feedback=feedback)
+    qgz = HierarchicalReduceScatter(topo, bits=4, block_size=64,
+                                   error_feedback=(0.0, 0) if feedback else None)
     g = torch.Generator().manual_seed(rank)
     grad = torch.randn(world * 256, generator=g)
     exact = torch.empty(256)

@@ -95,6 +95,7 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
     _agree_or_raise(error, device, f"cannot create checkpoint directory {tmp_dir}")
 
     optimizer = engine.optimizer
+    feedback = engine.sharded.error_feedback
     state = {
         "format": SHARD_FORMAT,
         "rank": rank,
@@ -113,6 +114,8 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
             "micro_steps": engine.micro_steps,
         },
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+        # qgZ's carried quantization errors: this rank's, in this topology's buckets.
+        "error_feedback": feedback.state_dict() if feedback is not None else None,
         "rng": {"torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
         "client_state": client_state or {},
@@ -260,6 +263,14 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
             engine.lr_scheduler.load_state_dict(reference["lr_scheduler"])
     for key, value in reference["engine"].items():
         setattr(engine, key, value)
+    feedback = engine.sharded.error_feedback
+    if feedback is not None:
+        saved = mine.get("error_feedback") if mine is not None else None
+        same_layout = old.meta["topology"] == engine.topology.as_dict()
+        if saved is not None and same_layout:
+            feedback.load_state_dict(saved, engine.sharded.device)
+        else:  # errors belong to one rank's buckets in one topology: start them afresh
+            feedback.reset()
     if mine is not None and old.world_size == engine.topology.world_size:
         # Same world: every rank resumes its own random streams (bit-exact continuation).
         torch.set_rng_state(mine["rng"]["torch"])

@@ -288,8 +288,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "compile": Unsupported("DeepCompile", ({},)),
     "aio": Unsupported(f"NVMe I/O for offload; {_DEVICE_ONLY}"),
     "comet": Unsupported("the Comet monitor; use the W&B or TensorBoard writers", _OFF),
-    "prescale_gradients": Unsupported("gradients are averaged once, after reduction", (False,)),
-    "gradient_predivide_factor": Unsupported("gradients are averaged once, after reduction", (1.0,)),
     "gradient_allreduce_op": Unsupported("gradients are always averaged", ("mean",)),
     "fp16.auto_cast": Unsupported("input autocasting; the model casts its own activations", (False,)),
     "fp16.fp16_master_weights_and_grads": Unsupported("master weights stay fp32", (False,)),
@@ -310,7 +308,10 @@ UNSUPPORTED: dict[str, Unsupported] = {
         "zenflow": Unsupported(f"ZenFlow offloaded updates; {_DEVICE_ONLY}", (None,)),
         "mics_shard_size": Unsupported("MiCS; zero_hpz_partition_size gives node-local gathers", (-1,)),
         "mics_hierarchical_params_gather": Unsupported("MiCS sharding", (False,)),
-        "zeropp_loco_param": Unsupported("LoCo; use zero_quantized_gradients_error_feedback", (None,)),
+        "reduce_scatter": Unsupported(
+            "stage 3 always reduce-scatters gradients and stage 0 all-reduces them", (True,)),
+        "contiguous_gradients": Unsupported(
+            "gradients always move into one flat buffer per module group", (True,)),
         "zero_quantized_nontrainable_weights": Unsupported(
             "weights stored quantized; qwZ quantizes only what crosses the wire", (False,)),
         "stage3_model_persistence_threshold": Unsupported(
@@ -541,6 +542,20 @@ class SchedulerConfig(_Section):
                               f"warmup_num_steps {warmup}")
 
 
+def _fraction_below_one(path: str, value: Any) -> float:
+    if not (_is_number(value) and 0.0 <= value < 1.0):
+        _fail(path, "a number in [0, 1)", value)
+    return float(value)
+
+
+# DeepSpeed's LoCo defaults: error = err_beta * error + (1 - err_beta) * new error, and
+# every reset_T optimizer steps the error starts again from zero.
+_LOCO_PARAMS: dict[str, tuple[Check, Any]] = {
+    "err_beta": (_fraction_below_one, 0.8),
+    "reset_T": (_positive_int, 1024),
+}
+
+
 def _stage(path: str, value: Any) -> int:
     stage = _one_of(0, 1, 2, 3)(path, value)
     if stage in (1, 2):
@@ -580,6 +595,9 @@ class ZeroConfig(_Section):
         256, "elements per fp32 scale in qwZ/qgZ; any positive size", _positive_int)
     zero_quantized_gradients_error_feedback: bool = _field(
         False, "qgZ: carry each rank's quantization error into the next step", _boolean)
+    zeropp_loco_param: dict[str, Any] | None = _field(
+        None, "LoCo error feedback for qgZ: err_beta (moving average), reset_T (steps)",
+        _optional(_object))
 
     def _check_combination(self) -> None:
         zeropp = {"zero_quantized_weights": ("qwZ", self.zero_quantized_weights),
@@ -592,6 +610,23 @@ class ZeroConfig(_Section):
         if self.zero_quantized_gradients_error_feedback and not self.zero_quantized_gradients:
             raise ConfigError("zero_optimization.zero_quantized_gradients_error_feedback: "
                               "needs zero_quantized_gradients true")
+        if self.zeropp_loco_param is not None:
+            if not self.zero_quantized_gradients:
+                raise ConfigError("zero_optimization.zeropp_loco_param: LoCo error feedback "
+                                  "needs zero_quantized_gradients true")
+            object.__setattr__(self, "zeropp_loco_param", _fill_params(
+                "zero_optimization.zeropp_loco_param", self.zeropp_loco_param, _LOCO_PARAMS))
+
+    @property
+    def error_feedback(self) -> tuple[float, int] | None:
+        """(err_beta, reset_T) when qgZ carries its quantization error; None when it does not.
+
+        ``zero_quantized_gradients_error_feedback`` alone is plain error feedback (beta 0,
+        never reset); DeepSpeed's ``zeropp_loco_param`` block gives LoCo's moving average.
+        """
+        if self.zeropp_loco_param is not None:
+            return self.zeropp_loco_param["err_beta"], self.zeropp_loco_param["reset_T"]
+        return (0.0, 0) if self.zero_quantized_gradients_error_feedback else None
 
 
 _batch = _optional(_positive_int)
@@ -619,8 +654,13 @@ class EngineConfig(_Section):
     communication_data_type: str | None = _field(
         None, "dtype of unquantized gradient reductions; None = compute dtype",
         _optional(_one_of("fp32", "fp16", "bf16")))
-    prescale_gradients: bool = _field(False, "divide before reducing; only false", _boolean)
-    gradient_predivide_factor: float = _field(1.0, "pre-division factor; only 1.0", _positive_float)
+    prescale_gradients: bool = _field(
+        False, "divide by the data-parallel size before summing (this engine's default too)",
+        _boolean)
+    gradient_predivide_factor: float | None = _field(
+        None, "divide by this before summing over ranks, the rest after; None = the "
+        "data-parallel size (DeepSpeed's stage-3 pre-division), 1.0 = sum first",
+        _optional(_positive_float))
     zero_allow_untested_optimizer: bool = _field(
         False, "no effect: the engine always runs its own partitioned optimizer", _boolean)
     dump_state: bool = _field(False, "print the resolved config when the engine starts", _boolean)
@@ -628,6 +668,18 @@ class EngineConfig(_Section):
     def _check_combination(self) -> None:
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
+        if self.prescale_gradients and self.gradient_predivide_factor is not None:
+            raise ConfigError("prescale_gradients divides by the data-parallel size, "
+                              "gradient_predivide_factor by a factor of its own; keep one")
+        if self.communication_data_type is not None and self.zero_optimization.zero_quantized_gradients:
+            raise ConfigError(f"communication_data_type={_show(self.communication_data_type)} "
+                              "applies to the exact reduce-scatter; qgZ sends int4/int8 blocks "
+                              "and sums in fp32: remove one of the two")
+
+    @property
+    def predivide_factor(self) -> float | None:
+        """The gradient pre-division factor (None: the data-parallel size)."""
+        return None if self.prescale_gradients else self.gradient_predivide_factor
 
     @classmethod
     def from_json(cls, path_or_dict: str | PathLike[str] | Mapping[str, Any],

@@ -79,6 +79,9 @@ class ZeroEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's mean loss (not divided by accumulation steps)."""
+        feedback = self.sharded.error_feedback
+        if feedback is not None:  # errors are stored unscaled ([Note: error feedback])
+            feedback.gradient_scale = self.loss_scaler.scale / self.sharded.comm.predivide_factor
         self.sharded.run_backward(loss.float() * self.loss_scaler.scale)
         self.micro_steps += 1
 
@@ -89,13 +92,17 @@ class ZeroEngine:
         """Update at the accumulation boundary; returns True when an update was applied."""
         if not self.is_gradient_accumulation_boundary():
             return False
+        # What the reductions did not divide by already (ShardingOptions.gradient_predivide_factor).
         divisor = (
             self.sharded.dp_size * self.gradient_accumulation_steps * self.loss_scaler.scale
+            / self.sharded.comm.predivide_factor
         )
         norm, overflow = self.sharded.grad_norm_and_step(
             self.optimizer, divisor, self.gradient_clipping
         )
         self.loss_scaler.update(overflow)
+        if self.sharded.error_feedback is not None:
+            self.sharded.error_feedback.after_step(skipped=overflow)
         self.last_grad_norm = norm
         self.last_step_overflowed = overflow
         self.global_steps += 1

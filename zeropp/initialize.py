@@ -73,7 +73,8 @@ class QuantizationOptions:
     weight_bits: int = 8
     gradient_bits: int = 4
     block_size: int = 256
-    error_feedback: bool = False
+    # qgZ error feedback as (err_beta, reset_T); None = off (ZeroConfig.error_feedback).
+    error_feedback: tuple[float, int] | None = None
 
 
 def _collectives(topology: Topology, options: ShardingOptions, quant: QuantizationOptions,
@@ -176,9 +177,13 @@ def make_loss_scaler(fp16_enabled: bool, fp16_config=None) -> LossScaler:
     )
 
 
-def options_from_config(zero) -> tuple[ShardingOptions, QuantizationOptions]:
-    """``zero_optimization`` block -> the engine's two option objects (explicit alias table)."""
+def options_from_config(zero, engine_config=None) -> tuple[ShardingOptions, QuantizationOptions]:
+    """``zero_optimization`` block (and the top-level gradient keys of ``engine_config``)
+    -> the engine's two option objects (explicit alias table)."""
+    top = engine_config
     sharding = ShardingOptions(
+        gradient_predivide_factor=top.predivide_factor if top is not None else None,
+        communication_dtype=_COMM_DTYPES[top.communication_data_type] if top is not None else None,
         partition=zero.stage == 3,
         reduce_bucket_numel=zero.reduce_bucket_size,
         prefetch_bucket_numel=zero.stage3_prefetch_bucket_size,
@@ -193,9 +198,12 @@ def options_from_config(zero) -> tuple[ShardingOptions, QuantizationOptions]:
         weight_bits=zero.zero_quantized_weights_bits,
         gradient_bits=zero.zero_quantized_gradients_bits,
         block_size=zero.zero_quantization_block_size,
-        error_feedback=zero.zero_quantized_gradients_error_feedback,
+        error_feedback=zero.error_feedback,
     )
     return sharding, quantization
+
+
+_COMM_DTYPES = {None: None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -231,7 +239,7 @@ def initialize(
     params.update(optimizer_params or {})
     if "lr" not in params:
         raise ConfigError("no learning rate: add an optimizer block or pass optimizer_params")
-    sharding, quantization = options_from_config(zero)
+    sharding, quantization = options_from_config(zero, cfg)
     engine = build_engine(
         model,
         lr=float(params["lr"]),

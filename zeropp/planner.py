@@ -41,6 +41,7 @@ from zeropp.comm.accounting import (
     all_to_all_bytes,
     reduce_scatter_bytes,
 )
+from zeropp.comm.error_feedback import ErrorFeedback
 from zeropp.config import ZeroConfig
 from zeropp.flat_layout import FlatLayout
 from zeropp.kernels import quantized_nbytes
@@ -107,6 +108,8 @@ class MemoryPlan:
     gathered_parameters: int  # peak of whole units gathered at once (root and prefetch included)
     gradient_buffers: int  # transient: unit gradient buffers held, filling and in flight
     gathered_forward: int  # the peak of gathered units during forward alone
+    # qgZ error feedback: int8 errors of every bucket this rank sends (resident)
+    error_feedback: int = 0
 
     @property
     def model_states(self) -> int:
@@ -118,7 +121,8 @@ class MemoryPlan:
         """Peak bytes with the activations alive at the end of forward and in backward."""
         forward = self.gathered_forward + forward_activations
         backward = self.gathered_parameters + self.gradient_buffers + backward_activations
-        return self.model_states + self.hpz_secondary_shards + max(forward, backward)
+        resident = self.model_states + self.hpz_secondary_shards + self.error_feedback
+        return resident + max(forward, backward)
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -256,6 +260,9 @@ def plan_memory(units: Sequence[UnitPlan], zero: ZeroConfig, dtype_bytes: int) -
         gathered_parameters=gathered_numel * dtype_bytes,
         gradient_buffers=gradient_numel * dtype_bytes,
         gathered_forward=forward_gathered * dtype_bytes,
+        # A rank's first-hop send is the whole unit (every rank's slices): its error too.
+        error_feedback=sum(ErrorFeedback.nbytes(u.padded_numel, zero.zero_quantization_block_size)
+                           for u in units) if zero.error_feedback is not None else 0,
     )
 
 
@@ -354,7 +361,8 @@ def zero3_baseline(zero: ZeroConfig) -> ZeroConfig:
     """The same config with qwZ, hpZ and qgZ off: the ZeRO-3 run ZeRO++ is compared with."""
     return dataclasses.replace(
         zero, stage=3, zero_quantized_weights=False, zero_hpz_partition_size=1,
-        zero_quantized_gradients=False, zero_quantized_gradients_error_feedback=False)
+        zero_quantized_gradients=False, zero_quantized_gradients_error_feedback=False,
+        zeropp_loco_param=None)
 
 
 def plan_zero3_and_zeropp(unit_numels: Sequence[int], world_size: int, ranks_per_node: int,

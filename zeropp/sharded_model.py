@@ -90,6 +90,12 @@ class ShardingOptions:
     # False is ZeRO stage 0: every rank keeps the whole model (a shard group of one) and
     # gradients are all-reduced over the data-parallel world, like DDP.
     partition: bool = True
+    # Divide gradients by this before summing them over ranks; None divides by the
+    # data-parallel size (DeepSpeed's stage 3 pre-divides so: fp16 sums cannot overflow
+    # where the average would not). 1.0 sums first and divides once at the step.
+    gradient_predivide_factor: float | None = None
+    # dtype of the exact gradient reductions (communication_data_type); None: working dtype.
+    communication_dtype: torch.dtype | None = None
 
 
 def default_unit_modules(model: nn.Module) -> list[nn.Module]:
@@ -151,6 +157,8 @@ class ShardedModel:
             reduce_bucket_numel=options.reduce_bucket_numel,
             execution=execution,
             slice_multiple=slice_multiple,
+            reduce_dtype=getattr(reduce_fn, "output_dtype", None) or options.communication_dtype,
+            predivide_factor=float(options.gradient_predivide_factor or self.dp_size),
         )
         self.phase = TrainingPhase.IDLE
         self.units, self.initial_masters = self._build_units(
@@ -392,6 +400,11 @@ class ShardedModel:
         self._hook_handles.clear()
 
     # ---- public API ----------------------------------------------------------------------
+    @property
+    def error_feedback(self):
+        """qgZ's ``ErrorFeedback`` when it carries quantization errors, else None."""
+        return getattr(self.comm.reduce, "error_feedback", None)
+
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 

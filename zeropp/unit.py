@@ -54,6 +54,12 @@ class UnitComm:
     # Shards (and reduction buckets) are padded to a multiple of this many elements; qgZ
     # needs whole quantization blocks per slice.
     slice_multiple: int = 1
+    # dtype the reductions deliver (None: the working dtype): communication_data_type for
+    # the exact reduce-scatter, fp32 for qgZ, whose last sum is in fp32 already.
+    reduce_dtype: torch.dtype | None = None
+    # Gradients are divided by this before they are summed over ranks (headroom in fp16);
+    # the optimizer divides by the rest of data-parallel size x accumulation x loss scale.
+    predivide_factor: float = 1.0
 
 
 @dataclass
@@ -245,13 +251,16 @@ class ShardedUnit:
         # A unit no parameter of which got a gradient still takes part (with zeros).
         self._flatten_held_grads()
         flat, self._grad_flat = self._grad_flat, None
+        if self.comm.predivide_factor != 1.0:
+            flat.div_(self.comm.predivide_factor)
+        out_dtype = self.comm.reduce_dtype or self.dtype
         world = self.comm.world
         by_rank = flat.view(world.size, self.layout.shard_numel)
         multiple = self.comm.slice_multiple
         step = max(multiple, self.comm.reduce_bucket_numel // world.size // multiple * multiple)
         for lo in range(0, self.layout.shard_numel, step):
             hi = min(lo + step, self.layout.shard_numel)
-            out = torch.empty(hi - lo, dtype=self.dtype, device=self.device)
+            out = torch.empty(hi - lo, dtype=out_dtype, device=self.device)
             # A strided view: the collective copies it where and when it runs, so the
             # buckets of a unit cost one flat buffer, not two (see reduce_scatter_sum).
             pending = self.comm.reduce(
@@ -263,7 +272,7 @@ class ShardedUnit:
         """Wait for this unit's reductions and add them to the fp32 gradient shard."""
         for pending, out, lo, hi in self._reduce_pending:
             pending.wait()
-            self.grad_shard[lo:hi].add_(out.float())
+            self.grad_shard[lo:hi].add_(out)  # widened to fp32 by the addition
         self._reduce_pending.clear()
 
     def zero_grad_shard(self) -> None:

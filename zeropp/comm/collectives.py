@@ -79,7 +79,8 @@ def reduce_scatter_sum(
     ``full`` holds the group's slices in rank order: flat, or a ``[group.size, width]`` view
     that may be strided (a bucket cut out of a unit's gradients). A strided view is made
     contiguous only when the reduction is issued, where it runs, so the copy is transient
-    instead of living as long as the reduction is in flight.
+    instead of living as long as the reduction is in flight. The reduction runs in
+    ``output``'s dtype (``communication_data_type``): ``full`` is cast there too.
 
     ``key`` names the buffer being reduced; exact reductions ignore it, quantized ones with
     error feedback keep their residuals under it.
@@ -92,14 +93,16 @@ def reduce_scatter_sum(
             f"reduce_scatter: input has {full.numel()} elements, expected "
             f"{group.size} x {output.numel()}"
         )
-    stats.record(phase, group.spans_nodes, reduce_scatter_bytes(_nbytes(full), group.size))
+    wire_nbytes = full.numel() * output.element_size()
+    stats.record(phase, group.spans_nodes, reduce_scatter_bytes(wire_nbytes, group.size))
     if group.size == 1:
         output.copy_(full.reshape(-1))
         return Pending()
     return execution.launch(
         "reduce",
-        lambda async_op: _reduce_scatter_single(output, full.reshape(-1), op=dist.ReduceOp.SUM,
-                                                group=group.group, async_op=async_op),
+        lambda async_op: _reduce_scatter_single(
+            output, full.reshape(-1).to(output.dtype), op=dist.ReduceOp.SUM, group=group.group,
+            async_op=async_op),
         keep=(output, full),
     )
 
@@ -137,9 +140,9 @@ def replicated_gradient_reduce(
     rank, so ``output`` is the whole buffer, summed over the data-parallel world."""
     if group.size != 1 or output.numel() != full.numel():
         raise ValueError("replicated_gradient_reduce needs a shard group of one rank")
-    output.copy_(full.reshape(-1))
+    output.copy_(full.reshape(-1))  # in output's dtype (communication_data_type)
     stats.record(phase, data_parallel.spans_nodes,
-                 all_reduce_bytes(_nbytes(full), data_parallel.size))
+                 all_reduce_bytes(_nbytes(output), data_parallel.size))
     if data_parallel.size == 1:
         return Pending()
     return execution.launch(

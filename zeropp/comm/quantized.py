@@ -33,6 +33,7 @@ from zeropp.comm.collectives import (
     _all_gather_single,
     all_to_all,
 )
+from zeropp.comm.error_feedback import ErrorFeedback
 from zeropp.comm.streams import SYNCHRONOUS, Execution, Pending
 from zeropp.topology import Topology
 
@@ -110,9 +111,10 @@ class HierarchicalReduceScatter:
         topology: Topology,
         bits: int | None = 4,
         block_size: int = 256,
-        error_feedback: bool = False,
+        error_feedback: tuple[float, int] | None = None,
         execution: Execution = SYNCHRONOUS,
     ) -> None:
+        """``error_feedback``: (beta, reset interval) of [Note: error feedback], None = off."""
         self.execution = execution
         self.nodes = topology.num_nodes
         self.per_node = topology.ranks_per_node
@@ -122,11 +124,16 @@ class HierarchicalReduceScatter:
         )
         self.bits = bits
         self.block_size = block_size
-        self.error_feedback = error_feedback and bits is not None
-        # Error feedback: what quantization dropped from this rank's first-hop send, per
-        # reduction key, added back before the next quantization of the same buffer
-        # (LoCo-style). The second hop's requantization error is not fed back.
-        self.residuals: dict[object, torch.Tensor] = {}
+        # What quantization dropped from this rank's first-hop send, per reduction key, added
+        # back before the next quantization of the same buffer. The second hop's
+        # requantization error is not fed back.
+        self.error_feedback = None
+        if error_feedback is not None and bits is not None:
+            beta, reset_interval = error_feedback
+            self.error_feedback = ErrorFeedback(block_size, beta, reset_interval)
+
+    # The last sum is in fp32: delivered as is, not rounded to the working dtype and back.
+    output_dtype = torch.float32
 
     @property
     def slice_multiple(self) -> int:
@@ -190,14 +197,13 @@ class HierarchicalReduceScatter:
             return
 
         bits, block = self.bits, self.block_size
-        if self.error_feedback:
-            swizzled = swizzled.float()
-            if key in self.residuals:
-                swizzled += self.residuals[key]
+        feedback = self.error_feedback
+        if feedback is not None:
+            swizzled = feedback.compensate(key, swizzled)
         payload = kernels.quantize_blockwise(swizzled, bits, block)
-        if self.error_feedback:
+        if feedback is not None:
             sent = kernels.dequantize_blockwise(payload, swizzled.numel(), bits, block, torch.float32)
-            self.residuals[key] = swizzled - sent
+            feedback.record(key, swizzled, sent)
         send = split_payload(payload, self.per_node, chunk_numel, bits, block)
         received = torch.empty_like(send)
         all_to_all(received, send, self.intra, untracked, "gradient_reduce")
