@@ -14,6 +14,7 @@ from tests.distributed import run_ranks
 from zeropp.config import ZeroConfig
 from zeropp.planner import (
     ClusterShape,
+    kept_for_backward,
     peak_gathered_numel,
     plan_system,
     plan_units,
@@ -27,17 +28,20 @@ TOY = dict(num_layers=3, hidden_size=64, num_attention_heads=4, vocab_size=100,
 MICRO_BATCHES = 2
 # (ranks per node, zero_optimization block, activation checkpointing): every code path of
 # the planner at least once (persistent units, bucketed reductions, prefetch, hpZ, qgZ on
-# one node, across nodes and with one rank per node).
+# one node, across nodes and with one rank per node; every block kept from forward to
+# backward by the default reuse distance, none, and the last two of three).
 CASES = [
     (2, {"stage": 3, "stage3_param_persistence_threshold": 20_000}, False),
     (2, {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 2,
          "zero_quantized_gradients": True, "stage3_param_persistence_threshold": 0,
-         "reduce_bucket_size": 20_000, "stage3_prefetch_bucket_size": 60_000}, True),
+         "reduce_bucket_size": 20_000, "stage3_prefetch_bucket_size": 60_000,
+         "stage3_max_reuse_distance": 0}, True),
     (4, {"stage": 3, "zero_quantized_gradients": True, "zero_hpz_partition_size": 4,
          "stage3_param_persistence_threshold": 20_000, "reduce_bucket_size": 20_000,
-         "stage3_prefetch_bucket_size": 120_000}, False),
+         "stage3_prefetch_bucket_size": 120_000, "stage3_max_reuse_distance": 0}, False),
     (1, {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
-         "zero_quantized_gradients_bits": 8, "stage3_param_persistence_threshold": 0}, True),
+         "zero_quantized_gradients_bits": 8, "stage3_param_persistence_threshold": 0,
+         "stage3_max_reuse_distance": 150_000}, True),
 ]
 TUTORIAL_18B = (
     "--num-layers 40 --hidden-size 6144 --num-attention-heads 32 --seq-length 512 "
@@ -126,11 +130,18 @@ def test_planned_memory_equals_measured_memory(measured, case_index):
         for key in ("working_shards", "gradient_shards", "fp32_master_shards",
                     "optimizer_moments", "hpz_secondary_shards"):
             assert after_forward[key] == getattr(memory, key), key
-        # after forward only the root and persistent units are still gathered
-        always = sum(u.padded_numel for u in plan.units if u.is_root or u.persistent)
+        # after forward the root, persistent units and blocks reused soon are still gathered
+        kept = kept_for_backward(plan.units, plan.zero)
+        always = sum(u.padded_numel for u in plan.units
+                     if u.is_root or u.persistent or id(u) in kept)
         assert after_forward["gathered_parameters"] == always * 2
         assert forward_peak == peak_gathered_numel(plan.units, plan.zero, backward=False) * 2
         assert memory.gathered_parameters >= forward_peak
+
+
+def test_reuse_distance_cases_keep_all_none_and_some_blocks():
+    kept = [len(kept_for_backward(toy_plan(i).units, toy_plan(i).zero)) for i in range(4)]
+    assert kept == [3, 0, 0, 2]
 
 
 def test_hpz_and_prefetch_cases_are_not_trivial():
@@ -152,7 +163,9 @@ def test_planner_agrees_with_the_engine_tests_theory_at_4x16():
     zero = ZeroConfig.from_mapping({"stage": 3, "zero_quantized_weights": True,
                                     "zero_hpz_partition_size": 16,
                                     "zero_quantized_gradients": True,
-                                    "reduce_bucket_size": 10_000_000})
+                                    "reduce_bucket_size": 10_000_000,
+                                    # the theory re-gathers every block for backward
+                                    "stage3_max_reuse_distance": 0})
     plans = plan_zero3_and_zeropp(counts, 64, 16, zero, dtype_bytes=2, micro_batches=2)
     quant = {"quantized_weights": True, "hpz_size": 16, "quantized_gradients": True}
     for plan, theory_quant in zip(plans, ({}, quant), strict=True):
@@ -195,9 +208,12 @@ def test_18b_fits_and_zeropp_cuts_inter_node_volume_by_more_than_4x(report_18b):
     assert report_18b.fits(zero3) and report_18b.fits(zeropp)
     assert zeropp.comm_total("inter_node") < zero3.comm_total("inter_node") / 4
     assert zeropp.comm["backward_all_gather"]["inter_node"] == 0
-    # hpZ costs 2 bytes x (block parameters) / 16 per GPU, padding aside
+    # hpZ costs 2 bytes x (block parameters) / 16 per GPU, padding aside, but for the last
+    # block: within stage3_max_reuse_distance (1e9) of its backward, it stays gathered
     block_params = report_18b.num_parameters - zero3.units[0].numel
-    assert zeropp.memory.hpz_secondary_shards == pytest.approx(2 * block_params / 16, rel=1e-3)
+    assert len(kept_for_backward(zeropp.units, zeropp.zero)) == 1
+    assert zeropp.memory.hpz_secondary_shards == pytest.approx(
+        2 * block_params * 39 / 40 / 16, rel=1e-3)
     assert zero3.memory.hpz_secondary_shards == 0
     assert report_18b.total_bytes(zeropp) > report_18b.total_bytes(zero3)
 

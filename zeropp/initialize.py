@@ -189,6 +189,7 @@ def options_from_config(zero, engine_config=None) -> tuple[ShardingOptions, Quan
         prefetch_bucket_numel=zero.stage3_prefetch_bucket_size,
         max_live_numel=zero.stage3_max_live_parameters,
         persistence_threshold=zero.stage3_param_persistence_threshold,
+        max_reuse_distance=zero.stage3_max_reuse_distance,
         overlap_comm=zero.overlap_comm,
     )
     quantization = QuantizationOptions(

@@ -45,7 +45,7 @@ from zeropp.comm.error_feedback import ErrorFeedback
 from zeropp.config import ZeroConfig
 from zeropp.flat_layout import FlatLayout
 from zeropp.kernels import quantized_nbytes
-from zeropp.prefetch import units_to_prefetch
+from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
 from zeropp.sharded_model import ShardingOptions, default_unit_modules
 from zeropp.topology import TopologyError
 
@@ -200,6 +200,14 @@ def _check_hpz(zero: ZeroConfig, cluster: ClusterShape) -> None:
 # ---- memory -----------------------------------------------------------------------------
 
 
+def kept_for_backward(units: Sequence[UnitPlan], zero: ZeroConfig) -> set[int]:
+    """ids of the units that stay gathered from forward to backward (the engine's rule)."""
+    blocks = list(units[1:])
+    kept = blocks_kept_for_backward([u.padded_numel for u in blocks], units[0].padded_numel,
+                                    zero.stage3_max_reuse_distance)
+    return {id(blocks[index]) for index in kept if not blocks[index].persistent}
+
+
 def peak_gathered_numel(units: Sequence[UnitPlan], zero: ZeroConfig, backward: bool) -> int:
     """Largest gathered set while blocks run in order, replaying the engine's prefetch rule.
 
@@ -210,9 +218,13 @@ def peak_gathered_numel(units: Sequence[UnitPlan], zero: ZeroConfig, backward: b
     so it is counted too: an upper estimate.
     """
     always = sum(u.padded_numel for u in units if u.is_root or u.persistent)
-    blocks = [u.padded_numel for u in units if not (u.is_root or u.persistent)]
+    released = [u for u in units if not (u.is_root or u.persistent)]
+    kept_units = kept_for_backward(units, zero)
+    blocks = [u.padded_numel for u in released]
+    kept = {i for i, u in enumerate(released) if id(u) in kept_units}
     if backward:
         blocks.reverse()
+        kept = {len(blocks) - 1 - i for i in kept}
     in_flight: set[int] = set()
     peak = always
     # Position -1 is the root's forward, which prefetches the first blocks.
@@ -220,8 +232,12 @@ def peak_gathered_numel(units: Sequence[UnitPlan], zero: ZeroConfig, backward: b
         in_flight.discard(index)
         current = blocks[index] if index >= 0 else 0
         finishing = blocks[index - 1] if backward and index > 0 else 0
-        live = always + current + finishing + sum(blocks[j] for j in in_flight)
-        upcoming = list(range(index + 1, len(blocks)))
+        # Blocks kept from forward to backward: behind the current one in forward, ahead of
+        # it in backward, and never prefetched (they are gathered already).
+        held = [j for j in kept if (j > index if backward else j < index)]
+        live = (always + current + finishing + sum(blocks[j] for j in in_flight)
+                + sum(blocks[j] for j in held))
+        upcoming = [j for j in range(index + 1, len(blocks)) if not (backward and j in kept)]
         chosen = units_to_prefetch(
             [(blocks[c], c in in_flight) for c in upcoming], live,
             zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
@@ -237,10 +253,11 @@ def plan_memory(units: Sequence[UnitPlan], zero: ZeroConfig, dtype_bytes: int) -
     """Peak per-rank bytes of model states and of the engine's gathered buffers."""
     shard_numel = sum(u.shard_numel for u in units)
     hpz = zero.zero_hpz_partition_size
-    # Blocks keep their secondary shard from their forward to their backward; the root is
-    # never released in between and persistent units never at all, so they keep none.
+    # Blocks keep their secondary shard from their forward to their backward; the root, the
+    # blocks reused soon and persistent units are not released in between, so keep none.
+    kept = kept_for_backward(units, zero)  # gathered from forward to backward: no secondary
     secondary_numel = sum(u.padded_numel // hpz for u in units
-                          if hpz > 1 and not (u.is_root or u.persistent))
+                          if hpz > 1 and not (u.is_root or u.persistent or id(u) in kept))
     forward_gathered = peak_gathered_numel(units, zero, backward=False)
     gathered_numel = max(forward_gathered, peak_gathered_numel(units, zero, backward=True))
     # The root's gradients exist through the whole backward (the tied head produces them
@@ -318,17 +335,20 @@ def plan_communication(units: Sequence[UnitPlan], cluster: ClusterShape, zero: Z
     """Bytes this rank sends in one optimizer step of ``micro_batches`` micro-batches."""
     volume = _Volume()
     hpz = zero.zero_hpz_partition_size
+    kept = kept_for_backward(units, zero)
     for unit in units:
         world_gather = _world_gather_bytes(unit, cluster, zero, dtype_bytes)
         if unit.persistent:  # re-gathered once, when the update refreshes it
             volume.add("forward_all_gather", cluster.spans_nodes, world_gather)
         else:
             volume.add("forward_all_gather", cluster.spans_nodes, world_gather, micro_batches)
-            if not unit.is_root and hpz > 1:
+            if unit.is_root or id(unit) in kept:  # gathered still when backward needs it
+                pass
+            elif hpz > 1:
                 secondary_bytes = unit.padded_numel // hpz * dtype_bytes
                 volume.add("backward_all_gather", False, all_gather_bytes(secondary_bytes, hpz),
                            micro_batches)
-            elif not unit.is_root:
+            else:
                 volume.add("backward_all_gather", cluster.spans_nodes, world_gather, micro_batches)
         _add_gradient_reduce(volume, unit, cluster, zero, dtype_bytes, micro_batches)
     volume.add("optimizer", cluster.spans_nodes, all_reduce_bytes(FP32_BYTES, cluster.world_size))

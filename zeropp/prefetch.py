@@ -32,3 +32,22 @@ def units_to_prefetch(
             live_numel += size
         in_flight += size
     return start
+
+
+def blocks_kept_for_backward(block_numels: Sequence[int], root_numel: int,
+                             max_reuse_distance: int) -> set[int]:
+    """Indices (forward order) of the blocks that stay gathered from forward to backward.
+
+    DeepSpeed's ``stage3_max_reuse_distance``: a module is not released when it will be used
+    again before this many parameter elements have been traversed. Between a block's forward
+    and its backward run the forward and the backward of every later block and the root's
+    head, so its reuse distance is ``root + 2 * (later blocks)``. The last blocks of a small
+    model are kept (no backward gather at all), those of an 18B model (453M-element blocks,
+    default 1e9) only the last. 0 keeps none.
+    """
+    kept, later = set(), 0
+    for index in range(len(block_numels) - 1, -1, -1):
+        if root_numel + 2 * later < max_reuse_distance:
+            kept.add(index)
+        later += block_numels[index]
+    return kept

@@ -50,7 +50,7 @@ from zeropp.comm import CommGroup, CommStats
 from zeropp.comm.streams import Execution
 from zeropp.flat_layout import FlatLayout
 from zeropp.optimizer import PartitionedAdamW, clip_coefficient
-from zeropp.prefetch import units_to_prefetch
+from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
 from zeropp.topology import Topology
 from zeropp.unit import ParamRef, ShardedUnit, ShardState, UnitComm
 
@@ -96,6 +96,10 @@ class ShardingOptions:
     gradient_predivide_factor: float | None = None
     # dtype of the exact gradient reductions (communication_data_type); None: working dtype.
     communication_dtype: torch.dtype | None = None
+    # Blocks reused within this many parameter elements stay gathered from their forward to
+    # their backward (stage3_max_reuse_distance, zeropp.prefetch.blocks_kept_for_backward).
+    # 0 here keeps none; the DeepSpeed config's default is 1e9, as in DeepSpeed.
+    max_reuse_distance: int = 0
 
 
 def default_unit_modules(model: nn.Module) -> list[nn.Module]:
@@ -172,6 +176,7 @@ class ShardedModel:
         self._training_forward = False
         self._forward_order: list[ShardedUnit] = []
         self._last_forward_order: list[ShardedUnit] = []
+        self._kept_for_backward: set[ShardedUnit] = set()  # from the last forward's order
         self._install_hooks()
         for unit in self.units:
             if unit.persistent:
@@ -279,6 +284,7 @@ class ShardedModel:
             self._training_forward = torch.is_grad_enabled()
             self._last_forward_order = self._forward_order or self._last_forward_order
             self._forward_order = []
+            self._kept_for_backward = self._blocks_to_keep(self._last_forward_order)
         unit.gather_now("forward_all_gather")
         self._forward_order.append(unit)
         self._prefetch(unit, forward=True)
@@ -321,8 +327,17 @@ class ShardedModel:
         # A block run under no_grad inside a training forward is checkpointed: its backward
         # recomputes it, so with hpZ it needs its secondary shard like any other block.
         recomputed = self._training_forward and not torch.is_grad_enabled()
+        if (needs_backward or recomputed) and unit in self._kept_for_backward:
+            return output  # reused soon: its backward finds it gathered
         unit.release(keep_secondary=needs_backward or recomputed)
         return output
+
+    def _blocks_to_keep(self, order: list[ShardedUnit]) -> set[ShardedUnit]:
+        blocks = [u for u in order if u is not self.root]
+        kept = blocks_kept_for_backward([u.layout.padded_numel for u in blocks],
+                                        self.root.layout.padded_numel,
+                                        self.options.max_reuse_distance)
+        return {blocks[index] for index in kept}
 
     def _pre_backward(self, unit: ShardedUnit, grad):
         unit.gather_now("backward_all_gather")
