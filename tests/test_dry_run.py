@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -293,3 +295,19 @@ def test_prefetch_allows_the_next_unit_whatever_the_live_cap():
     assert units_to_prefetch(upcoming, 0, 2_000_000_000, 1_000_000_000) == [0, 1]
     assert units_to_prefetch(upcoming, 200_000_000, 2_000_000_000, 1_000_000_000) == [0]
     assert units_to_prefetch(upcoming, 0, 0, 1_000_000_000) == []
+
+
+def test_dry_run_shows_error_feedback_memory(capsys, tmp_path):
+    """LoCo's int8 errors cover the rank's whole first-hop send: about 1 byte per parameter
+    (plus a scale per block) on every GPU, listed on its own line for ZeRO++ only."""
+    config = json.loads(Path("configs/ds_zeropp_config.json").read_text())
+    config["zero_optimization"]["zeropp_loco_param"] = {"err_beta": 0.8, "reset_T": 1024}
+    path = tmp_path / "loco.json"
+    path.write_text(json.dumps(config))
+    argv = TUTORIAL_18B.replace("configs/ds_zeropp_config.json", str(path))
+    assert run_dry_run(parse_args(argv.split())) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines()
+                if "qgZ error feedback" in line)
+    zero3_gib, zeropp_gib = (float(v) for v in line.split()[-2:])
+    assert zero3_gib == 0
+    assert zeropp_gib == pytest.approx(18.43e9 * (1 + 4 / 256) / 2**30, rel=0.01)
