@@ -181,11 +181,14 @@ def _add_mixed_precision_args(group: argparse._ArgumentGroup) -> None:
 
 def _add_checkpointing_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--save", default=None, help="Directory to write checkpoints to.")
-    group.add_argument("--load", default=None, help="Directory to resume from.")
+    group.add_argument("--load", default=None,
+                       help="Directory to resume from. When it is also --save and holds no "
+                       "checkpoint yet, the run starts from scratch (a restartable job).")
     group.add_argument("--save-interval", type=int, default=None, help="Iterations per checkpoint.")
     group.add_argument("--save-error", choices=("stop", "continue"), default="stop",
-                       help="When a save fails (disk full, unwritable): stop the run (default) "
-                       "or warn and keep training. The previous checkpoint stays valid.")
+                       help="When a save fails for storage reasons (disk full, unwritable): "
+                       "stop the run (default) or warn and keep training. The previous "
+                       "checkpoint stays valid. Any other save error always stops the run.")
     group.add_argument("--exit-signal-handler", action="store_true",
                        help="On SIGTERM, save a checkpoint at the next iteration boundary and "
                        "exit cleanly (what schedulers send before killing a job).")

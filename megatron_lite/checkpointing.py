@@ -17,10 +17,13 @@ import argparse
 import dataclasses
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from zeropp.checkpoint import CheckpointError, CheckpointStorageError
 
 
 class SaveFailed(RuntimeError):
@@ -67,6 +70,10 @@ class RunControl:
         """Load ``--load`` into the engine and the trainer's counters (no-op without it)."""
         if not self.args.load:
             return
+        if self._first_run_of_a_restartable_job():
+            trainer._print(f"no checkpoint in {self.args.load} yet: starting from scratch "
+                           f"(--load {self.args.load} is also --save)")
+            return
         path, client = self.engine.load_checkpoint(
             self.args.load, load_optimizer_states=not self.args.no_load_optim
         )
@@ -89,6 +96,18 @@ class RunControl:
         trainer._print(f"resumed from {path} at iteration {trainer.iteration} "
                        f"({trainer.consumed_samples} consumed samples)")
 
+    def _first_run_of_a_restartable_job(self) -> bool:
+        """``--save X --load X`` (Megatron's habit for jobs that may be restarted) with nothing
+        saved in X yet. A ``--load`` elsewhere that holds no checkpoint stays an error: that
+        is a wrong path, not a first run; so is a ``latest`` naming a missing checkpoint."""
+        load = Path(self.args.load)
+        if not self.args.save or load.resolve() != Path(self.args.save).resolve():
+            return False
+        if not load.exists():
+            return True
+        return load.is_dir() and not (load / "latest").exists() and not any(
+            child.is_dir() for child in load.iterdir())
+
     # ---- save ----------------------------------------------------------------------------
     def save(self, trainer) -> None:
         """Save now; on failure stop or continue as ``--save-error`` says."""
@@ -105,8 +124,10 @@ class RunControl:
             path = self.engine.save_checkpoint(
                 self.args.save, tag=checkpoint_tag(trainer.iteration), client_state=client
             )
-        except RuntimeError as error:  # the engine's CheckpointError, raised on every rank
-            if self.args.save_error == "stop":
+        except CheckpointError as error:  # raised on every rank alike
+            # Only storage may fail and leave the run sound; any other error (NCCL, CUDA, a
+            # bug) ends the run whatever --save-error says.
+            if self.args.save_error == "stop" or not isinstance(error, CheckpointStorageError):
                 raise SaveFailed(f"checkpoint save at iteration {trainer.iteration} failed: "
                                  f"{error}") from error
             trainer._print(f"warning: checkpoint save at iteration {trainer.iteration} failed "

@@ -90,15 +90,29 @@ class _IntervalTotals:
     skipped: int = 0
     # Summed on the device: reading a loss every iteration would force a sync per iteration.
     loss_sum: torch.Tensor | None = None
+    skipped_loss_sum: torch.Tensor | None = None
     comm_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def add_iteration(self, loss: torch.Tensor, applied: bool) -> None:
         self.iterations += 1
         if not applied:
-            # A skipped step's loss is usually inf or nan; as in Megatron it is left out.
+            # Left out of the average of applied iterations, as in Megatron; logged only when
+            # every iteration of the interval was skipped (an fp16 overflow is in the scaled
+            # gradients: the unscaled loss itself is usually finite and worth seeing).
             self.skipped += 1
+            self.skipped_loss_sum = loss if self.skipped_loss_sum is None \
+                else self.skipped_loss_sum + loss
             return
         self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+
+    def local_mean_loss(self) -> torch.Tensor | None:
+        """This rank's logged loss: the mean over applied iterations, or over the skipped
+        ones when every iteration was skipped (still on the device)."""
+        if self.loss_sum is not None:
+            return self.loss_sum / (self.iterations - self.skipped)
+        if self.skipped_loss_sum is not None:
+            return self.skipped_loss_sum / self.skipped
+        return None
 
     def add_comm_bytes(self, snapshot: dict[str, dict[str, int]]) -> None:
         for phase, by_locality in snapshot.items():
@@ -304,12 +318,10 @@ class Trainer:
         self._interval = _IntervalTotals()
         interval.add_comm_bytes(self.engine.comm_bytes(reset=True))
         iterations = interval.iterations
-        applied = iterations - interval.skipped
         # Overflows are agreed across ranks, so every rank makes the same choice here and
         # the all-reduce is entered by all of them or by none.
-        mean_loss = math.nan
-        if interval.loss_sum is not None:
-            mean_loss = mean_across_ranks(interval.loss_sum / applied)
+        local_mean = interval.local_mean_loss()
+        mean_loss = math.nan if local_mean is None else mean_across_ranks(local_mean)
         seconds = self.timers("interval-time").elapsed(reset=True)
         step_times = self.timers.log_string(_STEP_TIMERS, normalizer=iterations)
         metrics = self._interval_metrics(interval, mean_loss, seconds)

@@ -4,7 +4,7 @@
     loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()
 """
 
-from zeropp.checkpoint import CheckpointError
+from zeropp.checkpoint import CheckpointError, CheckpointStorageError
 from zeropp.checkpoint import client_state as checkpoint_client_state
 from zeropp.checkpoint import consolidate as consolidate_checkpoint
 from zeropp.config import ConfigError, EngineConfig, read_json_config
@@ -22,6 +22,7 @@ from zeropp.topology import Topology, TopologyError, build_topology
 
 __all__ = [
     "CheckpointError",
+    "CheckpointStorageError",
     "ConfigError",
     "DynamicLossScaler",
     "EngineConfig",

@@ -36,6 +36,21 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read (one-line message)."""
 
 
+class CheckpointStorageError(CheckpointError):
+    """A save failed because storage did (disk full, permissions, a read-only file system):
+    the run itself is sound, so ``--save-error continue`` may train on."""
+
+
+def _is_storage_failure(error: BaseException) -> bool:
+    # torch.save reports a failed write from its zip writer as a RuntimeError
+    # ("PytorchStreamWriter failed writing file ...", "[enforce fail at inline_container.cc]").
+    if isinstance(error, OSError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and (
+        "PytorchStreamWriter" in text or "inline_container" in text)
+
+
 def shard_file(tag_dir: Path, rank: int) -> Path:
     return tag_dir / f"zero_rank{rank:05d}.pt"
 
@@ -90,7 +105,7 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
             if tmp_dir.exists():
                 shutil.rmtree(tmp_dir)
             tmp_dir.mkdir(parents=True)
-    except OSError as exc:
+    except Exception as exc:  # agreed below, so no rank waits for one that failed
         error = exc
     _agree_or_raise(error, device, f"cannot create checkpoint directory {tmp_dir}")
 
@@ -134,7 +149,7 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
                 "config": engine.config.to_dict() if engine.config is not None else None,
             }
             _atomic_write_text(tmp_dir / "meta.json", json.dumps(meta, indent=1))
-    except (OSError, RuntimeError) as exc:
+    except Exception as exc:
         error = exc
     _agree_or_raise(error, device, f"cannot write checkpoint shard in {tmp_dir}")
 
@@ -149,7 +164,7 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
             else:
                 os.replace(tmp_dir, final_dir)
             _atomic_write_text(root / "latest", tag)
-    except OSError as exc:
+    except Exception as exc:
         error = exc
     _agree_or_raise(error, device, f"cannot publish checkpoint {final_dir}")
     return final_dir
@@ -158,14 +173,23 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
 def _agree_or_raise(error: Exception | None, device: torch.device, message: str) -> None:
     """Every rank learns whether any rank failed, so all raise together (nobody hangs).
 
+    A storage failure anywhere raises ``CheckpointStorageError`` on every rank. Any other
+    failure is re-raised as it is where it happened (an NCCL or CUDA error, a bug: never
+    something to train on past) and as a plain ``CheckpointError`` on the other ranks.
     The flag lives on the engine's device: NCCL groups take no CPU tensors.
     """
-    failed = torch.tensor([1.0 if error is not None else 0.0], device=device)
+    kind = 0.0 if error is None else 1.0 if _is_storage_failure(error) else 2.0
+    worst = torch.tensor([kind], device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(failed)
-    if error is not None or failed.item() > 0:
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if kind == 2.0:
+        raise error
+    worst_kind = worst.item()
+    if error is not None or worst_kind > 0:
         detail = f": {error}" if error is not None else " (on another rank)"
-        raise CheckpointError(message + detail)
+        if worst_kind == 2.0:
+            raise CheckpointError(message + detail)
+        raise CheckpointStorageError(message + detail)
 
 
 class _OldShards:
