@@ -212,7 +212,6 @@ ALIASES: dict[str, str] = {
         "zero_optimization.stage3_gather_16bit_weights_on_model_save",
 }
 
-_CLI_LOGGING = "no effect: the command line configures the TensorBoard, W&B and CSV writers"
 _CLI_CHECKPOINTING = "no effect: --checkpoint-activations alone controls recomputation"
 _PROFILER_OFF = "no effect: the flops profiler stays disabled"
 _BYTE_ACCOUNTING = "no effect: the engine's own byte accounting reports communication volume"
@@ -220,12 +219,6 @@ _BYTE_ACCOUNTING = "no effect: the engine's own byte accounting reports communic
 ACCEPTED: dict[str, Accepted] = {
     "memory_breakdown": Accepted(_boolean, "no effect: DeepSpeed's memory printout is not reproduced"),
     "zero_force_ds_cpu_optimizer": Accepted(_boolean, "no effect: concerns CPU offload, which is rejected"),
-    **_under("tensorboard", _same_meaning(_CLI_LOGGING, enabled=_boolean, output_path=_string,
-                                          job_name=_string)),
-    **_under("wandb", _same_meaning(_CLI_LOGGING, enabled=_boolean, group=_optional(_string),
-                                    team=_optional(_string), project=_string)),
-    **_under("csv_monitor", _same_meaning(_CLI_LOGGING, enabled=_boolean, output_path=_string,
-                                          job_name=_string)),
     **_under("comms_logger", _same_meaning(_BYTE_ACCOUNTING, enabled=_boolean, verbose=_boolean,
                                            prof_all=_boolean, prof_ops=_string_list, debug=_boolean)),
     **_under("flops_profiler", _same_meaning(
@@ -633,6 +626,37 @@ _batch = _optional(_positive_int)
 
 
 @dataclass(frozen=True)
+class TensorBoardConfig(_Section):
+    """DeepSpeed's TensorBoard monitor: scalars under output_path/job_name (rank 0)."""
+
+    SECTION: ClassVar[str] = "tensorboard"
+    enabled: bool = _field(False, "write the engine's scalars as TensorBoard events", _boolean)
+    output_path: str = _field("", "directory of the job directories", _string)
+    job_name: str = _field("DeepSpeedJobName", "directory of this job's files", _string)
+
+
+@dataclass(frozen=True)
+class CSVMonitorConfig(_Section):
+    """DeepSpeed's CSV monitor: one CSV file per scalar under output_path/job_name."""
+
+    SECTION: ClassVar[str] = "csv_monitor"
+    enabled: bool = _field(False, "write the engine's scalars as CSV files", _boolean)
+    output_path: str = _field("", "directory of the job directories", _string)
+    job_name: str = _field("DeepSpeedJobName", "directory of this job's files", _string)
+
+
+@dataclass(frozen=True)
+class WandbConfig(_Section):
+    """DeepSpeed's W&B monitor (offline when WANDB_MODE=offline or no API key)."""
+
+    SECTION: ClassVar[str] = "wandb"
+    enabled: bool = _field(False, "log the engine's scalars to W&B", _boolean)
+    group: str | None = _field(None, "W&B run group", _optional(_string))
+    team: str | None = _field(None, "W&B entity", _optional(_string))
+    project: str = _field("deepspeed", "W&B project", _string)
+
+
+@dataclass(frozen=True)
 class EngineConfig(_Section):
     """The whole DeepSpeed JSON, validated. Build it with ``EngineConfig.from_json``."""
 
@@ -649,8 +673,15 @@ class EngineConfig(_Section):
         None, "None leaves the lr schedule to the command line", _optional(_section(SchedulerConfig)))
     zero_optimization: ZeroConfig = _field(
         ZeroConfig, "ZeRO stage and ZeRO++ options", _section(ZeroConfig), factory=True)
-    wall_clock_breakdown: bool = _field(False, "time forward, backward, step, collectives", _boolean)
-    steps_per_print: int = _field(10, "engine report every this many steps", _positive_int)
+    wall_clock_breakdown: bool = _field(
+        False, "print forward/backward/step times (ms) per micro-step and per step", _boolean)
+    steps_per_print: int = _field(10, "print step, skipped, lr, betas every this many steps",
+                                  _positive_int)
+    tensorboard: TensorBoardConfig = _field(
+        TensorBoardConfig, "TensorBoard monitor", _section(TensorBoardConfig), factory=True)
+    csv_monitor: CSVMonitorConfig = _field(
+        CSVMonitorConfig, "CSV monitor", _section(CSVMonitorConfig), factory=True)
+    wandb: WandbConfig = _field(WandbConfig, "W&B monitor", _section(WandbConfig), factory=True)
     communication_data_type: str | None = _field(
         None, "dtype of unquantized gradient reductions; None = compute dtype",
         _optional(_one_of("fp32", "fp16", "bf16")))
@@ -663,7 +694,7 @@ class EngineConfig(_Section):
         _optional(_positive_float))
     zero_allow_untested_optimizer: bool = _field(
         False, "no effect: the engine always runs its own partitioned optimizer", _boolean)
-    dump_state: bool = _field(False, "print the resolved config when the engine starts", _boolean)
+    dump_state: bool = _field(False, "print the engine's state when it starts (rank 0)", _boolean)
 
     def _check_combination(self) -> None:
         if self.fp16.enabled and self.bf16.enabled:

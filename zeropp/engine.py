@@ -8,6 +8,7 @@ at the gradient-accumulation boundary, exactly as ``deepspeed.DeepSpeedEngine.st
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
@@ -41,6 +42,12 @@ class ZeroEngine:
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self.last_step_overflowed = False
+        # DeepSpeed's own printouts and monitors (steps_per_print, wall_clock_breakdown, ...).
+        self.reports = None
+        if config is not None:
+            from zeropp.reports import EngineReports
+
+            self.reports = EngineReports(config, sharded.topology.rank, sharded.device)
 
     # ---- model ---------------------------------------------------------------------------
     @property
@@ -61,9 +68,20 @@ class ZeroEngine:
         return self.sharded.stats
 
     def __call__(self, *args, **kwargs):
-        return self.sharded(*args, **kwargs)
+        with self._timed("fwd"):
+            return self.sharded(*args, **kwargs)
 
     forward = __call__
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        if self.reports is not None:
+            self.reports.start(phase)
+        try:
+            yield
+        finally:
+            if self.reports is not None:
+                self.reports.stop(phase)
 
     def train(self, mode: bool = True) -> ZeroEngine:
         self.module.train(mode)
@@ -82,7 +100,8 @@ class ZeroEngine:
         feedback = self.sharded.error_feedback
         if feedback is not None:  # errors are stored unscaled ([Note: error feedback])
             feedback.gradient_scale = self.loss_scaler.scale / self.sharded.comm.predivide_factor
-        self.sharded.run_backward(loss.float() * self.loss_scaler.scale)
+        with self._timed("bwd"):
+            self.sharded.run_backward(loss.float() * self.loss_scaler.scale)
         self.micro_steps += 1
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -90,6 +109,13 @@ class ZeroEngine:
 
     def step(self) -> bool:
         """Update at the accumulation boundary; returns True when an update was applied."""
+        with self._timed("step"):
+            applied = self._step()
+        if self.reports is not None:
+            self.reports.after_micro_step(self, self.is_gradient_accumulation_boundary())
+        return applied
+
+    def _step(self) -> bool:
         if not self.is_gradient_accumulation_boundary():
             return False
         # What the reductions did not divide by already (ShardingOptions.gradient_predivide_factor).
@@ -113,8 +139,10 @@ class ZeroEngine:
         return not overflow
 
     def close(self) -> None:
-        """Finish what is in flight and stop the engine's communication threads, if any."""
+        """Finish what is in flight, stop the engine's communication threads, close monitors."""
         self.sharded.close()
+        if self.reports is not None:
+            self.reports.close()
 
     def get_global_grad_norm(self) -> float | None:
         return self.last_grad_norm
@@ -133,6 +161,31 @@ class ZeroEngine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return self.sharded.full_state_dict()
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's ``save_16bit_model``: the whole model in its working dtype, one file.
+
+        Collective (every rank calls it); rank 0 writes ``save_dir/save_filename``. Under
+        stage 3 the weights are gathered only when ``stage3_gather_16bit_weights_on_model_save``
+        is true; otherwise nothing is written and False is returned, as in DeepSpeed.
+        """
+        path = os.path.join(save_dir, save_filename)
+        gather = (self.config is not None
+                  and self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+        if self.sharded.options.partition and not gather:
+            if self.topology.rank == 0:
+                print(f"warning: did not save the model {path} because "
+                      "stage3_gather_16bit_weights_on_model_save is false", flush=True)
+            return False
+        state = self.full_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
+            state = {name: value for name, value in state.items() if name not in frozen}
+        if self.topology.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, path)
+        return True
 
     # ---- checkpoints (zeropp/checkpoint.py, [Note: checkpoint layout]) --------------------
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None):
