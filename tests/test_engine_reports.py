@@ -14,6 +14,15 @@ from tests.distributed import run_ranks
 from tests.toy_models import toy_batches, toy_loss, toy_model
 
 
+@pytest.fixture(autouse=True)
+def own_process_group():
+    """Single-process tests build an engine, which joins a world of one: leave none behind
+    (the simulated cluster and the training tests build their own)."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def base_config(**extra):
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}},
