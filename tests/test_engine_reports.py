@@ -68,21 +68,25 @@ def test_dump_state_prints_the_configuration(capsys):
     engine.close()
 
 
-def test_monitor_blocks_write_deepspeeds_events(tmp_path, monkeypatch):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
-    (tmp_path / "wandb").mkdir()
+def monitored_run(rank, world, root):
     config = base_config(
-        fp16={"enabled": False},
-        tensorboard={"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "run1"},
-        csv_monitor={"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "run1"},
+        tensorboard={"enabled": True, "output_path": f"{root}/tb", "job_name": "run1"},
+        csv_monitor={"enabled": True, "output_path": f"{root}/csv", "job_name": "run1"},
         wandb={"enabled": True, "project": "zeropp-test"},
     )
     engine, *_ = zeropp.initialize(toy_model(), config=config)
     train(engine, 3)
     engine.close()
+
+
+def test_monitor_blocks_write_deepspeeds_events(tmp_path):
+    """In a process of its own: W&B starts a service and sets variables a test process
+    must not keep."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (tmp_path / "wandb").mkdir()
+    run_ranks(monitored_run, 1, str(tmp_path),
+              env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb")})
     with open(tmp_path / "csv" / "run1" / "Train_Samples_lr.csv") as handle:
         rows = list(csv.reader(handle))
     assert rows == [["step", "lr"], ["4", "0.001"], ["8", "0.001"], ["12", "0.001"]]

@@ -630,19 +630,16 @@ class TensorBoardConfig(_Section):
     """DeepSpeed's TensorBoard monitor: scalars under output_path/job_name (rank 0)."""
 
     SECTION: ClassVar[str] = "tensorboard"
-    enabled: bool = _field(False, "write the engine's scalars as TensorBoard events", _boolean)
+    enabled: bool = _field(False, "write the engine's scalars there", _boolean)
     output_path: str = _field("", "directory of the job directories", _string)
     job_name: str = _field("DeepSpeedJobName", "directory of this job's files", _string)
 
 
 @dataclass(frozen=True)
-class CSVMonitorConfig(_Section):
-    """DeepSpeed's CSV monitor: one CSV file per scalar under output_path/job_name."""
+class CSVMonitorConfig(TensorBoardConfig):
+    """DeepSpeed's CSV monitor: the same keys, one CSV file per scalar."""
 
     SECTION: ClassVar[str] = "csv_monitor"
-    enabled: bool = _field(False, "write the engine's scalars as CSV files", _boolean)
-    output_path: str = _field("", "directory of the job directories", _string)
-    job_name: str = _field("DeepSpeedJobName", "directory of this job's files", _string)
 
 
 @dataclass(frozen=True)
