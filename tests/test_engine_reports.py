@@ -110,7 +110,9 @@ def save_16bit(rank, world, save_dir, gather):
     engine, *_ = zeropp.initialize(toy_model(), config={**base_config(), "zero_optimization": zero})
     train(engine, 1, rank, world)
     saved = engine.save_16bit_model(save_dir)
-    return saved, engine.full_state_dict()
+    state = engine.full_state_dict()
+    engine.close()
+    return saved, state
 
 
 def test_save_16bit_model_gathers_only_when_the_key_says_so(tmp_path):

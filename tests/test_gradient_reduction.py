@@ -58,6 +58,7 @@ def train_steps(engine, rank, world, steps, first_step=0, poison_steps=()):
 def overflow_run(rank, world, error_feedback):
     engine = build(qgz_config(fp16=True, error_feedback=error_feedback))
     _, skipped = train_steps(engine, rank, world, 6, poison_steps={2})
+    engine.close()
     return skipped, engine.loss_scale
 
 
@@ -85,6 +86,7 @@ def resume_run(rank, world, save_dir, keep_errors):
         resumed.sharded.error_feedback.reset()
     resumed_losses, _ = train_steps(resumed, rank, world, 3, first_step=2)
     resumed_state = resumed.full_state_dict()
+    resumed.close()
     same = losses == resumed_losses and all(
         torch.equal(state[name], resumed_state[name]) for name in state)
     return same
@@ -152,6 +154,7 @@ def headroom_run(rank, world, top):
     # the sum over two ranks is not.
     engine.backward(engine(torch.full((8,), 1.5, dtype=torch.float16)))
     engine.step()
+    engine.close()
     return engine.last_step_overflowed, engine.get_global_grad_norm()
 
 
@@ -170,6 +173,7 @@ def comm_dtype_run(rank, world, top):
         k: v for k, v in QGZ.items() if k != "zero_quantized_gradients"}}, **top},
         ranks_per_node=world)
     losses, _ = train_steps(engine, rank, world, 3)
+    engine.close()
     return losses, engine.comm_bytes()["gradient_reduce"]
 
 

@@ -52,6 +52,7 @@ def failing_save(rank, world, save_dir, failure, failing_rank):
         outcome = "saved"
     finally:
         torch.save = real_save
+        engine.close()
     return outcome, Path(save_dir, "latest").read_text()
 
 

@@ -94,6 +94,7 @@ def sharded_run(rank, world, freeze_rule, checkpoint, rank_dependent_skip):
     torch.distributed.all_reduce(master_numel)
     padded = sum(u.layout.padded_numel - u.layout.numel for u in engine.sharded.units)
     total_numel = sum(u.layout.numel for u in engine.sharded.units)
+    engine.close()
     return (losses, engine.full_state_dict(),
             int(master_numel), total_numel + padded - frozen_numel)
 
@@ -165,6 +166,7 @@ def reuse_run(rank, world, max_reuse_distance):
         engine.step()
         losses.append(loss.item())
         backward_bytes.append(sum(engine.comm_bytes()["backward_all_gather"].values()))
+    engine.close()
     return losses, backward_bytes
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 from functools import partial
 
@@ -22,12 +21,6 @@ from zeropp.sharded_model import ShardedModel, ShardingOptions
 from zeropp.topology import Topology, build_topology
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> None:
     """Join the process group the launcher described (torchrun, deepspeed, or none).
 
@@ -37,19 +30,22 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> N
     """
     if dist.is_initialized():
         return
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        if os.environ["WORLD_SIZE"] != "1":
-            raise RuntimeError("MASTER_PORT is not set: start multi-rank jobs with a launcher")
-        os.environ["MASTER_PORT"] = str(_free_port())
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("WORLD_SIZE", "1") == "1" and "MASTER_PORT" not in os.environ:
+        # One rank and no launcher: an in-process store, no port to pick (picking a free
+        # port and binding it later races with every other program on the machine).
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+        return
+    if "MASTER_PORT" not in os.environ:
+        raise RuntimeError("MASTER_PORT is not set: start multi-rank jobs with a launcher")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group(backend, timeout=timeout)
 
 SIMULATED_BACKEND = "zeropp_sim"  # zeropp.simulation's process group: the meta device
 

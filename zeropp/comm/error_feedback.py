@@ -48,7 +48,7 @@ class ErrorFeedback:
         """Bytes the error of a ``numel``-element send takes (for the memory planner)."""
         return kernels.quantized_nbytes(numel, STORAGE_BITS, block_size)
 
-    def _error(self, name: str, numel: int, device: torch.device) -> torch.Tensor | None:
+    def _error(self, name: str, numel: int) -> torch.Tensor | None:
         payload = self.errors.get(name)
         if payload is None or payload.numel() != self.nbytes(numel, self.block_size):
             return None  # none yet, or saved for another bucket size: start from zero
@@ -58,7 +58,7 @@ class ErrorFeedback:
     def compensate(self, key: object, send: torch.Tensor) -> torch.Tensor:
         """The fp32 values to quantize: this send plus the stored error, in the send's units."""
         compensated = send.float()
-        error = self._error(self.key_name(key), send.numel(), send.device)
+        error = self._error(self.key_name(key), send.numel())
         if error is not None:
             compensated = compensated + error * self.gradient_scale
         return compensated
@@ -68,7 +68,7 @@ class ErrorFeedback:
         name = self.key_name(key)
         error = (compensated - sent) / self.gradient_scale
         if self.beta:
-            previous = self._error(name, error.numel(), error.device)
+            previous = self._error(name, error.numel())
             if previous is not None:
                 error = self.beta * previous + (1.0 - self.beta) * error
             else:
