@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -37,7 +38,12 @@ def _worker(rank, world_size, fn, args, out_dir, env):
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(payload, f)
-    dist.destroy_process_group()
+    # The result is on disk: leave without C++ teardown. Under load a worker sometimes aborted
+    # in it ("terminate called without an active exception") after its work was done, which
+    # failed a test that had passed; what a test checks never depends on the teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, world_size: int, *args, env: dict | None = None, timeout: float = 300) -> list:
