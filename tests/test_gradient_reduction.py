@@ -15,8 +15,8 @@ QGZ = {"stage": 3, "zero_quantized_gradients": True, "zero_quantization_block_si
        "stage3_param_persistence_threshold": 0}
 
 
-def qgz_config(fp16=False, error_feedback=None, **top):
-    zero = dict(QGZ)
+def qgz_config(fp16=False, error_feedback=None, qgz=True, **top):
+    zero = {**QGZ, "zero_quantized_gradients": qgz}
     if error_feedback == "plain":
         zero["zero_quantized_gradients_error_feedback"] = True
     elif error_feedback == "loco":
@@ -169,9 +169,7 @@ def test_gradients_are_predivided_before_the_sum():
 
 
 def comm_dtype_run(rank, world, top):
-    engine = build({**qgz_config(), "zero_optimization": {"stage": 3, **{
-        k: v for k, v in QGZ.items() if k != "zero_quantized_gradients"}}, **top},
-        ranks_per_node=world)
+    engine = build(qgz_config(qgz=False, **top), ranks_per_node=world)
     losses, _ = train_steps(engine, rank, world, 3)
     engine.close()
     return losses, engine.comm_bytes()["gradient_reduce"]

@@ -114,7 +114,6 @@ class _WandbWriter:
         except ImportError:
             raise ConfigError("wandb.enabled is true but the wandb package is not installed "
                               "(pip install wandb)") from None
-        self.wandb = wandb
         self.run = wandb.init(project=project, group=group, entity=team)
 
     def write(self, events) -> None:
