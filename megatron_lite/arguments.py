@@ -28,7 +28,7 @@ import torch
 
 from megatron_lite.lr_schedule import DECAY_STYLES
 
-SUPPORTED_ZERO_STAGES = (0, 3)
+SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
 
 # DeepSpeed JSON values that must be integers rather than any number.
 _INTEGER_DESTS = frozenset(
@@ -464,9 +464,9 @@ def _check_parallelism(args: argparse.Namespace, world_size: int) -> None:
             raise ArgumentError(f"this engine is data-parallel ZeRO only; {_flag(dest)} must be 1, "
                                 f"got {getattr(args, dest)}")
     if args.zero_stage not in SUPPORTED_ZERO_STAGES:
-        raise ArgumentError(f"{_describe(args, 'zero_stage')} is not supported: use 0 (plain data "
-                            "parallel) or 3 (ZeRO-3, with the ZeRO++ options of the DeepSpeed "
-                            "config)")
+        raise ArgumentError(f"{_describe(args, 'zero_stage')} is not a ZeRO stage: use 0 (plain "
+                            "data parallel), 1, 2 or 3 (ZeRO-3, with the ZeRO++ options of the "
+                            "DeepSpeed config)")
     if args.ranks_per_node is not None and world_size % args.ranks_per_node:
         raise ArgumentError(f"--ranks-per-node {args.ranks_per_node} does not divide the world "
                             f"size {world_size}")

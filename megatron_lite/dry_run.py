@@ -193,9 +193,9 @@ def build_report(args: argparse.Namespace) -> DryRunReport:
     cluster = planned_cluster(args)
     zero = zero_config(args)
     validate_args(args, cluster.world_size)
-    if args.zero_stage == 0 and cluster.world_size > 1:
-        raise ArgumentError(f"--zero-stage 0 with {cluster.world_size} GPUs: this engine "
-                            "partitions everything across ranks; use --zero-stage 3")
+    if args.zero_stage != 3 and cluster.world_size > 1:
+        raise ArgumentError(f"--dry-run plans ZeRO-3 and ZeRO++ (--zero-stage 3), got "
+                            f"--zero-stage {args.zero_stage}")
     with torch.device("meta"):
         model = GPTModel(model_config(args, tokenizer_vocab_size(args)))
     dtype_bytes = 4 if args.params_dtype == torch.float32 else 2

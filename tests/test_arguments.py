@@ -141,8 +141,8 @@ def test_help_is_grouped_in_order(capsys: pytest.CaptureFixture[str]) -> None:
         ("--micro-batch-size -1", 1, "--micro-batch-size -1 must be positive"),
         ("--num-workers -1", 1, "--num-workers -1 must not be negative"),
         ("--hidden-dropout 1.5", 1, "--hidden-dropout 1.5 must lie in [0, 1)"),
-        ("--zero-stage 2", 1, "--zero-stage 2 is not supported: use 0 (plain data parallel) "
-         "or 3 (ZeRO-3"),
+        ("--zero-stage 4", 1, "--zero-stage 4 is not a ZeRO stage: use 0 (plain data parallel), "
+         "1, 2 or 3 (ZeRO-3"),
         ("--ranks-per-node 3", 4, "--ranks-per-node 3 does not divide the world size 4"),
         ("--min-lr 1e-3", 1, "--min-lr 0.001 exceeds --lr 0.0001"),
         ("--lr-warmup-iters 200", 1, "--lr-warmup-iters 200 exceeds derived lr decay iters 100"),
@@ -367,9 +367,9 @@ def test_inconsistent_accumulation_steps(tmp_path: Path) -> None:
 
 
 def test_unsupported_stage_in_json_names_the_json(tmp_path: Path) -> None:
-    with pytest.raises(ArgumentError, match=r"zero_optimization.stage 2 in .*ds.json is not "
-                       r"supported"):
-        with_ds(tmp_path, {"zero_optimization": {"stage": 2}}, "--micro-batch-size 1")
+    with pytest.raises(ArgumentError, match=r"zero_optimization.stage 4 in .*ds.json is not "
+                       r"a ZeRO stage"):
+        with_ds(tmp_path, {"zero_optimization": {"stage": 4}}, "--micro-batch-size 1")
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""ZeRO-3 against the plain unsharded loop it replaces (torch AdamW + clip_grad_norm_)."""
+"""Every ZeRO stage against the plain unsharded loop it replaces (torch AdamW + clip_grad_norm_)."""
 
 from __future__ import annotations
 
@@ -75,12 +75,17 @@ def sharded_run(rank, world, steps, micro, global_batch, checkpoint, meta, optio
         (2, 2, False, True, {"reduce_bucket_numel": 50, "persistence_threshold": 0}),
         (4, 1, True, True, {"prefetch_bucket_numel": 10_000, "persistence_threshold": 0}),
         (3, 2, True, False, {"max_live_numel": 1500, "persistence_threshold": 100}),
-        (2, 2, False, True, {"partition": False}),
+        (2, 2, False, True, {"stage": 0}),
+        (2, 3, False, True, {"stage": 1, "reduce_bucket_numel": 50}),
+        (3, 2, True, False, {"stage": 1}),
+        (4, 2, False, True, {"stage": 2, "reduce_bucket_numel": 50}),
+        (3, 1, True, False, {"stage": 2}),
     ],
     ids=["n1", "n2-accum-buckets-meta", "n4-checkpoint-prefetch", "n3-live-cap-persistent",
-         "n2-stage0-replicated"],
+         "n2-stage0-replicated", "n2-stage1-accum-buckets", "n3-stage1-checkpoint",
+         "n4-stage2-accum-buckets", "n3-stage2-checkpoint"],
 )
-def test_zero3_matches_unsharded(world, micro, checkpoint, meta, options):
+def test_zero_stages_match_unsharded(world, micro, checkpoint, meta, options):
     steps, global_batch = 6, 12
     ref_losses, ref_norms, ref_params = reference_run(steps, micro, global_batch, checkpoint)
     results = run_ranks(sharded_run, world, steps, micro, global_batch, checkpoint, meta, options)

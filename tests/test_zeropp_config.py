@@ -280,10 +280,19 @@ def test_unsupported_features_are_errors_with_reason(raw, message):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_zero_stages_1_and_2_are_unsupported(stage):
-    assert error_of(zero(stage=stage)) == (
-        f"zero_optimization.stage={stage} is not supported by this engine "
-        "(0 = plain data parallel, 3 = ZeRO-3 with optional qwZ/hpZ/qgZ)")
+def test_zero_stages_1_and_2_take_the_tutorial_config_and_leave_zeropp_inert(stage):
+    """DeepSpeed reads the ZeRO++ keys at stage 3 only: the tutorial's JSON runs at any
+    stage, and the keys it leaves without effect are listed for the log."""
+    tutorial = json.loads((CONFIG_DIR / "ds_zeropp_config.json").read_text())
+    tutorial["zero_optimization"]["stage"] = stage
+    cfg = EngineConfig.from_json(tutorial).zero_optimization
+    assert cfg.stage == stage
+    assert cfg.inert_keys == ["zero_optimization.zero_quantized_weights",
+                              "zero_optimization.zero_hpz_partition_size",
+                              "zero_optimization.zero_quantized_gradients"]
+    assert EngineConfig.from_json(zero(stage=3, zero_quantized_weights=True)) \
+        .zero_optimization.inert_keys == []
+    assert error_of(zero(stage=4)).startswith("zero_optimization.stage")
 
 
 @pytest.mark.parametrize("raw", [
@@ -505,8 +514,8 @@ def test_compute_dtype(raw, dtype):
 
 def test_direct_construction_is_validated_and_frozen():
     assert ZeroConfig(stage=3, reduce_bucket_size=1e7).reduce_bucket_size == 10_000_000
-    with pytest.raises(ConfigError, match=r"zero_optimization.stage=2 is not supported"):
-        ZeroConfig(stage=2)
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage: expected one of 0, 1, 2, 3"):
+        ZeroConfig(stage=4)
     with pytest.raises(ConfigError, match=r"fp16.auto_cast=true is not supported"):
         FP16Config(enabled=True, auto_cast=True)
     config = EngineConfig(fp16={"enabled": True})

@@ -549,20 +549,13 @@ _LOCO_PARAMS: dict[str, tuple[Check, Any]] = {
 }
 
 
-def _stage(path: str, value: Any) -> int:
-    stage = _one_of(0, 1, 2, 3)(path, value)
-    if stage in (1, 2):
-        raise ConfigError(f"{path}={stage} is not supported by this engine "
-                          "(0 = plain data parallel, 3 = ZeRO-3 with optional qwZ/hpZ/qgZ)")
-    return stage
-
-
 @dataclass(frozen=True)
 class ZeroConfig(_Section):
     """ZeRO-3 partitioning and the three ZeRO++ communication optimizations."""
 
     SECTION: ClassVar[str] = "zero_optimization"
-    stage: int = _field(0, "0 = replicated data parallel, 3 = everything partitioned", _stage)
+    stage: int = _field(0, "0 = replicated data parallel, 1 = optimizer states partitioned, "
+                        "2 = and gradients, 3 = and weights", _one_of(0, 1, 2, 3))
     reduce_bucket_size: int = _field(500_000_000, "gradient elements per reduction bucket", _positive_int)
     reduce_scatter: bool = _field(True, "reduce-scatter gradients rather than all-reduce", _boolean)
     contiguous_gradients: bool = _field(True, "gradients land in one flat buffer", _boolean)
@@ -597,7 +590,7 @@ class ZeroConfig(_Section):
                   "zero_hpz_partition_size": ("hpZ", self.zero_hpz_partition_size > 1),
                   "zero_quantized_gradients": ("qgZ", self.zero_quantized_gradients)}
         for key, (name, enabled) in zeropp.items():
-            if enabled and self.stage != 3:
+            if enabled and self.stage == 0:
                 raise ConfigError(f"zero_optimization.{key}: {name} extends ZeRO-3 and needs "
                                   f"stage 3, got stage {self.stage}")
         if self.zero_quantized_gradients_error_feedback and not self.zero_quantized_gradients:
@@ -609,6 +602,18 @@ class ZeroConfig(_Section):
                                   "needs zero_quantized_gradients true")
             object.__setattr__(self, "zeropp_loco_param", _fill_params(
                 "zero_optimization.zeropp_loco_param", self.zeropp_loco_param, _LOCO_PARAMS))
+
+    @property
+    def inert_keys(self) -> list[str]:
+        """ZeRO++ keys set here that stage 1 or 2 leaves without effect: qwZ and hpZ change
+        how stage 3 gathers weights, qgZ how it reduces them (DeepSpeed reads them at stage 3
+        only, so the tutorial's JSON runs at stage 1 and 2 unchanged)."""
+        if self.stage not in (1, 2):
+            return []
+        enabled = {"zero_quantized_weights": self.zero_quantized_weights,
+                   "zero_hpz_partition_size": self.zero_hpz_partition_size > 1,
+                   "zero_quantized_gradients": self.zero_quantized_gradients}
+        return [f"zero_optimization.{key}" for key, on in enabled.items() if on]
 
     @property
     def error_feedback(self) -> tuple[float, int] | None:

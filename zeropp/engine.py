@@ -100,8 +100,9 @@ class ZeroEngine:
         feedback = self.sharded.error_feedback
         if feedback is not None:  # errors are stored unscaled ([Note: error feedback])
             feedback.gradient_scale = self.loss_scaler.scale / self.sharded.comm.predivide_factor
+        boundary = (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
         with self._timed("bwd"):
-            self.sharded.run_backward(loss.float() * self.loss_scaler.scale)
+            self.sharded.run_backward(loss.float() * self.loss_scaler.scale, boundary)
         self.micro_steps += 1
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -173,7 +174,7 @@ class ZeroEngine:
         path = os.path.join(save_dir, save_filename)
         gather = (self.config is not None
                   and self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
-        if self.sharded.options.partition and not gather:
+        if not self.sharded.residency.weights_replicated and not gather:
             if self.topology.rank == 0:
                 print(f"warning: did not save the model {path} because "
                       "stage3_gather_16bit_weights_on_model_save is false", flush=True)
@@ -211,9 +212,12 @@ class ZeroEngine:
         units = self.sharded.units
         moments = self.optimizer.moment_tensors()
         return {
-            "working_shards": nbytes(u.shard for u in units),
+            # A replicated unit's shard is a view of its whole weights, counted there.
+            "working_shards": nbytes(u.shard for u in units if not u.replicated),
             "gathered_parameters": nbytes(u.full for u in units),
             "hpz_secondary_shards": nbytes(u.secondary_shard for u in units),
+            # Whole gradients held for a later reduction (stage 1's accumulation window).
+            "gradient_buffers": nbytes(u.gradient_buffer for u in units),
             "gradient_shards": nbytes(u.grad_shard for u in units),
             "fp32_master_shards": nbytes(self.optimizer.masters),
             "optimizer_moments": nbytes(moments),

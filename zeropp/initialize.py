@@ -17,6 +17,7 @@ from zeropp.comm.streams import Execution, execution_for
 from zeropp.engine import ZeroEngine
 from zeropp.loss_scaler import DynamicLossScaler, LossScaler
 from zeropp.optimizer import PartitionedAdamW
+from zeropp.residency import Residency
 from zeropp.sharded_model import ShardedModel, ShardingOptions
 from zeropp.topology import Topology, build_topology
 
@@ -78,7 +79,7 @@ def _collectives(topology: Topology, options: ShardingOptions, quant: Quantizati
     """Pick the gather and reduce functions for this configuration (same contracts)."""
     gather = partial(all_gather, execution=execution)
     reduce = partial(reduce_scatter_sum, execution=execution)
-    if not options.partition:
+    if options.stage == 0:  # no shards to reduce into: gradients are summed whole ([Note: residency])
         world = CommGroup(None, topology.world_size, topology.rank, topology.world_spans_nodes)
         reduce = partial(replicated_gradient_reduce, data_parallel=world, execution=execution)
     if quant.quantized_weights or quant.quantized_gradients:
@@ -133,10 +134,11 @@ def build_engine(
     device = device or default_device()
     if param_init_fn is None and hasattr(model, "initial_value"):
         param_init_fn = model.initial_value
+    residency = Residency.for_stage(sharding.stage, quantization.hpz_size)
     execution = execution_for(device, sharding.overlap_comm)
     gather, reduce, hpz = _collectives(topology, sharding, quantization, execution)
     sharded = ShardedModel(
-        model, topology, sharding, dtype, device, gather, reduce, hpz, execution,
+        model, topology, sharding, dtype, device, gather, reduce, hpz, execution, residency,
         slice_multiple=getattr(reduce, "slice_multiple", 1),
         param_init_fn=param_init_fn, unit_modules=unit_modules,
     )
@@ -180,7 +182,7 @@ def options_from_config(zero, engine_config=None) -> tuple[ShardingOptions, Quan
     sharding = ShardingOptions(
         gradient_predivide_factor=top.predivide_factor if top is not None else None,
         communication_dtype=_COMM_DTYPES[top.communication_data_type] if top is not None else None,
-        partition=zero.stage == 3,
+        stage=zero.stage,
         reduce_bucket_numel=zero.reduce_bucket_size,
         prefetch_bucket_numel=zero.stage3_prefetch_bucket_size,
         max_live_numel=zero.stage3_max_live_parameters,
@@ -188,6 +190,8 @@ def options_from_config(zero, engine_config=None) -> tuple[ShardingOptions, Quan
         max_reuse_distance=zero.stage3_max_reuse_distance,
         overlap_comm=zero.overlap_comm,
     )
+    if zero.stage in (1, 2):  # ZeRO++ extends stage 3's gathers and reductions only
+        return sharding, QuantizationOptions()
     quantization = QuantizationOptions(
         quantized_weights=zero.zero_quantized_weights,
         hpz_size=zero.zero_hpz_partition_size,
@@ -237,6 +241,9 @@ def initialize(
     if "lr" not in params:
         raise ConfigError("no learning rate: add an optimizer block or pass optimizer_params")
     sharding, quantization = options_from_config(zero, cfg)
+    if zero.inert_keys and dist.get_rank() == 0:
+        print(f"note: {', '.join(zero.inert_keys)} have no effect at ZeRO stage {zero.stage} "
+              "(ZeRO++ extends stage 3)", flush=True)
     engine = build_engine(
         model,
         lr=float(params["lr"]),

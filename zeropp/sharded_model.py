@@ -51,6 +51,7 @@ from zeropp.comm.streams import Execution
 from zeropp.flat_layout import FlatLayout
 from zeropp.optimizer import PartitionedAdamW, clip_coefficient
 from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
+from zeropp.residency import Residency
 from zeropp.topology import Topology
 from zeropp.unit import ParamRef, ShardedUnit, ShardState, UnitComm
 
@@ -87,9 +88,9 @@ class ShardingOptions:
     # Units whose gradient reduction may be in flight at once. Each holds its flat gradient
     # buffer until waited for, so this, not the model's depth, bounds that memory.
     max_inflight_reductions: int = 1
-    # False is ZeRO stage 0: every rank keeps the whole model (a shard group of one) and
-    # gradients are all-reduced over the data-parallel world, like DDP.
-    partition: bool = True
+    # The ZeRO stage (0-3): where weights, gradients and optimizer states live, resolved
+    # with hpZ into a ``Residency`` ([Note: residency]).
+    stage: int = 3
     # Divide gradients by this before summing them over ranks; None divides by the
     # data-parallel size (DeepSpeed's stage 3 pre-divides so: fp16 sums cannot overflow
     # where the average would not). 1.0 sums first and divides once at the step.
@@ -134,6 +135,7 @@ class ShardedModel:
         reduce_fn,
         hpz_group: CommGroup | None,
         execution: Execution,
+        residency: Residency | None = None,
         slice_multiple: int = 1,
         param_init_fn: Callable[[str], torch.Tensor] | None = None,
         unit_modules: list[nn.Module] | None = None,
@@ -144,10 +146,12 @@ class ShardedModel:
         self.dtype = dtype
         self.device = device
         self.stats = CommStats()
+        self.residency = residency or Residency.for_stage(
+            options.stage, hpz_group.size if hpz_group is not None else 1)
         # ``world`` is the group parameters are sharded over; ``dp_size`` the number of
         # replicas whose gradients are averaged (the same ranks unless stage 0 replicates).
         self.dp_size = topology.world_size
-        if options.partition:
+        if self.residency.shard_optimizer_states:
             self.world = CommGroup(None, topology.world_size, topology.rank,
                                    topology.world_spans_nodes)
         else:
@@ -171,6 +175,7 @@ class ShardedModel:
         )
         self.root = self.units[0]
         self._reducing: deque[ShardedUnit] = deque()  # units with reductions in flight, oldest first
+        self._reduce_this_backward = True  # False on stage 1's micro-batches before the boundary
         # True while a forward that will be backpropagated runs (grad mode on at the root):
         # blocks inside it that run under no_grad are checkpointed and will be recomputed.
         self._training_forward = False
@@ -229,11 +234,10 @@ class ShardedModel:
             master = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device)
             layout.fill_shard(master, self.world.rank, full_value)
             refs = [ParamRef(p, owners[id(p)]) for p in params]
-            persistent = not self.options.partition or (
-                0 < layout.numel < self.options.persistence_threshold
-            )
             unit = ShardedUnit(
-                name, module, refs, layout, self.comm, self.dtype, self.device, persistent
+                name, module, refs, layout, self.comm, self.dtype, self.device,
+                persistent=0 < layout.numel < self.options.persistence_threshold,
+                replicated=self.residency.weights_replicated,
             )
             unit.shard.copy_(master)
             units.append(unit)
@@ -357,7 +361,8 @@ class ShardedModel:
         unit.backward_done = True
         unit.release(keep_secondary=False)
         unit.drop_secondary()
-        self._start_reduction(unit)
+        if self._reduce_this_backward:
+            self._start_reduction(unit)
 
     def _on_grad_ready(self, unit: ShardedUnit, param) -> None:
         if unit.backward_done:
@@ -425,9 +430,15 @@ class ShardedModel:
 
     forward = __call__
 
-    def run_backward(self, scaled_loss: torch.Tensor) -> None:
-        """Backward of an already scaled loss, then flush every unit's gradient reduction."""
+    def run_backward(self, scaled_loss: torch.Tensor, accumulation_boundary: bool = True) -> None:
+        """Backward of an already scaled loss, then flush every unit's gradient reduction.
+
+        Stage 1 reduces only on the accumulation boundary's micro-batch; before it every
+        unit's gradients stay whole in its flat buffer ([Note: residency]).
+        """
         self.phase = TrainingPhase.BACKWARD
+        self._reduce_this_backward = (accumulation_boundary
+                                      or self.residency.reduce_every_micro_batch)
         try:
             scaled_loss.backward()
             # Units with no post-backward point (the root, a block whose inputs need no
@@ -435,7 +446,11 @@ class ShardedModel:
             for unit in reversed(self.units):
                 if not unit.backward_done:
                     unit.backward_done = True
-                    self._start_reduction(unit)
+                    if self._reduce_this_backward:
+                        self._start_reduction(unit)
+            if not self._reduce_this_backward:
+                for unit in self.units:
+                    unit.hold_gradients()
             self._finish_reductions()
         finally:
             self.phase = TrainingPhase.IDLE

@@ -15,6 +15,10 @@ States (``ShardState``):
 - GATHERED: ``full`` holds the whole unit (a gather has completed).
 - SECONDARY (hpZ): ``full`` is freed but ``secondary_shard``, this rank's 1/alpha of the
   weights as gathered in forward, is kept so backward gathers them inside the node.
+
+A *replicated* unit (stages 0-2, [Note: residency]) never frees ``full``: its ``shard`` is a
+view of this rank's range of it, so the optimizer writes the update in place and the gather
+after the step fills in the other ranks' ranges.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class ShardedUnit:
         dtype: torch.dtype,
         device: torch.device,
         persistent: bool = False,
+        replicated: bool = False,
     ) -> None:
         self.name = name
         self.module = module
@@ -88,13 +93,19 @@ class ShardedUnit:
         self.comm = comm
         self.dtype = dtype
         self.device = device
-        # Small units stay gathered between steps (stage3_param_persistence_threshold).
-        self.persistent = persistent
+        # The whole weights live on every rank between steps (stages 0-2).
+        self.replicated = replicated
+        # Units that stay gathered between steps: replicated ones, and small ones at stage 3
+        # (stage3_param_persistence_threshold).
+        self.persistent = persistent or replicated
         rank = comm.world.rank
         self.shard_start, self.shard_end = layout.shard_range(rank)
 
-        self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         self.full = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        if replicated:
+            self.shard = self.full[self.shard_start : self.shard_end]
+        else:
+            self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         self.secondary_shard: torch.Tensor | None = None
         self.state = ShardState.SHARDED
         self._gather_pending: Pending | None = None
@@ -119,7 +130,8 @@ class ShardedUnit:
             self.params.append(param)
         self.num_grad_params = sum(p.requires_grad for p in self.params)
         self._slot_of = {id(p): slot for p, slot in zip(self.params, layout.slots, strict=True)}
-        self._free_full()  # the views above stay bound to the (now empty) storage
+        if not replicated:
+            self._free_full()  # the views above stay bound to the (now empty) storage
 
     # ---- storage -------------------------------------------------------------------------
     def _free_full(self) -> None:
@@ -157,7 +169,11 @@ class ShardedUnit:
                 execution=self.comm.execution,
             )
         else:
-            pending = self.comm.gather(self.full, self.shard, self.comm.world, self.comm.stats, phase)
+            # A replicated unit's shard lies inside ``full``: NCCL allows that in-place
+            # gather, gloo copies each input into its slot with memcpy (source == target),
+            # so the shard is sent from a transient copy.
+            shard = self.shard.clone() if self.replicated else self.shard
+            pending = self.comm.gather(self.full, shard, self.comm.world, self.comm.stats, phase)
         self._gather_pending = pending
 
     def wait_gather(self) -> None:
@@ -209,7 +225,8 @@ class ShardedUnit:
         self.drop_secondary()
         if self.state is ShardState.GATHERED:
             self.state = ShardState.SHARDED
-            self._free_full()
+            if not self.replicated:
+                self._free_full()
         if self.persistent:
             self.gather_now("forward_all_gather")
 
@@ -228,6 +245,17 @@ class ShardedUnit:
             self._held_grads.append(param)
         held = sum(p.grad.numel() for p in self._held_grads)
         if self._grad_flat is not None or 2 * held >= self.layout.padded_numel:
+            self._flatten_held_grads()
+
+    @property
+    def gradient_buffer(self) -> torch.Tensor | None:
+        """This micro-batch's (or stage 1's accumulated) gradients not yet reduced, if any."""
+        return self._grad_flat
+
+    def hold_gradients(self) -> None:
+        """Keep this micro-batch's gradients in the flat buffer until the accumulation boundary
+        (stage 1: the next micro-batches add into it, the last one reduces it)."""
+        if self.num_grad_params:
             self._flatten_held_grads()
 
     def _flatten_held_grads(self) -> None:
