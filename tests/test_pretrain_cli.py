@@ -135,3 +135,37 @@ def test_command_line_error_exits_2_with_one_line(data_prefix):
     assert result.stdout == ""
     [line] = result.stderr.splitlines()
     assert line.startswith("error: ") and "--fp16" in line and "--bf16" in line
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stages_1_and_2_run_the_tutorial_config_changed_only_in_stage(data_prefix, tmp_path,
+                                                                       stage):
+    """DeepSpeed's ZeRO++ tutorial JSON with another ``stage``, on 2 ranks (two micro-batches
+    accumulated on each): the losses of one unsharded rank, the ZeRO++ keys named as inert."""
+    tutorial = json.loads((ROOT / "configs" / "ds_zeropp_config.json").read_text())
+    tutorial["zero_optimization"]["stage"] = stage
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps(tutorial))
+    common = [*TINY_RUN[:TINY_RUN.index("--zero-stage")], "--data-path", data_prefix,
+              "--data-cache-dir", str(tmp_path / "c"), "--global-batch-size", "8"]
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    single = run([sys.executable, ENTRY_POINT, *common, "--zero-stage", "0",
+                  "--metrics-file", str(one)])
+    assert single.returncode == 0, single.stderr
+    double = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  "--nproc_per_node", "2", ENTRY_POINT, *common, "--zero-stage", str(stage),
+                  "--deepspeed", "--deepspeed_config", str(config), "--ranks-per-node", "1",
+                  "--metrics-file", str(two)], timeout=180)
+    assert double.returncode == 0, double.stderr
+    assert (f"zero_optimization.zero_hpz_partition_size, zero_optimization."
+            f"zero_quantized_gradients have no effect at ZeRO stage {stage}") in double.stdout
+    assert "| gradient accumulation 2 |" in double.stdout
+    train_one, eval_one = read_metrics(one)
+    train_two, eval_two = read_metrics(two)
+    assert [r["lm_loss"] for r in train_two] == pytest.approx(
+        [r["lm_loss"] for r in train_one], rel=1e-5)
+    assert [r["val_loss"] for r in eval_two] == pytest.approx(
+        [r["val_loss"] for r in eval_one], rel=1e-5)
+    gradient_bytes = {r["comm_bytes"]["gradient_reduce"]["inter_node"] for r in train_two}
+    # Stage 1 reduces once per step (at the accumulation boundary), stage 2 per micro-batch.
+    assert len(gradient_bytes) == 1 and gradient_bytes.pop() > 0
