@@ -194,8 +194,8 @@ def build_report(args: argparse.Namespace) -> DryRunReport:
     zero = zero_config(args)
     validate_args(args, cluster.world_size)
     if args.zero_stage != 3 and cluster.world_size > 1:
-        raise ArgumentError(f"--dry-run plans ZeRO-3 and ZeRO++ (--zero-stage 3), got "
-                            f"--zero-stage {args.zero_stage}")
+        raise ArgumentError(f"--zero-stage {args.zero_stage} with {cluster.world_size} GPUs: "
+                            "--dry-run plans ZeRO-3 and ZeRO++; use --zero-stage 3")
     with torch.device("meta"):
         model = GPTModel(model_config(args, tokenizer_vocab_size(args)))
     dtype_bytes = 4 if args.params_dtype == torch.float32 else 2

@@ -19,7 +19,7 @@ def _shard(rank: int, numel: int, dtype: torch.dtype, integer: bool = False) -> 
 
 def gather_case(rank, world, per_node, numel, block):
     from zeropp.comm import CommGroup, CommStats, all_gather
-    from zeropp.comm.quantized import quantized_all_gather
+    from zeropp.comm.quantized import QuantizedAllGather
     from zeropp.topology import build_topology
 
     topo = build_topology(per_node)
@@ -31,8 +31,8 @@ def gather_case(rank, world, per_node, numel, block):
         quant = torch.empty(world * numel, dtype=dtype)
         stats = CommStats()
         all_gather(exact, shard, group, stats, "forward_all_gather").wait()
-        quantized_all_gather(quant, shard, group, stats, "forward_all_gather",
-                             bits=8, block_size=block).wait()
+        QuantizedAllGather(bits=8, block_size=block)(quant, shard, group, stats,
+                                                     "forward_all_gather").wait()
         out[str(dtype)] = (exact, quant)
     return out
 

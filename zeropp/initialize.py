@@ -5,15 +5,14 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeropp.comm import CommGroup, all_gather, reduce_scatter_sum
-from zeropp.comm.collectives import replicated_gradient_reduce
-from zeropp.comm.streams import Execution, execution_for
+from zeropp.comm import CommGroup
+from zeropp.comm.registry import collectives_for
+from zeropp.comm.streams import execution_for
 from zeropp.engine import ZeroEngine
 from zeropp.loss_scaler import DynamicLossScaler, LossScaler
 from zeropp.optimizer import PartitionedAdamW
@@ -74,36 +73,10 @@ class QuantizationOptions:
     error_feedback: tuple[float, int] | None = None
 
 
-def _collectives(topology: Topology, options: ShardingOptions, quant: QuantizationOptions,
-                 execution: Execution):
-    """Pick the gather and reduce functions for this configuration (same contracts)."""
-    gather = partial(all_gather, execution=execution)
-    reduce = partial(reduce_scatter_sum, execution=execution)
-    if options.stage == 0:  # no shards to reduce into: gradients are summed whole ([Note: residency])
-        world = CommGroup(None, topology.world_size, topology.rank, topology.world_spans_nodes)
-        reduce = partial(replicated_gradient_reduce, data_parallel=world, execution=execution)
-    if quant.quantized_weights or quant.quantized_gradients:
-        from zeropp.comm import quantized
-
-        if quant.quantized_weights:
-            gather = partial(
-                quantized.quantized_all_gather,
-                bits=quant.weight_bits,
-                block_size=quant.block_size,
-                execution=execution,
-            )
-        if quant.quantized_gradients:
-            reduce = quantized.HierarchicalReduceScatter(
-                topology,
-                bits=quant.gradient_bits,
-                block_size=quant.block_size,
-                error_feedback=quant.error_feedback,
-                execution=execution,
-            )
-    hpz = None
-    if quant.hpz_size > 1:
-        hpz = CommGroup(topology.hpz_group, quant.hpz_size, topology.hpz_rank, False)
-    return gather, reduce, hpz
+def _hpz_group(topology: Topology, residency: Residency) -> CommGroup | None:
+    if residency.secondary_group_size == 1:
+        return None
+    return CommGroup(topology.hpz_group, residency.secondary_group_size, topology.hpz_rank, False)
 
 
 def build_engine(
@@ -136,10 +109,10 @@ def build_engine(
         param_init_fn = model.initial_value
     residency = Residency.for_stage(sharding.stage, quantization.hpz_size)
     execution = execution_for(device, sharding.overlap_comm)
-    gather, reduce, hpz = _collectives(topology, sharding, quantization, execution)
     sharded = ShardedModel(
-        model, topology, sharding, dtype, device, gather, reduce, hpz, execution, residency,
-        slice_multiple=getattr(reduce, "slice_multiple", 1),
+        model, topology, sharding, dtype, device,
+        collectives_for(sharding.stage, quantization, topology, execution),
+        _hpz_group(topology, residency), execution, residency,
         param_init_fn=param_init_fn, unit_modules=unit_modules,
     )
     optimizer = PartitionedAdamW(

@@ -2,14 +2,17 @@
 
 The planner answers "does this model fit, and how many bytes cross the nodes?" for any
 cluster from the per-unit parameter counts alone: no process group, no device, no tensor.
-It mirrors the engine rule for rule, so its figures are the ones a real run measures:
+It asks the engine's own objects for every rule, so its figures are the ones a real run
+measures:
 
-- Units and padding come from ``FlatLayout.build`` with the engine's alignment (hpZ group
-  size, and two whole quantization blocks per slice when qgZ is on).
-- Units with fewer elements than ``stage3_param_persistence_threshold`` stay gathered: they
-  are gathered once per optimizer step (after the update) and never in backward.
-- Bytes follow ``zeropp.comm.accounting``: what leaves this rank, a world collective counted
-  ``inter_node`` whenever the world spans nodes, hpZ and qgZ's first hop ``intra_node``.
+- Units and padding come from ``FlatLayout.build`` with the engine's alignment
+  (``zeropp.residency.shard_alignment`` of the residency policy and the collectives).
+- Units with fewer elements than ``stage3_param_persistence_threshold`` stay gathered
+  (``zeropp.residency.stays_gathered``): gathered once per optimizer step, after the
+  update, and never in backward.
+- Bytes are the ``bytes_sent`` of the collectives the engine would run
+  (``zeropp.comm.registry.collectives_for``), bucket by bucket as the engine cuts them
+  (``zeropp.flat_layout.reduce_bucket_ranges``).
 
 [Note: what one iteration sends, per rank]
 With m micro-batches per optimizer step, for every unit of S = padded / N elements per shard:
@@ -27,29 +30,26 @@ With m micro-batches per optimizer step, for every unit of S = padded / N elemen
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
-from zeropp.comm.accounting import (
-    LOCALITIES,
-    PHASES,
-    all_gather_bytes,
-    all_reduce_bytes,
-    all_to_all_bytes,
-    reduce_scatter_bytes,
-)
+from zeropp.comm.accounting import LOCALITIES, PHASES, all_reduce_bytes, locality
+from zeropp.comm.collectives import CommGroup
 from zeropp.comm.error_feedback import ErrorFeedback
+from zeropp.comm.registry import Collectives, collectives_for
 from zeropp.config import ZeroConfig
-from zeropp.flat_layout import FlatLayout
-from zeropp.kernels import quantized_nbytes
+from zeropp.flat_layout import FlatLayout, reduce_bucket_ranges
+from zeropp.initialize import options_from_config
 from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
+from zeropp.residency import Residency, shard_alignment, stays_gathered
 from zeropp.sharded_model import ShardingOptions, default_unit_modules
-from zeropp.topology import TopologyError
+from zeropp.topology import Topology, TopologyError
 
 FP32_BYTES = 4
+_DTYPES = {2: torch.float16, 4: torch.float32}  # bytes per working element -> a dtype that wide
 CommVolume = dict[str, dict[str, int]]  # {phase: {locality: bytes}}, as CommStats.snapshot()
 
 
@@ -166,11 +166,13 @@ def unit_parameter_counts(model: nn.Module,
     return [root_count, *block_counts]
 
 
-def shard_alignment(zero: ZeroConfig) -> int:
-    """Elements every shard is a multiple of (hpZ group pieces, qgZ whole-block slices)."""
-    hpz = zero.zero_hpz_partition_size if zero.zero_hpz_partition_size > 1 else 1
-    qgz = 2 * zero.zero_quantization_block_size if zero.zero_quantized_gradients else 1
-    return math.lcm(hpz, qgz)
+def engine_objects(zero: ZeroConfig, cluster: ClusterShape) -> tuple[Residency, Collectives]:
+    """The residency policy and the collectives the engine would build for ``zero`` on
+    ``cluster`` (rank 0 of it, without process groups): the planner asks them its rules."""
+    _, quant = options_from_config(dataclasses.replace(zero, stage=3))
+    residency = Residency.for_stage(3, quant.hpz_size)
+    topology = Topology(0, cluster.world_size, cluster.ranks_per_node, quant.hpz_size)
+    return residency, collectives_for(3, quant, topology)
 
 
 def plan_units(unit_numels: Sequence[int], cluster: ClusterShape,
@@ -178,13 +180,14 @@ def plan_units(unit_numels: Sequence[int], cluster: ClusterShape,
     """Padded sizes and persistence of each unit; ``unit_numels[0]`` is the root."""
     if not unit_numels:
         raise ValueError("unit_numels is empty: give the root unit's count, then each block's")
-    align = shard_alignment(zero)
+    residency, collectives = engine_objects(zero, cluster)
+    align = shard_alignment(residency, collectives.alignment)
     units = []
     for index, numel in enumerate(unit_numels):
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"unit_numels[{index}] must be a non-negative integer, got {numel!r}")
         layout = FlatLayout.build([(f"unit{index}", (numel,))], cluster.world_size, align)
-        persistent = 0 < numel < zero.stage3_param_persistence_threshold
+        persistent = stays_gathered(numel, zero.stage3_param_persistence_threshold)
         units.append(UnitPlan(numel, layout.padded_numel, layout.shard_numel, index == 0,
                               persistent))
     return units
@@ -290,68 +293,41 @@ class _Volume:
     def __init__(self) -> None:
         self.bytes: CommVolume = {phase: dict.fromkeys(LOCALITIES, 0) for phase in PHASES}
 
-    def add(self, phase: str, spans_nodes: bool, nbytes: int, times: int = 1) -> None:
-        self.bytes[phase]["inter_node" if spans_nodes else "intra_node"] += nbytes * times
-
-
-def _world_gather_bytes(unit: UnitPlan, cluster: ClusterShape, zero: ZeroConfig,
-                        dtype_bytes: int) -> int:
-    if zero.zero_quantized_weights:
-        payload = quantized_nbytes(unit.shard_numel, zero.zero_quantized_weights_bits,
-                                   zero.zero_quantization_block_size)
-    else:
-        payload = unit.shard_numel * dtype_bytes
-    return all_gather_bytes(payload, cluster.world_size)
-
-
-def _reduce_bucket_widths(unit: UnitPlan, cluster: ClusterShape, zero: ZeroConfig) -> list[int]:
-    """Per-rank slice width of each reduce bucket, as ``ShardedUnit.start_reduce`` cuts them."""
-    multiple = 2 * zero.zero_quantization_block_size if zero.zero_quantized_gradients else 1
-    step = max(multiple, zero.reduce_bucket_size // cluster.world_size // multiple * multiple)
-    return [min(step, unit.shard_numel - lo) for lo in range(0, unit.shard_numel, step)]
-
-
-def _add_gradient_reduce(volume: _Volume, unit: UnitPlan, cluster: ClusterShape,
-                         zero: ZeroConfig, dtype_bytes: int, times: int) -> None:
-    phase, world = "gradient_reduce", cluster.world_size
-    for width in _reduce_bucket_widths(unit, cluster, zero):
-        if not zero.zero_quantized_gradients:
-            nbytes = reduce_scatter_bytes(world * width * dtype_bytes, world)
-            volume.add(phase, cluster.spans_nodes, nbytes, times)
-            continue
-        bits, block = zero.zero_quantized_gradients_bits, zero.zero_quantization_block_size
-        # Hop 1 sends the whole swizzled bucket inside the node; hop 2 the node's partial
-        # sums of the n slices that belong to ranks with this local index.
-        intra = all_to_all_bytes(quantized_nbytes(world * width, bits, block),
-                                 cluster.ranks_per_node)
-        inter = all_to_all_bytes(quantized_nbytes(cluster.num_nodes * width, bits, block),
-                                 cluster.num_nodes)
-        volume.add(phase, False, intra, times)
-        volume.add(phase, cluster.spans_nodes, inter, times)
+    def add(self, phase: str, sent: dict[str, int], times: int = 1) -> None:
+        for where, nbytes in sent.items():
+            self.bytes[phase][where] += nbytes * times
 
 
 def plan_communication(units: Sequence[UnitPlan], cluster: ClusterShape, zero: ZeroConfig,
                        dtype_bytes: int, micro_batches: int) -> CommVolume:
-    """Bytes this rank sends in one optimizer step of ``micro_batches`` micro-batches."""
+    """Bytes this rank sends in one optimizer step of ``micro_batches`` micro-batches, as the
+    engine's own collectives count them (``bytes_sent``)."""
     volume = _Volume()
-    hpz = zero.zero_hpz_partition_size
+    residency, collectives = engine_objects(zero, cluster)
+    dtype = _DTYPES[dtype_bytes]
+    world = CommGroup(None, cluster.world_size, 0, cluster.spans_nodes)
+    hpz = residency.secondary_group_size
+    secondary = CommGroup(None, hpz, 0, False)
     kept = kept_for_backward(units, zero)
     for unit in units:
-        world_gather = _world_gather_bytes(unit, cluster, zero, dtype_bytes)
+        world_gather = collectives.gather.bytes_sent(unit.shard_numel, dtype, world)
         if unit.persistent:  # re-gathered once, when the update refreshes it
-            volume.add("forward_all_gather", cluster.spans_nodes, world_gather)
+            volume.add("forward_all_gather", world_gather)
         else:
-            volume.add("forward_all_gather", cluster.spans_nodes, world_gather, micro_batches)
+            volume.add("forward_all_gather", world_gather, micro_batches)
             if unit.is_root or id(unit) in kept:  # gathered still when backward needs it
                 pass
             elif hpz > 1:
-                secondary_bytes = unit.padded_numel // hpz * dtype_bytes
-                volume.add("backward_all_gather", False, all_gather_bytes(secondary_bytes, hpz),
-                           micro_batches)
+                volume.add("backward_all_gather", collectives.secondary_gather.bytes_sent(
+                    unit.padded_numel // hpz, dtype, secondary), micro_batches)
             else:
-                volume.add("backward_all_gather", cluster.spans_nodes, world_gather, micro_batches)
-        _add_gradient_reduce(volume, unit, cluster, zero, dtype_bytes, micro_batches)
-    volume.add("optimizer", cluster.spans_nodes, all_reduce_bytes(FP32_BYTES, cluster.world_size))
+                volume.add("backward_all_gather", world_gather, micro_batches)
+        for lo, hi in reduce_bucket_ranges(unit.shard_numel, cluster.world_size,
+                                           zero.reduce_bucket_size, collectives.reduce.alignment):
+            volume.add("gradient_reduce", collectives.reduce.bytes_sent(hi - lo, dtype, world),
+                       micro_batches)
+    volume.add("optimizer", {locality(cluster.spans_nodes):
+                             all_reduce_bytes(FP32_BYTES, cluster.world_size)})
     return volume.bytes
 
 

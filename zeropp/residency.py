@@ -31,6 +31,7 @@ stages 2 and 3 hold (4 - d) Psi / N more than the formula; in fp32 they are the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 STAGES = (0, 1, 2, 3)
@@ -85,3 +86,15 @@ class Residency:
     def all_reduce_gradients(self) -> bool:
         """Stage 0: no shards to reduce into, so gradients are summed whole on every rank."""
         return not self.shard_optimizer_states
+
+
+def shard_alignment(residency: Residency, collective_alignment: int) -> int:
+    """Elements every shard of a flat layout is a multiple of: whole hpZ secondary pieces and
+    whatever the collectives need (``Collectives.alignment``); engine and planner share it."""
+    return math.lcm(residency.secondary_group_size, collective_alignment)
+
+
+def stays_gathered(numel: int, persistence_threshold: int) -> bool:
+    """stage3_param_persistence_threshold: units this small are gathered once per step,
+    after the update, and never released (engine and planner share the rule)."""
+    return 0 < numel < persistence_threshold

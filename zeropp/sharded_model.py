@@ -47,11 +47,12 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from zeropp.comm import CommGroup, CommStats
+from zeropp.comm.registry import Collectives
 from zeropp.comm.streams import Execution
 from zeropp.flat_layout import FlatLayout
 from zeropp.optimizer import PartitionedAdamW, clip_coefficient
 from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
-from zeropp.residency import Residency
+from zeropp.residency import Residency, shard_alignment, stays_gathered
 from zeropp.topology import Topology
 from zeropp.unit import ParamRef, ShardedUnit, ShardState, UnitComm
 
@@ -131,12 +132,10 @@ class ShardedModel:
         options: ShardingOptions,
         dtype: torch.dtype,
         device: torch.device,
-        gather_fn,
-        reduce_fn,
+        collectives: Collectives,
         hpz_group: CommGroup | None,
         execution: Execution,
         residency: Residency | None = None,
-        slice_multiple: int = 1,
         param_init_fn: Callable[[str], torch.Tensor] | None = None,
         unit_modules: list[nn.Module] | None = None,
     ) -> None:
@@ -159,13 +158,14 @@ class ShardedModel:
         self.comm = UnitComm(
             world=self.world,
             hpz=hpz_group,
-            gather=gather_fn,
-            reduce=reduce_fn,
+            gather=collectives.gather,
+            reduce=collectives.reduce,
+            secondary_gather=collectives.secondary_gather,
             stats=self.stats,
             reduce_bucket_numel=options.reduce_bucket_numel,
             execution=execution,
-            slice_multiple=slice_multiple,
-            reduce_dtype=getattr(reduce_fn, "output_dtype", None) or options.communication_dtype,
+            alignment=shard_alignment(self.residency, collectives.alignment),
+            reduce_dtype=collectives.reduce.output_dtype or options.communication_dtype,
             predivide_factor=float(options.gradient_predivide_factor or self.dp_size),
         )
         self.phase = TrainingPhase.IDLE
@@ -207,10 +207,7 @@ class ShardedModel:
             layout = FlatLayout.build(
                 [(names[id(p)], tuple(p.shape)) for p in params],
                 num_shards=self.world.size,
-                align=math.lcm(
-                    self.comm.hpz.size if self.comm.hpz is not None else 1,
-                    self.comm.slice_multiple,
-                ),
+                align=self.comm.alignment,
             )
             originals = {names[id(p)]: p for p in params}
 
@@ -236,7 +233,7 @@ class ShardedModel:
             refs = [ParamRef(p, owners[id(p)]) for p in params]
             unit = ShardedUnit(
                 name, module, refs, layout, self.comm, self.dtype, self.device,
-                persistent=0 < layout.numel < self.options.persistence_threshold,
+                persistent=stays_gathered(layout.numel, self.options.persistence_threshold),
                 replicated=self.residency.weights_replicated,
             )
             unit.shard.copy_(master)
@@ -423,7 +420,7 @@ class ShardedModel:
     @property
     def error_feedback(self):
         """qgZ's ``ErrorFeedback`` when it carries quantization errors, else None."""
-        return getattr(self.comm.reduce, "error_feedback", None)
+        return self.comm.reduce.error_feedback
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)

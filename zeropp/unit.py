@@ -24,18 +24,15 @@ after the step fills in the other ranks' ranges.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from zeropp.comm import CommGroup, CommStats, Pending, all_gather
+from zeropp.comm.collectives import Collective
 from zeropp.comm.streams import Execution
-from zeropp.flat_layout import FlatLayout
-
-GatherFn = Callable[[torch.Tensor, torch.Tensor, CommGroup, CommStats, str], Pending]
-ReduceFn = Callable[[torch.Tensor, torch.Tensor, CommGroup, CommStats, str], Pending]
+from zeropp.flat_layout import FlatLayout, reduce_bucket_ranges
 
 
 class ShardState(enum.Enum):
@@ -46,18 +43,19 @@ class ShardState(enum.Enum):
 
 @dataclass
 class UnitComm:
-    """How units talk: groups, the (possibly quantized) collectives, and the accounting."""
+    """How units talk: groups, the collectives ([Note: collective protocol]), the accounting."""
 
     world: CommGroup
     hpz: CommGroup | None  # None when hpZ is off
-    gather: GatherFn  # primary gather over the world: exact, or qwZ
-    reduce: ReduceFn  # gradient reduce-scatter over the world: exact, or qgZ
+    gather: Collective  # primary gather over the world: exact, or qwZ
+    reduce: Collective  # gradient reduction over the world: exact, qgZ, or stage 0's all-reduce
+    secondary_gather: Collective  # hpZ's backward gather inside the node
     stats: CommStats
     reduce_bucket_numel: int
     execution: Execution  # where collectives run: streams on CUDA, threads on gloo
-    # Shards (and reduction buckets) are padded to a multiple of this many elements; qgZ
-    # needs whole quantization blocks per slice.
-    slice_multiple: int = 1
+    # Shards (and reduction buckets) are padded to a multiple of this many elements
+    # (``zeropp.residency.shard_alignment``).
+    alignment: int = 1
     # dtype the reductions deliver (None: the working dtype): communication_data_type for
     # the exact reduce-scatter, fp32 for qgZ, whose last sum is in fp32 already.
     reduce_dtype: torch.dtype | None = None
@@ -164,10 +162,8 @@ class ShardedUnit:
         self._alloc_full()
         if self.state is ShardState.SECONDARY:
             assert self.comm.hpz is not None and self.secondary_shard is not None
-            pending = all_gather(
-                self.full, self.secondary_shard, self.comm.hpz, self.comm.stats, phase,
-                execution=self.comm.execution,
-            )
+            pending = self.comm.secondary_gather(
+                self.full, self.secondary_shard, self.comm.hpz, self.comm.stats, phase)
         else:
             # A replicated unit's shard lies inside ``full``: NCCL allows that in-place
             # gather, gloo copies each input into its slot with memcpy (source == target),
@@ -284,13 +280,11 @@ class ShardedUnit:
         out_dtype = self.comm.reduce_dtype or self.dtype
         world = self.comm.world
         by_rank = flat.view(world.size, self.layout.shard_numel)
-        multiple = self.comm.slice_multiple
-        step = max(multiple, self.comm.reduce_bucket_numel // world.size // multiple * multiple)
-        for lo in range(0, self.layout.shard_numel, step):
-            hi = min(lo + step, self.layout.shard_numel)
+        for lo, hi in reduce_bucket_ranges(self.layout.shard_numel, world.size,
+                                           self.comm.reduce_bucket_numel, self.comm.alignment):
             out = torch.empty(hi - lo, dtype=out_dtype, device=self.device)
             # A strided view: the collective copies it where and when it runs, so the
-            # buckets of a unit cost one flat buffer, not two (see reduce_scatter_sum).
+            # buckets of a unit cost one flat buffer, not two (see ReduceScatter).
             pending = self.comm.reduce(
                 out, by_rank[:, lo:hi], world, self.comm.stats, phase, key=(self.name, lo)
             )

@@ -2,8 +2,11 @@
 
 from zeropp.comm.accounting import PHASES, CommStats
 from zeropp.comm.collectives import (
+    AllGather,
+    Collective,
     CommGroup,
     Pending,
+    ReduceScatter,
     all_gather,
     all_reduce_sum,
     all_to_all,
@@ -12,6 +15,9 @@ from zeropp.comm.collectives import (
 
 __all__ = [
     "PHASES",
+    "AllGather",
+    "Collective",
+    "ReduceScatter",
     "CommGroup",
     "CommStats",
     "Pending",

@@ -19,6 +19,10 @@ PHASES = ("forward_all_gather", "backward_all_gather", "gradient_reduce", "optim
 LOCALITIES = ("intra_node", "inter_node")
 
 
+def locality(spans_nodes: bool) -> str:
+    return "inter_node" if spans_nodes else "intra_node"
+
+
 def all_gather_bytes(input_bytes: int, group_size: int) -> int:
     return input_bytes * (group_size - 1)
 
@@ -45,7 +49,7 @@ class CommStats:
         if phase not in PHASES:
             raise ValueError(f"unknown communication phase {phase!r}; expected one of {PHASES}")
         if self.enabled and nbytes:
-            self._bytes[phase]["inter_node" if spans_nodes else "intra_node"] += int(nbytes)
+            self._bytes[phase][locality(spans_nodes)] += int(nbytes)
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         """``{phase: {intra_node: int, inter_node: int}}`` for every phase (zeros included)."""

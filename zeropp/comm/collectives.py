@@ -1,14 +1,28 @@
-"""Exact collectives as pure functions over tensors and groups, with byte accounting.
+"""Exact collectives as objects with one protocol, and their byte accounting.
 
-Each returns a ``Pending`` handle; after ``wait()`` the result is in the output tensor (and
-usable on the compute stream). ``execution`` decides where the transfer runs and what it
-holds until then (see ``zeropp.comm.streams``); without one, the call completes at once.
-The quantized collectives in ``zeropp.comm.quantized`` keep exactly these contracts.
+[Note: collective protocol]
+Every collective the engine issues for weights and gradients is an object with
+- ``__call__(output, input, group, stats, phase, key=None) -> Pending``: the transfer; after
+  ``wait()`` the result is in ``output`` (and usable on the compute stream);
+- ``lane``: "gather" or "reduce", the stream (CUDA) or queue it runs on, through the
+  ``Execution`` it was built with (``zeropp.comm.streams``);
+- ``alignment``: elements every per-rank slice must be a multiple of (the flat layouts and
+  reduce buckets are padded to it);
+- ``output_dtype``: the dtype it delivers (None: the output tensor's own);
+- ``bytes_sent(numel, dtype, group)``: ``{locality: bytes}`` this rank sends for one call
+  whose per-rank slice holds ``numel`` elements of ``dtype``;
+- ``error_feedback``: the quantization residuals it carries (None for exact ones).
+The engine records exactly ``bytes_sent`` when it issues a call, and the planner asks the
+same objects, so a plan and a measurement cannot disagree on a rule. The quantized
+collectives (``zeropp.comm.quantized``) keep these contracts; a new one is one class and one
+entry in ``zeropp.comm.registry``.
 """
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -17,6 +31,7 @@ from zeropp.comm.accounting import (
     CommStats,
     all_gather_bytes,
     all_reduce_bytes,
+    locality,
     reduce_scatter_bytes,
 )
 from zeropp.comm.streams import SYNCHRONOUS, Execution, Pending
@@ -40,40 +55,60 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_gather(
-    output: torch.Tensor,
-    shard: torch.Tensor,
-    group: CommGroup,
-    stats: CommStats,
-    phase: str,
-    execution: Execution = SYNCHRONOUS,
-) -> Pending:
+class Collective(abc.ABC):
+    """Base of [Note: collective protocol]: the facts every collective answers."""
+
+    lane: ClassVar[str]
+    alignment: int = 1
+    output_dtype: torch.dtype | None = None
+    error_feedback = None
+
+    def __init__(self, execution: Execution = SYNCHRONOUS) -> None:
+        self.execution = execution
+
+    @abc.abstractmethod
+    def bytes_sent(self, numel: int, dtype: torch.dtype, group: CommGroup) -> dict[str, int]:
+        """{locality: bytes} this rank sends for one call with per-rank slices of ``numel``."""
+
+    @abc.abstractmethod
+    def __call__(self, output: torch.Tensor, input: torch.Tensor, group: CommGroup,
+                 stats: CommStats, phase: str, key: object = None) -> Pending:
+        """Issue the collective; ``key`` names the buffer (for error feedback)."""
+
+    def _record(self, stats: CommStats, phase: str, numel: int, dtype: torch.dtype,
+                group: CommGroup) -> None:
+        for where, nbytes in self.bytes_sent(numel, dtype, group).items():
+            stats.record(phase, where == "inter_node", nbytes)
+
+
+class AllGather(Collective):
     """``output`` (group.size * shard.numel()) <- the shards of all ranks, in rank order."""
-    if output.numel() != shard.numel() * group.size:
-        raise ValueError(
-            f"all_gather: output has {output.numel()} elements, expected "
-            f"{group.size} x {shard.numel()}"
+
+    lane = "gather"
+
+    def bytes_sent(self, numel, dtype, group):
+        return {locality(group.spans_nodes): all_gather_bytes(numel * dtype.itemsize, group.size)}
+
+    def __call__(self, output: torch.Tensor, shard: torch.Tensor, group: CommGroup,
+                 stats: CommStats, phase: str, key: object = None) -> Pending:
+        if output.numel() != shard.numel() * group.size:
+            raise ValueError(
+                f"all_gather: output has {output.numel()} elements, expected "
+                f"{group.size} x {shard.numel()}"
+            )
+        self._record(stats, phase, shard.numel(), shard.dtype, group)
+        if group.size == 1:
+            output.copy_(shard)
+            return Pending()
+        return self.execution.launch(
+            self.lane,
+            lambda async_op: _all_gather_single(output, shard, group=group.group,
+                                                async_op=async_op),
+            keep=(output, shard),
         )
-    stats.record(phase, group.spans_nodes, all_gather_bytes(_nbytes(shard), group.size))
-    if group.size == 1:
-        output.copy_(shard)
-        return Pending()
-    return execution.launch(
-        "gather",
-        lambda async_op: _all_gather_single(output, shard, group=group.group, async_op=async_op),
-        keep=(output, shard),
-    )
 
 
-def reduce_scatter_sum(
-    output: torch.Tensor,
-    full: torch.Tensor,
-    group: CommGroup,
-    stats: CommStats,
-    phase: str,
-    execution: Execution = SYNCHRONOUS,
-    key: object = None,
-) -> Pending:
+class ReduceScatter(Collective):
     """``output`` <- this rank's slice of the element-wise SUM of ``full`` over the group.
 
     ``full`` holds the group's slices in rank order: flat, or a ``[group.size, width]`` view
@@ -88,23 +123,66 @@ def reduce_scatter_sum(
     Sum, not average: the engine divides exactly once, at the optimizer step (and gloo has no
     AVG for integer tensors).
     """
-    if full.numel() != output.numel() * group.size:
-        raise ValueError(
-            f"reduce_scatter: input has {full.numel()} elements, expected "
-            f"{group.size} x {output.numel()}"
+
+    lane = "reduce"
+
+    def bytes_sent(self, numel, dtype, group):
+        wire = numel * group.size * dtype.itemsize
+        return {locality(group.spans_nodes): reduce_scatter_bytes(wire, group.size)}
+
+    def __call__(self, output: torch.Tensor, full: torch.Tensor, group: CommGroup,
+                 stats: CommStats, phase: str, key: object = None) -> Pending:
+        if full.numel() != output.numel() * group.size:
+            raise ValueError(
+                f"reduce_scatter: input has {full.numel()} elements, expected "
+                f"{group.size} x {output.numel()}"
+            )
+        self._record(stats, phase, output.numel(), output.dtype, group)
+        if group.size == 1:
+            output.copy_(full.reshape(-1))
+            return Pending()
+        return self.execution.launch(
+            self.lane,
+            lambda async_op: _reduce_scatter_single(
+                output, full.reshape(-1).to(output.dtype), op=dist.ReduceOp.SUM,
+                group=group.group, async_op=async_op),
+            keep=(output, full),
         )
-    wire_nbytes = full.numel() * output.element_size()
-    stats.record(phase, group.spans_nodes, reduce_scatter_bytes(wire_nbytes, group.size))
-    if group.size == 1:
-        output.copy_(full.reshape(-1))
-        return Pending()
-    return execution.launch(
-        "reduce",
-        lambda async_op: _reduce_scatter_single(
-            output, full.reshape(-1).to(output.dtype), op=dist.ReduceOp.SUM, group=group.group,
-            async_op=async_op),
-        keep=(output, full),
-    )
+
+
+class ReplicatedAllReduce(Collective):
+    """Stage 0's reduction under ``ReduceScatter``'s contract: the shard group is one rank,
+    so ``output`` is the whole buffer, summed over the data-parallel world."""
+
+    lane = "reduce"
+
+    def __init__(self, data_parallel: CommGroup, execution: Execution = SYNCHRONOUS) -> None:
+        super().__init__(execution)
+        self.data_parallel = data_parallel
+
+    def bytes_sent(self, numel, dtype, group):
+        world = self.data_parallel
+        return {locality(world.spans_nodes): all_reduce_bytes(numel * dtype.itemsize, world.size)}
+
+    def __call__(self, output: torch.Tensor, full: torch.Tensor, group: CommGroup,
+                 stats: CommStats, phase: str, key: object = None) -> Pending:
+        if group.size != 1 or output.numel() != full.numel():
+            raise ValueError("ReplicatedAllReduce needs a shard group of one rank")
+        output.copy_(full.reshape(-1))  # in output's dtype (communication_data_type)
+        self._record(stats, phase, output.numel(), output.dtype, group)
+        if self.data_parallel.size == 1:
+            return Pending()
+        return self.execution.launch(
+            self.lane,
+            lambda async_op: dist.all_reduce(output, op=dist.ReduceOp.SUM,
+                                             group=self.data_parallel.group, async_op=async_op),
+            keep=(output,),
+        )
+
+
+# Synchronous instances, for callers outside the engine's streams (reading weights out, tests).
+all_gather = AllGather()
+reduce_scatter_sum = ReduceScatter()
 
 
 def all_to_all(
@@ -123,34 +201,6 @@ def all_to_all(
         output.copy_(send)
         return
     dist.all_to_all_single(output, send, group=group.group)
-
-
-def replicated_gradient_reduce(
-    output: torch.Tensor,
-    full: torch.Tensor,
-    group: CommGroup,
-    stats: CommStats,
-    phase: str,
-    *,
-    data_parallel: CommGroup,
-    execution: Execution = SYNCHRONOUS,
-    key: object = None,
-) -> Pending:
-    """Stage 0's reduction under ``reduce_scatter_sum``'s contract: the shard group is one
-    rank, so ``output`` is the whole buffer, summed over the data-parallel world."""
-    if group.size != 1 or output.numel() != full.numel():
-        raise ValueError("replicated_gradient_reduce needs a shard group of one rank")
-    output.copy_(full.reshape(-1))  # in output's dtype (communication_data_type)
-    stats.record(phase, data_parallel.spans_nodes,
-                 all_reduce_bytes(_nbytes(output), data_parallel.size))
-    if data_parallel.size == 1:
-        return Pending()
-    return execution.launch(
-        "reduce",
-        lambda async_op: dist.all_reduce(output, op=dist.ReduceOp.SUM,
-                                         group=data_parallel.group, async_op=async_op),
-        keep=(output,),
-    )
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: CommGroup, stats: CommStats, phase: str) -> None:

@@ -1,10 +1,10 @@
 """qwZ and qgZ: quantized collectives with the contracts of the exact ones they replace.
 
-- ``quantized_all_gather`` is ``all_gather``: output = every rank's shard, in rank order, but
+- ``QuantizedAllGather`` (qwZ) is ``AllGather``: output = every rank's shard, in rank order, but
   each shard crosses the wire block-quantized (int8 by default) and is dequantized after the
   gather. Every rank, the sender included, uses the dequantized values, so all ranks compute
   with identical weights.
-- ``HierarchicalReduceScatter`` is ``reduce_scatter_sum``: output = this rank's slice of the
+- ``HierarchicalReduceScatter`` (qgZ) is ``ReduceScatter``: output = this rank's slice of the
   element-wise sum over all ranks, computed as ZeRO++'s two all-to-alls.
 
 [Note: qgZ data path]
@@ -27,8 +27,9 @@ from __future__ import annotations
 import torch
 
 from zeropp import kernels
-from zeropp.comm.accounting import CommStats, all_gather_bytes, all_to_all_bytes
+from zeropp.comm.accounting import CommStats, all_gather_bytes, all_to_all_bytes, locality
 from zeropp.comm.collectives import (
+    Collective,
     CommGroup,
     _all_gather_single,
     all_to_all,
@@ -38,50 +39,55 @@ from zeropp.comm.streams import SYNCHRONOUS, Execution, Pending
 from zeropp.topology import Topology
 
 
-def quantized_all_gather(
-    output: torch.Tensor,
-    shard: torch.Tensor,
-    group: CommGroup,
-    stats: CommStats,
-    phase: str,
-    *,
-    bits: int = 8,
-    block_size: int = 256,
-    execution: Execution = SYNCHRONOUS,
-) -> Pending:
-    """``all_gather`` with the shard sent block-quantized; scales travel in the payload.
+class QuantizedAllGather(Collective):
+    """qwZ: ``AllGather`` with the shard sent block-quantized; scales travel in the payload.
 
     Quantization and dequantization run where the transfer runs (the gather stream on CUDA),
     so they overlap compute like the transfer itself.
     """
-    numel = shard.numel()
-    if output.numel() != numel * group.size:
-        raise ValueError(
-            f"quantized_all_gather: output has {output.numel()} elements, expected "
-            f"{group.size} x {numel}"
-        )
-    payload_nbytes = kernels.quantized_nbytes(numel, bits, block_size)
-    stats.record(phase, group.spans_nodes, all_gather_bytes(payload_nbytes, group.size))
-    buffers: dict[str, torch.Tensor] = {}
 
-    def issue(async_op: bool):
-        payload = kernels.quantize_blockwise(shard, bits, block_size)
-        gathered = torch.empty(group.size * payload_nbytes, dtype=torch.uint8,
-                               device=shard.device)
-        buffers.update(payload=payload, gathered=gathered)
-        if group.size == 1:
-            gathered.copy_(payload)
-            return None
-        return _all_gather_single(gathered, payload, group=group.group, async_op=async_op)
+    lane = "gather"
 
-    def finish() -> None:
-        values = kernels.dequantize_blockwise_many(
-            buffers.pop("gathered").view(group.size, -1), numel, bits, block_size, output.dtype
-        )
-        output.view(group.size, numel).copy_(values)
-        buffers.clear()
+    def __init__(self, bits: int = 8, block_size: int = 256,
+                 execution: Execution = SYNCHRONOUS) -> None:
+        super().__init__(execution)
+        self.bits = bits
+        self.block_size = block_size
 
-    return execution.launch("gather", issue, finish=finish, keep=(output, shard))
+    def bytes_sent(self, numel, dtype, group):
+        payload = kernels.quantized_nbytes(numel, self.bits, self.block_size)
+        return {locality(group.spans_nodes): all_gather_bytes(payload, group.size)}
+
+    def __call__(self, output: torch.Tensor, shard: torch.Tensor, group: CommGroup,
+                 stats: CommStats, phase: str, key: object = None) -> Pending:
+        numel, bits, block_size = shard.numel(), self.bits, self.block_size
+        if output.numel() != numel * group.size:
+            raise ValueError(
+                f"quantized_all_gather: output has {output.numel()} elements, expected "
+                f"{group.size} x {numel}"
+            )
+        self._record(stats, phase, numel, shard.dtype, group)
+        payload_nbytes = kernels.quantized_nbytes(numel, bits, block_size)
+        buffers: dict[str, torch.Tensor] = {}
+
+        def issue(async_op: bool):
+            payload = kernels.quantize_blockwise(shard, bits, block_size)
+            gathered = torch.empty(group.size * payload_nbytes, dtype=torch.uint8,
+                                   device=shard.device)
+            buffers.update(payload=payload, gathered=gathered)
+            if group.size == 1:
+                gathered.copy_(payload)
+                return None
+            return _all_gather_single(gathered, payload, group=group.group, async_op=async_op)
+
+        def finish() -> None:
+            values = kernels.dequantize_blockwise_many(
+                buffers.pop("gathered").view(group.size, -1), numel, bits, block_size,
+                output.dtype)
+            output.view(group.size, numel).copy_(values)
+            buffers.clear()
+
+        return self.execution.launch(self.lane, issue, finish=finish, keep=(output, shard))
 
 
 def split_payload(payload: torch.Tensor, parts: int, numel: int, bits: int, block_size: int):
@@ -103,8 +109,16 @@ def split_payload(payload: torch.Tensor, parts: int, numel: int, bits: int, bloc
     return torch.cat([codes, scales], dim=1)
 
 
-class HierarchicalReduceScatter:
-    """qgZ: ``reduce_scatter_sum``'s contract through two quantized all-to-alls."""
+class HierarchicalReduceScatter(Collective):
+    """qgZ: ``ReduceScatter``'s contract through two quantized all-to-alls.
+
+    Built from a ``Topology``; one without process groups (rank 0 of a planned cluster) is
+    enough for ``bytes_sent`` and ``alignment``, which is how the planner uses it.
+    """
+
+    lane = "reduce"
+    # The last sum is in fp32: delivered as is, not rounded to the working dtype and back.
+    output_dtype = torch.float32
 
     def __init__(
         self,
@@ -115,7 +129,7 @@ class HierarchicalReduceScatter:
         execution: Execution = SYNCHRONOUS,
     ) -> None:
         """``error_feedback``: (beta, reset interval) of [Note: error feedback], None = off."""
-        self.execution = execution
+        super().__init__(execution)
         self.nodes = topology.num_nodes
         self.per_node = topology.ranks_per_node
         self.intra = CommGroup(topology.intra_node_group, self.per_node, topology.local_rank, False)
@@ -132,12 +146,9 @@ class HierarchicalReduceScatter:
             beta, reset_interval = error_feedback
             self.error_feedback = ErrorFeedback(block_size, beta, reset_interval)
 
-    # The last sum is in fp32: delivered as is, not rounded to the working dtype and back.
-    output_dtype = torch.float32
-
     @property
-    def slice_multiple(self) -> int:
-        """Shards must be a multiple of this many elements (whole quantization blocks)."""
+    def alignment(self) -> int:
+        """Slices are whole pairs of quantization blocks (two int4 codes per byte)."""
         return 1 if self.bits is None else 2 * self.block_size
 
     def __call__(
@@ -158,27 +169,28 @@ class HierarchicalReduceScatter:
             )
         # Bytes are recorded here, in the caller's thread: the accounting is never touched
         # from a host worker thread.
-        intra, inter = self.bytes_sent(output.numel(), full.element_size())
-        stats.record(phase, self.intra.spans_nodes, intra)
-        stats.record(phase, self.inter.spans_nodes, inter)
+        self._record(stats, phase, output.numel(), full.dtype, group)
         # [Note: qgZ issue order] Both hops and the requantization between them are one
         # sequence on the reduce lane: on CUDA issued from the backward thread on the reduce
         # stream, on gloo on the host worker (the only user of the intra- and inter-node
         # groups), so every rank issues its all-to-alls in the same order.
         return self.execution.launch(
-            "reduce", lambda async_op: self._reduce(output, full, key),
+            self.lane, lambda async_op: self._reduce(output, full, key),
             keep=(output, full), sequence=True,
         )
 
-    def bytes_sent(self, slice_numel: int, element_size: int) -> tuple[int, int]:
-        """(intra-node, inter-node) bytes this rank sends for one reduction."""
-        chunk_numel = self.nodes * slice_numel
+    def bytes_sent(self, numel, dtype, group):
+        """Hop 1 sends the whole swizzled bucket inside the node; hop 2 the node's partial
+        sums of the n slices that belong to ranks with this rank's local index."""
+        chunk_numel = self.nodes * numel
         if self.bits is None:
-            first, second = self.per_node * chunk_numel * element_size, chunk_numel * 4
+            first, second = self.per_node * chunk_numel * dtype.itemsize, chunk_numel * 4
         else:
             first = self.per_node * kernels.quantized_nbytes(chunk_numel, self.bits, self.block_size)
-            second = self.nodes * kernels.quantized_nbytes(slice_numel, self.bits, self.block_size)
-        return (all_to_all_bytes(first, self.per_node), all_to_all_bytes(second, self.nodes))
+            second = self.nodes * kernels.quantized_nbytes(numel, self.bits, self.block_size)
+        sent = {"intra_node": all_to_all_bytes(first, self.per_node), "inter_node": 0}
+        sent[locality(self.inter.spans_nodes)] += all_to_all_bytes(second, self.nodes)
+        return sent
 
     def _reduce(self, output: torch.Tensor, full: torch.Tensor, key: object) -> None:
         """The data path of [Note: qgZ data path], blocking."""

@@ -1,0 +1,75 @@
+"""Which collective carries the weights and which the gradients, for one configuration.
+
+A new collective is one class with the protocol of [Note: collective protocol] and one entry
+in ``WEIGHT_GATHERS`` or ``GRADIENT_REDUCTIONS``; the engine and the planner both get theirs
+from ``collectives_for``, so they run and count the same objects.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from zeropp.comm.collectives import (
+    AllGather,
+    Collective,
+    CommGroup,
+    ReduceScatter,
+    ReplicatedAllReduce,
+)
+from zeropp.comm.quantized import HierarchicalReduceScatter, QuantizedAllGather
+from zeropp.comm.streams import SYNCHRONOUS, Execution
+from zeropp.topology import Topology
+
+if TYPE_CHECKING:
+    from zeropp.initialize import QuantizationOptions
+
+Factory = Callable[["QuantizationOptions", Topology, Execution], Collective]
+
+WEIGHT_GATHERS: dict[str, Factory] = {
+    "exact": lambda quant, topology, execution: AllGather(execution),
+    "qwZ": lambda quant, topology, execution: QuantizedAllGather(
+        quant.weight_bits, quant.block_size, execution),
+}
+
+GRADIENT_REDUCTIONS: dict[str, Factory] = {
+    # Stage 0 has no shards to reduce into: the whole gradient is summed on every rank.
+    "all_reduce": lambda quant, topology, execution: ReplicatedAllReduce(
+        CommGroup(None, topology.world_size, topology.rank, topology.world_spans_nodes),
+        execution),
+    "exact": lambda quant, topology, execution: ReduceScatter(execution),
+    "qgZ": lambda quant, topology, execution: HierarchicalReduceScatter(
+        topology, bits=quant.gradient_bits, block_size=quant.block_size,
+        error_feedback=quant.error_feedback, execution=execution),
+}
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """The collectives one engine runs (see ``UnitComm`` for how units use them)."""
+
+    gather: Collective  # forward (and, without hpZ, backward) gathers over the shard group
+    reduce: Collective  # gradient reduction into each rank's shard
+    secondary_gather: Collective  # hpZ's backward gather inside the node: always exact
+
+    @property
+    def alignment(self) -> int:
+        """Elements every per-rank slice is padded to, for the gather and the reduction."""
+        return math.lcm(self.gather.alignment, self.reduce.alignment)
+
+
+def collectives_for(stage: int, quant: QuantizationOptions, topology: Topology,
+                    execution: Execution = SYNCHRONOUS) -> Collectives:
+    """The registry's choice: ZeRO++'s quantized collectives where switched on."""
+    gather = "qwZ" if quant.quantized_weights else "exact"
+    if stage == 0:
+        reduce = "all_reduce"
+    else:
+        reduce = "qgZ" if quant.quantized_gradients else "exact"
+    return Collectives(
+        gather=WEIGHT_GATHERS[gather](quant, topology, execution),
+        reduce=GRADIENT_REDUCTIONS[reduce](quant, topology, execution),
+        secondary_gather=AllGather(execution),
+    )
