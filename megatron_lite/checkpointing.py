@@ -71,7 +71,7 @@ class RunControl:
         if not self.args.load:
             return
         if self._first_run_of_a_restartable_job():
-            trainer._print(f"no checkpoint in {self.args.load} yet: starting from scratch "
+            trainer.log(f"no checkpoint in {self.args.load} yet: starting from scratch "
                            f"(--load {self.args.load} is also --save)")
             return
         path, client = self.engine.load_checkpoint(
@@ -86,14 +86,11 @@ class RunControl:
                     f"checkpoint {path} was written for {key}={saved_model[key]}, "
                     f"this run has {key}={ours[key]}"
                 )
-        trainer.iteration = int(client["iteration"])
-        trainer.consumed_samples = int(client["consumed_samples"])
-        trainer.applied_updates = int(client["applied_updates"])
-        trainer.skipped_iterations = int(client["skipped_iterations"])
+        trainer.load_state_dict(client)
         if not self.args.no_load_optim and client.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(client["lr_scheduler"], strict=False)
         self.last_saved_iteration = trainer.iteration
-        trainer._print(f"resumed from {path} at iteration {trainer.iteration} "
+        trainer.log(f"resumed from {path} at iteration {trainer.iteration} "
                        f"({trainer.consumed_samples} consumed samples)")
 
     def _first_run_of_a_restartable_job(self) -> bool:
@@ -112,10 +109,7 @@ class RunControl:
     def save(self, trainer) -> None:
         """Save now; on failure stop or continue as ``--save-error`` says."""
         client = {
-            "iteration": trainer.iteration,
-            "consumed_samples": trainer.consumed_samples,
-            "applied_updates": trainer.applied_updates,
-            "skipped_iterations": trainer.skipped_iterations,
+            **trainer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "model_config": dataclasses.asdict(self.model_config),
             "args": _plain_args(self.args),
@@ -130,11 +124,11 @@ class RunControl:
             if self.args.save_error == "stop" or not isinstance(error, CheckpointStorageError):
                 raise SaveFailed(f"checkpoint save at iteration {trainer.iteration} failed: "
                                  f"{error}") from error
-            trainer._print(f"warning: checkpoint save at iteration {trainer.iteration} failed "
+            trainer.log(f"warning: checkpoint save at iteration {trainer.iteration} failed "
                            f"({error}); the previous checkpoint stays valid; continuing")
             return
         self.last_saved_iteration = trainer.iteration
-        trainer._print(f"saved checkpoint {path} at iteration {trainer.iteration}")
+        trainer.log(f"saved checkpoint {path} at iteration {trainer.iteration}")
 
     def maybe_save(self, trainer) -> None:
         interval = self.args.save_interval
@@ -172,7 +166,7 @@ class RunControl:
                 f"(up to iteration {trainer.iteration}); stopping (--exit-on-nan {limit})"
             )
         if signalled:
-            trainer._print(f"SIGTERM received: saving at iteration {trainer.iteration} and "
+            trainer.log(f"SIGTERM received: saving at iteration {trainer.iteration} and "
                            "exiting")
             if self.args.save:
                 self.save(trainer)

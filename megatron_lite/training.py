@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from data.samplers import get_batch
 from megatron_lite.checkpointing import RunControl
-from megatron_lite.lr_schedule import LRScheduler
 from megatron_lite.metrics import (
     MAX_LOSS_FOR_PERPLEXITY,
     MetricsWriter,
@@ -44,6 +43,7 @@ from megatron_lite.metrics import (
     training_log_line,
 )
 from megatron_lite.model import GPTConfig, flops_per_token, lm_loss
+from zeropp.lr_schedules import AnnealingLR
 
 # (logits, labels, loss_mask) -> scalar mean loss of one micro-batch.
 LossFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -157,7 +157,7 @@ class Trainer:
         self,
         args: argparse.Namespace,
         engine: TrainingEngine,
-        lr_scheduler: LRScheduler,
+        lr_scheduler: AnnealingLR,
         model_config: GPTConfig,
         train_loader_factory: LoaderFactory,
         valid_loader_factory: LoaderFactory | None,
@@ -216,7 +216,7 @@ class Trainer:
                 if self.run_control.should_stop(self, loss, applied):
                     break
             if args.exit_interval and self.iteration % args.exit_interval == 0:
-                self._print(f"exiting after iteration {self.iteration} (--exit-interval "
+                self.log(f"exiting after iteration {self.iteration} (--exit-interval "
                             f"{args.exit_interval})")
                 break
         if self._interval.iterations:
@@ -309,7 +309,7 @@ class Trainer:
         """Megatron's boxed evaluation line, printed by the logging rank."""
         line = f" {title} | lm loss value: {loss:.6E} | lm loss PPL: {perplexity(loss):.6E} |"
         rule = "-" * len(line)
-        self._print(f"{rule}\n{line}\n{rule}")
+        self.log(f"{rule}\n{line}\n{rule}")
 
     # ---- logging -------------------------------------------------------------------------
 
@@ -385,15 +385,28 @@ class Trainer:
                 metrics["comm_inter_node_mb_per_iteration"], 3)},
         )
 
-    def _print(self, text: str) -> None:
+    def log(self, text: str) -> None:
+        """Print on the logging rank (Megatron's last rank)."""
         if self.is_logging_rank:
             print(text, flush=True)
+
+    # ---- progress, for checkpoints -------------------------------------------------------
+    PROGRESS_KEYS = ("iteration", "consumed_samples", "applied_updates", "skipped_iterations")
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the run stands: what a checkpoint must restore for the data and the lr
+        schedule to continue exactly where they stopped."""
+        return {key: getattr(self, key) for key in self.PROGRESS_KEYS}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for key in self.PROGRESS_KEYS:
+            setattr(self, key, int(state[key]))
 
 
 def pretrain(
     args: argparse.Namespace,
     engine: TrainingEngine,
-    lr_scheduler: LRScheduler,
+    lr_scheduler: AnnealingLR,
     model_config: GPTConfig,
     train_loader_factory: LoaderFactory,
     valid_loader_factory: LoaderFactory | None,

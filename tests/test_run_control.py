@@ -78,10 +78,17 @@ class _Engine:
 
 
 class _Trainer:
-    iteration, consumed_samples, applied_updates, skipped_iterations = 4, 8, 4, 0
     printed: list[str] = []
 
-    def _print(self, text):
+    def state_dict(self):
+        return {"iteration": 4, "consumed_samples": 8, "applied_updates": 4,
+                "skipped_iterations": 0}
+
+    @property
+    def iteration(self):
+        return self.state_dict()["iteration"]
+
+    def log(self, text):
         self.printed.append(text)
 
 

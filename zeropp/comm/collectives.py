@@ -37,8 +37,8 @@ from zeropp.comm.accounting import (
 from zeropp.comm.streams import SYNCHRONOUS, Execution, Pending
 
 # torch 2.13 renamed the tensor collectives; keep working on older releases too.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class AllGather(Collective):
             return Pending()
         return self.execution.launch(
             self.lane,
-            lambda async_op: _all_gather_single(output, shard, group=group.group,
+            lambda async_op: all_gather_into_tensor(output, shard, group=group.group,
                                                 async_op=async_op),
             keep=(output, shard),
         )
@@ -143,7 +143,7 @@ class ReduceScatter(Collective):
             return Pending()
         return self.execution.launch(
             self.lane,
-            lambda async_op: _reduce_scatter_single(
+            lambda async_op: reduce_scatter_tensor(
                 output, full.reshape(-1).to(output.dtype), op=dist.ReduceOp.SUM,
                 group=group.group, async_op=async_op),
             keep=(output, full),

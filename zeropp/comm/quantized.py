@@ -31,7 +31,7 @@ from zeropp.comm.accounting import CommStats, all_gather_bytes, all_to_all_bytes
 from zeropp.comm.collectives import (
     Collective,
     CommGroup,
-    _all_gather_single,
+    all_gather_into_tensor,
     all_to_all,
 )
 from zeropp.comm.error_feedback import ErrorFeedback
@@ -78,7 +78,7 @@ class QuantizedAllGather(Collective):
             if group.size == 1:
                 gathered.copy_(payload)
                 return None
-            return _all_gather_single(gathered, payload, group=group.group, async_op=async_op)
+            return all_gather_into_tensor(gathered, payload, group=group.group, async_op=async_op)
 
         def finish() -> None:
             values = kernels.dequantize_blockwise_many(
