@@ -273,8 +273,7 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
         optimizer.load_shard(index, values["master"], moments, old.rank_state(0)["adam_step"])
         unit.zero_grad_shard()
     # Every derived copy of the weights (gathered buffers, hpZ secondary shards) is stale.
-    for unit in engine.sharded.units:
-        unit.refresh_after_update()
+    engine.sharded.refresh_after_update()
 
     mine = old.rank_state(engine.topology.rank) if engine.topology.rank < old.world_size else None
     reference = mine or old.rank_state(0)

@@ -8,6 +8,7 @@ at the gradient-accumulation boundary, exactly as ``deepspeed.DeepSpeedEngine.st
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
 
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from zeropp.loss_scaler import LossScaler
-from zeropp.optimizer import PartitionedAdamW
+from zeropp.optimizer import PartitionedAdamW, clip_coefficient
 from zeropp.sharded_model import ShardedModel
 
 
@@ -124,9 +125,7 @@ class ZeroEngine:
             self.sharded.dp_size * self.gradient_accumulation_steps * self.loss_scaler.scale
             / self.sharded.comm.predivide_factor
         )
-        norm, overflow = self.sharded.grad_norm_and_step(
-            self.optimizer, divisor, self.gradient_clipping
-        )
+        norm, overflow = self._average_clip_and_update(divisor)
         self.loss_scaler.update(overflow)
         if self.sharded.error_feedback is not None:
             self.sharded.error_feedback.after_step(skipped=overflow)
@@ -138,6 +137,18 @@ class ZeroEngine:
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return not overflow
+
+    def _average_clip_and_update(self, divisor: float) -> tuple[float, bool]:
+        """Average (divide by ``divisor`` once), clip and step; skip on a non-finite norm."""
+        inv = 1.0 / divisor
+        norm = self.optimizer.grad_norm_squared(inv) ** 0.5
+        overflow = not math.isfinite(norm)
+        if overflow:
+            self.optimizer.skip_step()
+        else:
+            self.optimizer.step(inv * clip_coefficient(norm, self.gradient_clipping))
+        self.sharded.refresh_after_update()
+        return norm, overflow
 
     def close(self) -> None:
         """Finish what is in flight, stop the engine's communication threads, close monitors."""

@@ -23,9 +23,10 @@ order. The fp32 shard accumulates the results.
 With hpZ, a training forward keeps each block's secondary shard even when the block ran
 under ``no_grad`` (reentrant activation checkpointing), so its recompute gathers inside the
 node too.
-Step: at the accumulation boundary, ``PartitionedAdamW`` averages once, clips, checks
-overflow, updates the fp32 shards and casts them into the working shards; every derived copy
-(gathered buffers, secondary shards) is dropped.
+Step (``ZeroEngine.step``): at the accumulation boundary, ``PartitionedAdamW`` averages once,
+clips, checks overflow, updates the fp32 shards and casts them into the working shards; then
+``refresh_after_update`` drops every derived copy (gathered buffers, secondary shards) and
+re-gathers the units that stay whole.
 
 Every rank issues the same collectives in the same order: gathers follow the model's graph,
 prefetch decisions follow the previous iteration's recorded order and fixed sizes, and
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -50,7 +50,6 @@ from zeropp.comm import CommGroup, CommStats
 from zeropp.comm.registry import Collectives
 from zeropp.comm.streams import Execution
 from zeropp.flat_layout import FlatLayout
-from zeropp.optimizer import PartitionedAdamW, clip_coefficient
 from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
 from zeropp.residency import Residency, shard_alignment, stays_gathered
 from zeropp.topology import Topology
@@ -455,20 +454,10 @@ class ShardedModel:
                 unit.backward_done = False
         self._release_all()
 
-    def grad_norm_and_step(
-        self, optimizer: PartitionedAdamW, divisor: float, max_norm: float
-    ) -> tuple[float, bool]:
-        """Average (divide by ``divisor`` once), clip and step; skip on a non-finite norm."""
-        inv = 1.0 / divisor
-        norm = optimizer.grad_norm_squared(inv) ** 0.5
-        finite = math.isfinite(norm)
-        if finite:
-            optimizer.step(inv * clip_coefficient(norm, max_norm))
-        else:
-            optimizer.skip_step()
+    def refresh_after_update(self) -> None:
+        """The shards changed (optimizer step, checkpoint load): rebuild every derived copy."""
         for unit in self.units:
             unit.refresh_after_update()
-        return norm, not finite
 
     @contextlib.contextmanager
     def gathered_parameters(self) -> Iterator[nn.Module]:
