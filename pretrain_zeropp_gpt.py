@@ -44,10 +44,10 @@ from megatron_lite.arguments import (
 )
 from megatron_lite.checkpointing import RunControl, SaveFailed
 from megatron_lite.dry_run import describe_count, run_dry_run
-from megatron_lite.lr_schedule import LRScheduler
 from megatron_lite.metrics import MetricsWriter
 from megatron_lite.model import GPTModel
 from megatron_lite.training import LoaderFactory, TrainingSummary, perplexity, pretrain
+from zeropp.lr_schedules import AnnealingLR
 
 USAGE_ERRORS = (ArgumentError, zeropp.ConfigError, zeropp.TopologyError)
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         model = build_meta_model(args, tokenizer.vocab_size)
         engine = build_engine(args, model, ds_config)
         print_run_description(args, model, engine.topology.describe())
-        scheduler = LRScheduler(engine.optimizer, max_lr=args.lr, min_lr=args.min_lr,
+        scheduler = AnnealingLR(engine.optimizer, max_lr=args.lr, min_lr=args.min_lr,
                                 warmup_iters=args.lr_warmup_iters,
                                 decay_iters=args.lr_decay_iters, decay_style=args.lr_decay_style)
     except USAGE_ERRORS as error:

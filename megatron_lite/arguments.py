@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from megatron_lite.lr_schedule import DECAY_STYLES
+from zeropp.lr_schedules import DECAY_STYLES
 
 SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
 

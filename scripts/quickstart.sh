@@ -79,5 +79,5 @@ fi
 grep -E "^ iteration +10/" "$RUN_DIR/zero3.log"
 
 echo "[quickstart] bytes sent per rank per iteration (fp32 weights on CPU):"
-"$PY" "$ROOT/scripts/bench/compare_comm.py" zero3="$RUN_DIR/zero3.jsonl" zeropp="$RUN_DIR/zeropp.jsonl"
+"$PY" -m scripts.bench.compare_comm zero3="$RUN_DIR/zero3.jsonl" zeropp="$RUN_DIR/zeropp.jsonl"
 echo "[quickstart] done in $(( $(date +%s) - started )) s (after setup); metrics in $RUN_DIR"

@@ -1,4 +1,4 @@
-"""LRScheduler against hand-computed values and torch's own cosine annealing."""
+"""AnnealingLR against hand-computed values and torch's own cosine annealing."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_lite.lr_schedule import LRScheduler
+from zeropp.lr_schedules import AnnealingLR
 
 MAX_LR, MIN_LR, WARMUP, DECAY = 1e-3, 1e-4, 10, 110
 
 
 def schedule(style: str, warmup: int = WARMUP, decay: int = DECAY,
-             optimizer: object | None = None) -> LRScheduler:
-    return LRScheduler(optimizer, MAX_LR, MIN_LR, warmup, decay, style)
+             optimizer: object | None = None) -> AnnealingLR:
+    return AnnealingLR(optimizer, MAX_LR, MIN_LR, warmup, decay, style)
 
 
 @pytest.mark.parametrize(
@@ -140,7 +140,7 @@ def test_invalid_schedules(kwargs: dict, message: str) -> None:
     settings = {"max_lr": MAX_LR, "min_lr": MIN_LR, "warmup_iters": WARMUP,
                 "decay_iters": DECAY, "decay_style": "linear", **kwargs}
     with pytest.raises(ValueError, match=message):
-        LRScheduler(None, **settings)
+        AnnealingLR(None, **settings)
 
 
 def test_negative_iteration_is_rejected() -> None:
@@ -149,6 +149,6 @@ def test_negative_iteration_is_rejected() -> None:
 
 
 def test_constant_schedule_needs_no_decay_horizon() -> None:
-    lr = LRScheduler(None, MAX_LR, 0.0, warmup_iters=4, decay_iters=0, decay_style="constant")
+    lr = AnnealingLR(None, MAX_LR, 0.0, warmup_iters=4, decay_iters=0, decay_style="constant")
     assert [lr.get_lr(i) for i in (0, 2, 4, 1000)] == [0.0, MAX_LR / 2, MAX_LR, MAX_LR]
     assert math.isclose(lr.get_lr(3), 0.75 * MAX_LR)

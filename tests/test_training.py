@@ -24,11 +24,11 @@ from data.preprocess import preprocess
 from data.samplers import build_pretraining_data_loader, get_batch
 from data.tokenizers import build_tokenizer
 from megatron_lite.arguments import parse_args, validate_args
-from megatron_lite.lr_schedule import LRScheduler
 from megatron_lite.metrics import TRAIN_METRIC_KEYS, MetricsWriter
 from megatron_lite.model import GPTConfig, GPTModel, lm_loss
 from megatron_lite.training import TrainingSummary, pretrain
 from tests.distributed import free_port
+from zeropp.lr_schedules import AnnealingLR
 
 SEQ_LENGTH = 16
 TINY_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -89,7 +89,7 @@ def train(corpus: str, tmp_path: Path, *flags: str, loss_fn=lm_loss, ds_extra=No
     }
     engine, _, _, _ = zeropp.initialize(model, config=ds_config, optimizer_params={
         "lr": args.lr, "weight_decay": args.weight_decay})
-    scheduler = LRScheduler(engine.optimizer, args.lr, args.min_lr, args.lr_warmup_iters,
+    scheduler = AnnealingLR(engine.optimizer, args.lr, args.min_lr, args.lr_warmup_iters,
                             args.lr_decay_iters, args.lr_decay_style)
 
     def loaders(dataset):

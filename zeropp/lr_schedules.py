@@ -1,27 +1,189 @@
-"""DeepSpeed's warmup schedules, for a ``scheduler`` block in the JSON config.
+"""Learning-rate schedules over an optimizer's param groups: Megatron's and DeepSpeed's.
 
-Same semantics as ``deepspeed.runtime.lr_schedules``: ``step()`` is called once per optimizer
-step (by the engine, skipped steps excluded) and writes ``group["lr"]``.
+Both families do the same thing: compute one lr for a position (completed iterations or
+optimizer steps), write it into every param group, and save their position in a state dict
+that the checkpoint carries. ``ParamGroupSchedule`` holds that shared part; the two
+families differ only in the curve and in who advances them:
 
-- WarmupLR: warm up from ``warmup_min_lr`` to ``warmup_max_lr`` (log or linear), then hold.
-- WarmupDecayLR: WarmupLR, then linear decay back to ``warmup_min_lr`` at ``total_num_steps``.
-- WarmupCosineLR: ratios of the optimizer's lr: warm up from ``warmup_min_ratio`` to 1, then
-  cosine decay to ``cos_min_ratio`` at ``total_num_steps``.
+- ``AnnealingLR``: Megatron's AnnealingLR, which the training loop advances once per
+  iteration (``--lr-warmup-iters``, ``--lr-decay-iters``, ``--lr-decay-style``).
+- ``WarmupSchedule``: DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR, built from a
+  ``scheduler`` block of the JSON config and advanced by the engine after every optimizer
+  step it takes.
+
+They live in the engine's package because the engine builds the DeepSpeed ones and must not
+depend on the training program, while the training program may depend on the engine.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any, Protocol
+
+DECAY_STYLES = ("constant", "linear", "cosine")
 
 
-class WarmupSchedule:
-    def __init__(self, optimizer, kind: str, params: dict) -> None:
+class HasParamGroups(Protocol):
+    """Anything shaped like a torch optimizer: a list of dicts with an "lr" entry."""
+
+    param_groups: list[dict[str, Any]]
+
+
+def _cosine(progress: float) -> float:
+    """1 at progress 0 down to 0 at progress 1, along half a cosine period."""
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class ParamGroupSchedule:
+    """An lr per position, written into every param group, with a resumable state.
+
+    Subclasses list what ``state_dict`` saves (``saved_fields``, in order) and which of those
+    are settings rather than progress (``checked_fields``), and implement ``get_lr`` and
+    ``_resume`` (move to the saved position and apply its lr).
+    """
+
+    saved_fields: tuple[str, ...] = ()
+    checked_fields: tuple[str, ...] = ()
+
+    def __init__(self, optimizer: HasParamGroups | None) -> None:
+        # None: the schedule only computes lrs (for example to print the plan).
         self.optimizer = optimizer
+
+    def get_lr(self, step: int) -> float:
+        raise NotImplementedError
+
+    def _set_lr(self, lr: float) -> float:
+        """Write ``lr`` into every param group (groups split weight decay, not the lr)."""
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        return lr
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.saved_fields}
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Resume at the saved position and apply its lr to the optimizer.
+
+        With ``strict`` the saved settings must equal this schedule's (a silently different
+        schedule after a resume is a classic loss-curve surprise); without it the current
+        settings win, which is how a run's schedule is deliberately changed on resume.
+        """
+        missing = [name for name in self.saved_fields if name not in state]
+        if missing:
+            raise ValueError(f"lr scheduler state lacks {', '.join(missing)}")
+        if strict:
+            for name in self.checked_fields:
+                if state[name] != getattr(self, name):
+                    raise ValueError(
+                        f"lr scheduler {name} is {getattr(self, name)!r} but the checkpoint "
+                        f"has {state[name]!r}; pass matching flags or load with strict=False"
+                    )
+        self._resume(state)
+
+    def _resume(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class AnnealingLR(ParamGroupSchedule):
+    """Megatron's AnnealingLR: warmup, then linear, cosine or no decay.
+
+        lr(i) = max_lr * i / warmup_iters                      for i <= warmup_iters
+              = min_lr + (max_lr - min_lr) * coeff(r)           for warmup_iters < i <= decay_iters
+              = min_lr                                          for i > decay_iters
+        r = (i - warmup_iters) / (decay_iters - warmup_iters)
+        coeff(r) = 1 - r (linear)   or   (1 + cos(pi * r)) / 2 (cosine)
+
+    The "constant" style holds max_lr after warmup and never decays. ``i`` counts completed
+    iterations: as in Megatron, the loop calls ``step(0)`` before training and ``step(i)``
+    after iteration ``i``, so the optimizer step of iteration ``i + 1`` uses ``lr(i)`` (the
+    first warmup step runs at lr 0).
+    """
+
+    checked_fields = ("max_lr", "min_lr", "warmup_iters", "decay_iters", "decay_style")
+    saved_fields = (*checked_fields, "num_iters")
+
+    def __init__(
+        self,
+        optimizer: HasParamGroups | None,
+        max_lr: float,
+        min_lr: float,
+        warmup_iters: int,
+        decay_iters: int,
+        decay_style: str,
+    ) -> None:
+        _check_annealing(max_lr, min_lr, warmup_iters, decay_iters, decay_style)
+        super().__init__(optimizer)
+        self.max_lr = float(max_lr)
+        self.min_lr = float(min_lr)
+        self.warmup_iters = int(warmup_iters)
+        self.decay_iters = int(decay_iters)
+        self.decay_style = decay_style
+        self.num_iters = 0
+
+    def get_lr(self, iteration: int) -> float:
+        """The learning rate after ``iteration`` completed iterations; no side effects."""
+        if iteration < 0:
+            raise ValueError(f"iteration must not be negative, got {iteration}")
+        if self.warmup_iters > 0 and iteration <= self.warmup_iters:
+            return self.max_lr * iteration / self.warmup_iters
+        if self.decay_style == "constant":
+            return self.max_lr
+        if iteration > self.decay_iters:
+            return self.min_lr
+        decay_ratio = (iteration - self.warmup_iters) / (self.decay_iters - self.warmup_iters)
+        coefficient = 1.0 - decay_ratio if self.decay_style == "linear" else _cosine(decay_ratio)
+        return self.min_lr + coefficient * (self.max_lr - self.min_lr)
+
+    def step(self, iteration: int) -> float:
+        """Set every param group's lr to ``get_lr(iteration)``; returns that lr."""
+        self.num_iters = iteration
+        return self._set_lr(self.get_lr(iteration))
+
+    def _resume(self, state: dict[str, Any]) -> None:
+        self.step(int(state["num_iters"]))
+
+
+def _check_annealing(max_lr: float, min_lr: float, warmup_iters: int, decay_iters: int,
+                     decay_style: str) -> None:
+    if decay_style not in DECAY_STYLES:
+        raise ValueError(f"decay_style must be one of {', '.join(DECAY_STYLES)}, "
+                         f"got {decay_style!r}")
+    if not 0.0 <= min_lr <= max_lr:
+        raise ValueError(f"need 0 <= min_lr <= max_lr, got min_lr {min_lr} and max_lr {max_lr}")
+    if warmup_iters < 0:
+        raise ValueError(f"warmup_iters must not be negative, got {warmup_iters}")
+    if decay_style != "constant" and decay_iters <= 0:
+        raise ValueError(f"decay_iters must be positive for {decay_style} decay, got {decay_iters}")
+    if decay_style != "constant" and warmup_iters > decay_iters:
+        raise ValueError(f"warmup_iters {warmup_iters} must not exceed decay_iters {decay_iters} "
+                         f"for {decay_style} decay")
+
+
+class WarmupSchedule(ParamGroupSchedule):
+    """DeepSpeed's warmup schedules, with the semantics of ``deepspeed.runtime.lr_schedules``.
+
+    - WarmupLR: warm up from ``warmup_min_lr`` to ``warmup_max_lr`` (log or linear), then hold.
+    - WarmupDecayLR: WarmupLR, then linear decay back to ``warmup_min_lr`` at
+      ``total_num_steps``.
+    - WarmupCosineLR: ratios of the optimizer's lr: warm up from ``warmup_min_ratio`` to 1,
+      then cosine decay to ``cos_min_ratio`` at ``total_num_steps``.
+
+    ``step()`` is called once per optimizer step (skipped steps excluded). The optimizer's lr
+    at construction is the base of the ratios and the default ``warmup_max_lr``; it is saved,
+    since by then the param groups hold the schedule's own lr. The kind is saved too, but not
+    checked on load: the config's scheduler block decides it.
+    """
+
+    saved_fields = ("last_step", "kind", "base_lr")
+
+    def __init__(self, optimizer: HasParamGroups, kind: str, params: dict) -> None:
+        super().__init__(optimizer)
         self.kind = kind
         self.params = dict(params)
         self.base_lr = optimizer.param_groups[0]["lr"]
         self.last_step = 0
-        self._apply()
+        self._set_lr(self.get_lr())
 
     def _warmup_gamma(self, step: int) -> float:
         warmup = self.params["warmup_num_steps"]
@@ -32,6 +194,7 @@ class WarmupSchedule:
         return step / warmup
 
     def get_lr(self, step: int | None = None) -> float:
+        """The lr at optimizer step ``step`` (default: the current one); no side effects."""
         step = self.last_step if step is None else step
         p, gamma = self.params, self._warmup_gamma(step)
         if self.kind == "WarmupCosineLR":
@@ -40,8 +203,7 @@ class WarmupSchedule:
                 ratio = p["warmup_min_ratio"] + (1 - p["warmup_min_ratio"]) * gamma
             else:
                 progress = min(1.0, (step - warmup) / max(1, total - warmup))
-                cosine = 0.5 * (1 + math.cos(math.pi * progress))
-                ratio = p["cos_min_ratio"] + (1 - p["cos_min_ratio"]) * cosine
+                ratio = p["cos_min_ratio"] + (1 - p["cos_min_ratio"]) * _cosine(progress)
             return self.base_lr * ratio
         max_lr = p.get("warmup_max_lr") or self.base_lr
         lr = p["warmup_min_lr"] + (max_lr - p["warmup_min_lr"]) * gamma
@@ -51,18 +213,10 @@ class WarmupSchedule:
             lr = p["warmup_min_lr"] + (max_lr - p["warmup_min_lr"]) * decay
         return lr
 
-    def _apply(self) -> None:
-        lr = self.get_lr()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
     def step(self) -> None:
         self.last_step += 1
-        self._apply()
+        self._set_lr(self.get_lr())
 
-    def state_dict(self) -> dict:
-        return {"last_step": self.last_step, "kind": self.kind, "base_lr": self.base_lr}
-
-    def load_state_dict(self, state: dict) -> None:
+    def _resume(self, state: dict[str, Any]) -> None:
         self.last_step, self.base_lr = int(state["last_step"]), float(state["base_lr"])
-        self._apply()
+        self._set_lr(self.get_lr())

@@ -6,8 +6,8 @@ runs on CPU (and on CUDA when present); on CUDA the Triton kernels run too. Ever
 carries the device's copy bandwidth measured the same way (`x.clone()`, bytes of x per
 second) and the ratio to it, which says how close a kernel is to being memory-bound.
 
-    python scripts/bench/bench_kernels.py --out bench_kernels.json
-    python scripts/bench/bench_kernels.py --sizes-mib 16 64 --dtypes bf16 --bits 4
+    python -m scripts.bench.bench_kernels --out bench_kernels.json
+    python -m scripts.bench.bench_kernels --sizes-mib 16 64 --dtypes bf16 --bits 4
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,9 +25,7 @@ from types import ModuleType
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from zeropp.kernels import reference  # noqa: E402
+from zeropp.kernels import reference
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MIB = 1 << 20
@@ -51,7 +48,8 @@ class Measurement:
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.bench_kernels",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--sizes-mib",
         type=int,

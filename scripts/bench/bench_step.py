@@ -1,7 +1,7 @@
 """Time training iterations of one data-parallel system on a GPT; run by every rank.
 
-    sudo .venv/bin/python scripts/bench/launch_ranks.py --nodes 2 --ranks-per-node 2 -- \\
-        .venv/bin/python scripts/bench/bench_step.py --system zeropp --iters 3
+    sudo .venv/bin/python -m scripts.bench.launch_ranks --nodes 2 --ranks-per-node 2 -- \\
+        .venv/bin/python -m scripts.bench.bench_step --system zeropp --iters 3
 
 Systems (all fp32 compute, AdamW, gradient clipping 1.0, the same model and global batch):
 
@@ -25,7 +25,10 @@ Inter-node bytes, per rank and iteration, three ways:
   nodes). For this engine, its own counters (``engine.comm_bytes()``, source "engine"); for
   FSDP2 and DeepSpeed, the same convention applied to every torch.distributed collective they
   call (``collective_bytes.py``, source "collective calls"). The engine's runs carry that
-  count too (``collective_inter_node_bytes_per_iter``) as a cross-check of the two.
+  count too (``collective_inter_node_bytes_per_iter``) as a cross-check of the two. That
+  counter wraps the torch.distributed functions, and the engine keeps the functions it finds
+  when it is imported: so ``zeropp`` is imported inside functions here, never at the top,
+  and only after the counter is installed.
 - ``theory_inter_node_bytes_per_iter`` (FSDP2 only): its documented data path applied to
   the actual shard sizes.
 - ``wire_inter_node_bytes_per_iter``: what really crossed the shaped links, the growth of
@@ -53,17 +56,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from collective_bytes import (  # noqa: E402
-    CollectiveByteCounter,
-    all_gather_bytes,
-    all_reduce_bytes,
-    reduce_scatter_bytes,
-)
-
-from megatron_lite.model import GPTConfig, GPTModel, lm_loss  # noqa: E402
+from megatron_lite.model import GPTConfig, GPTModel, lm_loss
+from scripts.bench.collective_bytes import CollectiveByteCounter
 
 RESULT_PREFIX = "LAB_RESULT "
 FP32_BYTES = 4
@@ -222,6 +216,8 @@ class Fsdp2(TrainingSystem):
         """FSDP2's data path: every block gathered in forward and again in backward (the
         root is not resharded after forward), gradients reduce-scattered; HSDP does both
         inside the node and all-reduces each gradient shard across nodes."""
+        from zeropp.comm.accounting import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
+
         units = [*self.block_shard_numels, self.root_shard_numel]
         if self.hybrid:
             nodes = self.layout.nodes
@@ -383,7 +379,8 @@ def measure(system: TrainingSystem, counter: CollectiveByteCounter, shape: Bench
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.bench_step",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--system", required=True, choices=SYSTEMS)
     parser.add_argument("--iters", type=int, default=3, help="timed iterations")
     parser.add_argument("--warmup", type=int, default=1, help="untimed iterations first")

@@ -1,7 +1,7 @@
 """Measure the simulated cluster's links: TCP throughput between nodes and inside one node.
 
     sudo scripts/sim_cluster.sh up 2 100mbit
-    sudo .venv/bin/python scripts/bench/check_links.py --mib 32 --out links.json
+    sudo .venv/bin/python -m scripts.bench.check_links --mib 32 --out links.json
 
 Two transfers, each a single TCP stream of ``--mib`` MiB:
 
@@ -25,10 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from cluster import SimCluster  # noqa: E402
+from scripts.bench.cluster import ROOT, SimCluster
 
 CHUNK_BYTES = 1 << 20
 PORT = 29411
@@ -59,7 +56,9 @@ def send(address: str, port: int, mib: int) -> None:
 
 
 def _in_node(cluster: SimCluster, node: int, *args: str) -> list[str]:
-    return cluster.netns_command(node, [sys.executable, __file__, *args])
+    """This module run with ``args`` inside node ``node`` (from ROOT, where it is found)."""
+    return cluster.netns_command(node, [sys.executable, "-m", "scripts.bench.check_links",
+                                        *args])
 
 
 def measure(cluster: SimCluster, receiver_node: int, mib: int) -> dict[str, float]:
@@ -67,7 +66,7 @@ def measure(cluster: SimCluster, receiver_node: int, mib: int) -> dict[str, floa
     address = cluster.node_address(receiver_node)
     receiver = subprocess.Popen(
         _in_node(cluster, receiver_node, "receive", "--address", address, "--port", str(PORT)),
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, text=True, cwd=ROOT,
     )
     try:
         if receiver.stdout is None or receiver.stdout.readline().strip() != "ready":
@@ -76,7 +75,7 @@ def measure(cluster: SimCluster, receiver_node: int, mib: int) -> dict[str, floa
         seconds = float(subprocess.run(
             _in_node(cluster, 0, "send", "--address", address, "--port", str(PORT),
                      "--mib", str(mib)),
-            check=True, capture_output=True, text=True, timeout=600,
+            check=True, capture_output=True, text=True, timeout=600, cwd=ROOT,
         ).stdout.strip())
         tx_delta = cluster.tx_bytes(0) - tx_before
         received = int(receiver.communicate(timeout=60)[0].strip())
@@ -94,7 +93,8 @@ def measure(cluster: SimCluster, receiver_node: int, mib: int) -> dict[str, floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.check_links",
+                                     description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
     rx = sub.add_parser("receive")
     rx.add_argument("--address", required=True)

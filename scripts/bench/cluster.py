@@ -13,7 +13,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-SIM_CLUSTER = Path(__file__).resolve().parents[1] / "sim_cluster.sh"
+# The repository root: the bench modules run as ``python -m scripts.bench.<name>`` from here.
+ROOT = Path(__file__).resolve().parents[2]
+SIM_CLUSTER = ROOT / "scripts" / "sim_cluster.sh"
 NODE_NAMESPACE = "zpp-node{}"
 NODE_INTERFACE = "zpp-veth{}"
 NODE_ADDRESS = "10.77.0.{}"  # node i holds 10.77.0.(i+1)

@@ -6,10 +6,14 @@ in, so the lab counts at the one layer all systems share: the torch.distributed 
 reference to one of them (this engine and DeepSpeed both keep references made at import or
 start-up), i.e. before those libraries are imported.
 
-Convention (the engine's, ``zeropp/comm/accounting.py``): the bytes leaving this rank for
-other ranks, each peer's piece counted as sent directly; a collective is ``inter_node`` when
-its group holds ranks of more than one node. For a group of G ranks and an input of B bytes:
-all-gather B*(G-1), reduce-scatter and all-to-all B*(G-1)/G, all-reduce 2*B*(G-1)/G.
+The byte rules are the engine's own (``zeropp/comm/accounting.py``), so both counts follow one
+convention: the bytes leaving this rank for other ranks, each peer's piece counted as sent
+directly; a collective is ``inter_node`` when its group holds ranks of more than one node.
+For a group of G ranks and an input of B bytes: all-gather B*(G-1), reduce-scatter and
+all-to-all B*(G-1)/G, all-reduce 2*B*(G-1)/G. ``install()`` imports those rules only after
+its wrappers are in place, because importing them imports the engine, which keeps the
+torch.distributed functions it finds at that moment; this module imports nothing of the
+engine before then.
 """
 
 from __future__ import annotations
@@ -26,30 +30,18 @@ from torch.distributed import distributed_c10d
 LOCALITIES = ("intra_node", "inter_node")
 
 
-def all_gather_bytes(input_bytes: int, group_size: int) -> int:
-    return input_bytes * (group_size - 1)
-
-
-def reduce_scatter_bytes(input_bytes: int, group_size: int) -> int:
-    return input_bytes * (group_size - 1) // group_size
-
-
-def all_reduce_bytes(input_bytes: int, group_size: int) -> int:
-    return 2 * input_bytes * (group_size - 1) // group_size
-
-
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-# name -> (parameter holding the input tensor, bytes rule). The deprecated names
-# (all_gather_into_tensor, reduce_scatter_tensor, _all_gather_base) call these through the
-# module's globals, so wrapping these counts them too, and exactly once.
+# name -> (parameter holding the input tensor, its bytes rule in zeropp.comm.accounting). The
+# deprecated names (all_gather_into_tensor, reduce_scatter_tensor, _all_gather_base) call
+# these through the module's globals, so wrapping these counts them too, and exactly once.
 _COUNTED = {
-    "all_gather_single": ("input_tensor", all_gather_bytes),
-    "reduce_scatter_single": ("input", reduce_scatter_bytes),
-    "all_reduce": ("tensor", all_reduce_bytes),
-    "all_to_all_single": ("input", reduce_scatter_bytes),
+    "all_gather_single": ("input_tensor", "all_gather_bytes"),
+    "reduce_scatter_single": ("input", "reduce_scatter_bytes"),
+    "all_reduce": ("tensor", "all_reduce_bytes"),
+    "all_to_all_single": ("input", "all_to_all_bytes"),
 }
 
 
@@ -63,6 +55,7 @@ class CollectiveByteCounter:
         self._bytes: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(LOCALITIES, 0))
         self._group_facts: dict[int, tuple[int, bool]] = {}
         self._originals: dict[str, Callable] = {}
+        self.rules: dict[str, Callable[[int, int], int]] = {}
 
     # ---- installation ---------------------------------------------------------------------
     def install(self) -> CollectiveByteCounter:
@@ -76,6 +69,10 @@ class CollectiveByteCounter:
             wrapped = self._wrap(name, original)
             setattr(distributed_c10d, name, wrapped)
             setattr(dist, name, wrapped)
+        # Only now: this import imports the engine, which then keeps the wrappers.
+        from zeropp.comm import accounting
+
+        self.rules = {name: getattr(accounting, rule) for name, (_, rule) in _COUNTED.items()}
         return self
 
     def uninstall(self) -> None:
@@ -85,7 +82,7 @@ class CollectiveByteCounter:
         self._originals.clear()
 
     def _wrap(self, name: str, original: Callable) -> Callable:
-        input_parameter, rule = _COUNTED[name]
+        input_parameter = _COUNTED[name][0]
         signature = inspect.signature(original)
 
         @functools.wraps(original)
@@ -93,7 +90,7 @@ class CollectiveByteCounter:
             arguments = signature.bind_partial(*args, **kwargs).arguments
             tensor = arguments.get(input_parameter)
             if isinstance(tensor, torch.Tensor):
-                self.record(name, arguments.get("group"), rule, _nbytes(tensor))
+                self.record(name, arguments.get("group"), _nbytes(tensor))
             return original(*args, **kwargs)
 
         return counted
@@ -109,10 +106,11 @@ class CollectiveByteCounter:
             self._group_facts[key] = (len(ranks), len(nodes) > 1)
         return self._group_facts[key]
 
-    def record(self, name: str, group, rule: Callable[[int, int], int], input_bytes: int) -> None:
+    def record(self, name: str, group, input_bytes: int) -> None:
+        """Count one call of collective ``name`` with ``input_bytes`` in ``group``."""
         size, spans_nodes = self.group_facts(group)
         if size > 1:
-            self._bytes[name]["inter_node" if spans_nodes else "intra_node"] += rule(
+            self._bytes[name]["inter_node" if spans_nodes else "intra_node"] += self.rules[name](
                 input_bytes, size)
 
     def snapshot(self) -> dict[str, dict[str, int]]:

@@ -1,6 +1,6 @@
 """Print the bytes each rank sent per iteration, by phase, for two or more training runs.
 
-    python scripts/bench/compare_comm.py zero3=runs/a/metrics.jsonl zeropp=runs/b/metrics.jsonl
+    python -m scripts.bench.compare_comm zero3=runs/a/metrics.jsonl zeropp=runs/b/metrics.jsonl
 
 Reads the ``comm_bytes`` of the last logged training iteration of each ``--metrics-file``
 and prints intra- and inter-node megabytes per phase, and each run's inter-node total as a
@@ -29,7 +29,8 @@ def last_comm_bytes(path: str) -> dict:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or any("=" not in a for a in argv):
-        raise SystemExit("usage: compare_comm.py NAME=METRICS.jsonl NAME=METRICS.jsonl [...]")
+        raise SystemExit("usage: python -m scripts.bench.compare_comm NAME=METRICS.jsonl "
+                         "NAME=METRICS.jsonl [...]")
     runs = [(a.split("=", 1)[0], last_comm_bytes(a.split("=", 1)[1])) for a in argv]
     header = f"{'run':<10}" + "".join(f"{p + ' (MB)':>28}" for p in PHASES)
     print(header + f"{'inter-node total':>18}{'vs ' + runs[0][0]:>12}")

@@ -1,6 +1,6 @@
 """Loss parity: ZeRO-3 vs ZeRO++ (int4 and int8 gradients) pretraining a small GPT.
 
-    .venv/bin/python scripts/bench/convergence.py --train-iters 300 --out results/convergence.json
+    .venv/bin/python -m scripts.bench.convergence --train-iters 300 --out results/convergence.json
 
 Each variant is one ``pretrain_zeropp_gpt.py`` run on the sample corpus with 4 ranks laid out
 as 2 nodes x 2 (``--ranks-per-node 2``, on localhost: the link rate changes no arithmetic),
@@ -27,12 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import plots  # noqa: E402
-from launch_ranks import LaunchError, describe_failure, launch  # noqa: E402
-from run_lab import load_average, machine_description, write_json  # noqa: E402
+from scripts.bench import plots
+from scripts.bench.launch_ranks import LaunchError, describe_failure, launch
+from scripts.bench.run_lab import command_line, load_average, machine_description, write_json
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA_PREFIX = ROOT / "cache" / "data" / "pile_sample_text_document"
@@ -144,7 +141,8 @@ def relative_gaps(variants: dict, reference: str = "zero3") -> dict[str, float]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.convergence",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated, from {','.join(VARIANTS)}")
     parser.add_argument("--train-iters", type=int, default=300)
@@ -184,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "kind": "convergence",
         "machine": machine_description(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, __file__, *(sys.argv[1:] if argv is None
-                                                           else argv)]),
+        "command": command_line("scripts.bench.convergence", argv),
         "load_average_before": load_average(),
         "setup": {"ranks": args.nodes * args.ranks_per_node,
                   "ranks_per_node": args.ranks_per_node, "train_iters": args.train_iters,

@@ -1,7 +1,7 @@
 """Start the ranks of a job on the simulated cluster: each node's ranks inside its namespace.
 
-    sudo .venv/bin/python scripts/bench/launch_ranks.py --nodes 2 --ranks-per-node 2 -- \\
-        .venv/bin/python scripts/bench/bench_step.py --system zeropp --iters 3
+    sudo .venv/bin/python -m scripts.bench.launch_ranks --nodes 2 --ranks-per-node 2 -- \\
+        .venv/bin/python -m scripts.bench.bench_step --system zeropp --iters 3
 
 Rank r runs on node ``r // ranks_per_node`` (node-major, as every launcher lays ranks out),
 as ``ip netns exec zpp-node{node} CMD`` with the torchrun environment: MASTER_ADDR (node 0's
@@ -31,10 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from cluster import SimCluster  # noqa: E402
+from scripts.bench.cluster import SimCluster
 
 LOCALHOST = "127.0.0.1"
 # Inside a node namespace nothing else listens, so a fixed port is always free there.
@@ -129,14 +126,16 @@ def launch(
     cluster: SimCluster | None,
     master_port: int | None = None,
     env: dict[str, str] | None = None,
+    cwd: Path | None = None,
     timeout_s: float = 1800.0,
 ) -> list[RankOutput]:
     """Run ``command`` as every rank; returns the outputs in rank order when all succeed.
 
     ``cluster=None`` runs the ranks on localhost without namespaces. ``master_port=None``
-    picks a free port on localhost, or CLUSTER_MASTER_PORT on the cluster. Raises ``LaunchError``
-    when a rank exits non-zero or the job exceeds ``timeout_s``; every other rank is ended
-    first, so no rank is left waiting in a collective.
+    picks a free port on localhost, or CLUSTER_MASTER_PORT on the cluster. ``cwd`` is every
+    rank's working directory (default: this process's), where a ``python -m`` command finds
+    its modules. Raises ``LaunchError`` when a rank exits non-zero or the job exceeds
+    ``timeout_s``; every other rank is ended first, so no rank is left waiting in a collective.
     """
     if not command:
         raise ValueError("no command to launch")
@@ -155,7 +154,7 @@ def launch(
                 logs.append((out, err))
                 argv = cluster.netns_command(placement.node, command) if cluster else command
                 processes.append(subprocess.Popen(
-                    argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                    argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=cwd,
                     env=rank_environment(placement, nodes, ranks_per_node, master_port,
                                          cluster, base_env),
                 ))
@@ -205,7 +204,8 @@ def describe_failure(error: LaunchError) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.launch_ranks",
+                                     description=__doc__.split("\n\n")[0],
                                      usage="%(prog)s [options] -- CMD [ARG...]")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--ranks-per-node", type=int, default=2)

@@ -1,6 +1,6 @@
 """Which of the ZeRO++ paper's setups fit in a 32 GB V100, measured on the simulated GPU cluster.
 
-    python scripts/bench/paper_memory.py --out docs/paper_memory.md
+    python -m scripts.bench.paper_memory --out docs/paper_memory.md
 
 For every paper model (18B, 49B, 91B, 138B), 1K and 2K tokens per GPU, ZeRO-3 and ZeRO++
 (qwZ + hpZ 16 + qgZ, the tutorial's config), on 1-24 DGX-2 nodes of 16 GPUs: the planner's
@@ -21,18 +21,15 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_lite.arguments import parse_args
+from megatron_lite.dry_run import GIB, baseline_ds_config, build_report
+from megatron_lite.simulate import simulate_rank
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from megatron_lite.arguments import parse_args  # noqa: E402
-from megatron_lite.dry_run import baseline_ds_config, build_report  # noqa: E402
-from megatron_lite.simulate import simulate_rank  # noqa: E402
-
 MODELS = ("18b", "49b", "91b", "138b")
 NODES = (1, 2, 4, 8, 16, 24)
 GPUS_PER_NODE = 16
 SEQ_LENGTH = 512
-GIB = 1024**3
 
 
 def model_flags(model: str) -> list[str]:
@@ -81,7 +78,8 @@ def cells_to_measure(plans: dict[int, float], limit: float, mode: str) -> list[i
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.paper_memory",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--tokens", default="1024,2048", help="tokens per GPU per micro-batch")
     parser.add_argument("--gpu-memory-gb", type=float, default=32.0)
@@ -137,7 +135,7 @@ def render(rows: list[dict], limit: float, gpu_gb: float) -> str:
         "",
         "Peak GiB per GPU: measured on the simulated GPU cluster (rank 0, meta tensors, the "
         "real program) where a number is given as `measured / planned`, else planned only. "
-        "**bold**: does not fit. Regenerate with `python scripts/bench/paper_memory.py "
+        "**bold**: does not fit. Regenerate with `python -m scripts.bench.paper_memory "
         "--out docs/paper_memory.md`.",
         "",
         f"{sum('measured_bytes' in r for r in rows)} of {len(rows)} cells measured, "

@@ -5,10 +5,12 @@
 #
 # 1. throughput of every system at three link rates (unlimited, 1gbit, 100mbit) on a
 #    simulated 2 nodes x 2 ranks cluster (scripts/sim_cluster.sh, brought up and down by
-#    run_lab.py for each rate);
+#    run_lab for each rate);
 # 2. convergence: ZeRO-3 vs ZeRO++ (int4 and int8 gradients), 300 iterations at 2 x 2;
-# 3. the quantization-kernel micro-benchmark (bench_kernels.py, 16 MiB tensors);
-# 4. report.py: tables and figures into docs/lab.md and docs/img/.
+# 3. the quantization-kernel micro-benchmark (bench_kernels, 16 MiB tensors);
+# 4. report: tables and figures into docs/lab.md and docs/img/.
+# Each step is a module of the scripts.bench package, run as `python -m scripts.bench.<name>`
+# from the repository root.
 #
 # About 28 minutes on 2 otherwise idle cores: 100mbit ~9 min, 1gbit and unlimited ~4 min
 # each, convergence ~10 min (3 x 300 iterations at ~0.6 s), kernels and report under a
@@ -17,13 +19,12 @@
 # Ctrl-C.
 #
 # Knobs (environment): LAB_OUT (results directory, default cache/lab/<date>),
-# LAB_SYSTEMS (comma list for run_lab.py), LAB_CONVERGENCE_ITERS (default 300),
+# LAB_SYSTEMS (comma list for run_lab), LAB_CONVERGENCE_ITERS (default 300),
 # LAB_ITERS_UNLIMITED / LAB_ITERS_1GBIT / LAB_ITERS_100MBIT (timed iterations: 5 / 3 / 2).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 PY="$ROOT/.venv/bin/python"
-BENCH="$ROOT/scripts/bench"
 OUT="${LAB_OUT:-$ROOT/cache/lab/$(date -u +%Y%m%d-%H%M%S)}"
 ALL_SYSTEMS="zero3,qwz,hpz,qgz,zeropp,fsdp2,fsdp2_hybrid,ds_zero3,ds_zero3_hpz,ds_zeropp"
 SYSTEMS="${LAB_SYSTEMS:-$ALL_SYSTEMS}"
@@ -48,17 +49,17 @@ for rate_and_iters in "unlimited:${LAB_ITERS_UNLIMITED:-5}" "1gbit:${LAB_ITERS_1
   rate="${rate_and_iters%%:*}"
   iters="${rate_and_iters##*:}"
   stamp "throughput at $rate ($iters timed iterations per system)"
-  "$PY" "$BENCH/run_lab.py" --rate "$rate" --iters "$iters" --warmup 1 --nodes 2 \
+  "$PY" -m scripts.bench.run_lab --rate "$rate" --iters "$iters" --warmup 1 --nodes 2 \
     --ranks-per-node 2 --systems "$SYSTEMS" --out "$OUT/lab_$rate.json"
 done
 
 stamp "convergence ($CONVERGENCE_ITERS iterations per variant)"
-"$PY" "$BENCH/convergence.py" --train-iters "$CONVERGENCE_ITERS" --out "$OUT/convergence.json"
+"$PY" -m scripts.bench.convergence --train-iters "$CONVERGENCE_ITERS" --out "$OUT/convergence.json"
 
 stamp "quantization kernels"
-"$PY" "$BENCH/bench_kernels.py" --sizes-mib 16 --out "$OUT/kernels.json"
+"$PY" -m scripts.bench.bench_kernels --sizes-mib 16 --out "$OUT/kernels.json"
 
 stamp "report"
-"$PY" "$BENCH/report.py" "$OUT"/lab_*.json "$OUT/convergence.json" "$OUT/kernels.json" \
+"$PY" -m scripts.bench.report "$OUT"/lab_*.json "$OUT/convergence.json" "$OUT/kernels.json" \
   --doc "$ROOT/docs/lab.md" --images "$ROOT/docs/img"
 stamp "done; results in $OUT, write-up in docs/lab.md"

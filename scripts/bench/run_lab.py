@@ -1,11 +1,11 @@
 """Throughput of every system on the simulated low-bandwidth cluster, at one link rate.
 
-    sudo .venv/bin/python scripts/bench/run_lab.py --rate 100mbit \\
+    sudo .venv/bin/python -m scripts.bench.run_lab --rate 100mbit \\
         --systems zero3,qwz,hpz,qgz,zeropp,fsdp2,fsdp2_hybrid,ds_zero3,ds_zero3_hpz \\
         --iters 3 --nodes 2 --ranks-per-node 2 --out results/lab_100mbit.json
 
 Brings the cluster up (``scripts/sim_cluster.sh up NODES RATE``), measures the link once
-(``check_links.py``), runs ``bench_step.py`` for each system through ``launch_ranks.py``,
+(``check_links``), runs ``bench_step`` for each system through ``launch_ranks``,
 and takes the cluster down again, also after an error or Ctrl-C (``--keep-cluster`` leaves
 it up). A system that fails is recorded with its error message and the run goes on.
 ``--local`` runs the ranks on localhost without namespaces or shaping (no root needed).
@@ -29,18 +29,15 @@ import shlex
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scripts.bench import check_links
+from scripts.bench.cluster import ROOT, SimCluster, check_rate, unavailable_reason
+from scripts.bench.launch_ranks import LaunchError, RankOutput, describe_failure, launch
 
-import check_links  # noqa: E402
-from cluster import SimCluster, check_rate, unavailable_reason  # noqa: E402
-from launch_ranks import LaunchError, RankOutput, describe_failure, launch  # noqa: E402
-
-BENCH_STEP = Path(__file__).resolve().parent / "bench_step.py"
+BENCH_STEP = "scripts.bench.bench_step"  # run as a module, from ROOT, by every rank
 RESULT_PREFIX = "LAB_RESULT "
 ALL_SYSTEMS = ("zero3", "qwz", "hpz", "qgz", "zeropp", "fsdp2", "fsdp2_hybrid", "ds_zero3",
                "ds_zero3_hpz", "ds_zeropp")
-# Passed through to bench_step.py unchanged: (flag, type, default, help).
+# Passed through to bench_step unchanged: (flag, type, default, help).
 SHAPE_FLAGS = (
     ("--num-layers", int, 4, "transformer layers"),
     ("--hidden-size", int, 512, "model width"),
@@ -62,7 +59,8 @@ def parse_systems(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.run_lab",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", default="unlimited",
                         help="inter-node link rate: 100mbit, 1gbit, ... or unlimited")
     parser.add_argument("--systems", type=parse_systems, default=list(ALL_SYSTEMS),
@@ -124,7 +122,7 @@ def load_average() -> list[float] | None:
 
 
 def bench_command(args: argparse.Namespace, system: str) -> list[str]:
-    command = [sys.executable, str(BENCH_STEP), "--system", system, "--iters", str(args.iters),
+    command = [sys.executable, "-m", BENCH_STEP, "--system", system, "--iters", str(args.iters),
                "--warmup", str(args.warmup), "--ranks-per-node", str(args.ranks_per_node)]
     for flag, _, _, _ in SHAPE_FLAGS:
         command += [flag, str(getattr(args, flag.lstrip("-").replace("-", "_")))]
@@ -145,7 +143,7 @@ def run_system(args: argparse.Namespace, system: str, cluster: SimCluster | None
     print(f"[lab] {system} at {'localhost' if cluster is None else args.rate} ...", flush=True)
     try:
         outputs = launch(bench_command(args, system), nodes=args.nodes,
-                         ranks_per_node=args.ranks_per_node, cluster=cluster,
+                         ranks_per_node=args.ranks_per_node, cluster=cluster, cwd=ROOT,
                          timeout_s=args.system_timeout)
     except LaunchError as error:
         reported = result_from_outputs(error.outputs)
@@ -163,6 +161,11 @@ def run_system(args: argparse.Namespace, system: str, cluster: SimCluster | None
           f"{result['inter_node_bytes_per_iter'] / 2**20:.1f} MiB inter-node per rank "
           f"({result['inter_node_bytes_source']})", flush=True)
     return result
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """The command that repeats this run: ``python -m module`` with the same arguments."""
+    return shlex.join([sys.executable, "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def write_json(path: Path, record: dict) -> None:
@@ -190,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "machine": machine_description(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]) if argv is None else
-        shlex.join([sys.executable, __file__, *argv]),
+        "command": command_line("scripts.bench.run_lab", argv),
         "load_average_before": load_average(),
         "systems": {},
     }

@@ -1,0 +1,1 @@
+"""Tools around the program: set-up, quickstart, launch scripts and the benchmarks."""
