@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
-from zeropp.lr_schedules import DECAY_STYLES
-
 SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
+# zeropp.lr_schedules.AnnealingLR's styles, named here so that parsing the command line
+# imports no engine (tests/test_arguments.py checks the two agree).
+DECAY_STYLES = ("constant", "linear", "cosine")
 
 # DeepSpeed JSON values that must be integers rather than any number.
 _INTEGER_DESTS = frozenset(

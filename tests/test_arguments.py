@@ -413,3 +413,9 @@ def test_module_imports_neither_zeropp_nor_deepspeed() -> None:
     imported |= {node.module.split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom) and node.module}
     assert not imported & {"zeropp", "deepspeed"}
+
+
+def test_decay_styles_are_the_schedules() -> None:
+    from zeropp.lr_schedules import DECAY_STYLES
+
+    assert arguments.DECAY_STYLES == DECAY_STYLES
