@@ -217,6 +217,8 @@ _PROFILER_OFF = "no effect: the flops profiler stays disabled"
 _BYTE_ACCOUNTING = "no effect: the engine's own byte accounting reports communication volume"
 
 ACCEPTED: dict[str, Accepted] = {
+    "zero_allow_untested_optimizer": Accepted(
+        _boolean, "no effect: the engine always runs its own partitioned optimizer"),
     "memory_breakdown": Accepted(_boolean, "no effect: DeepSpeed's memory printout is not reproduced"),
     "zero_force_ds_cpu_optimizer": Accepted(_boolean, "no effect: concerns CPU offload, which is rejected"),
     **_under("comms_logger", _same_meaning(_BYTE_ACCOUNTING, enabled=_boolean, verbose=_boolean,
@@ -302,7 +304,7 @@ UNSUPPORTED: dict[str, Unsupported] = {
         "mics_shard_size": Unsupported("MiCS; zero_hpz_partition_size gives node-local gathers", (-1,)),
         "mics_hierarchical_params_gather": Unsupported("MiCS sharding", (False,)),
         "reduce_scatter": Unsupported(
-            "stage 3 always reduce-scatters gradients and stage 0 all-reduces them", (True,)),
+            "stages 1-3 always reduce-scatter gradients and stage 0 all-reduces them", (True,)),
         "contiguous_gradients": Unsupported(
             "gradients always move into one flat buffer per module group", (True,)),
         "zero_quantized_nontrainable_weights": Unsupported(
@@ -433,7 +435,6 @@ class FP16Config(_Section):
     hysteresis: int = _field(2, "overflows tolerated before the scale halves", _positive_int)
     consecutive_hysteresis: bool = _field(False, "refill hysteresis after each clean step", _boolean)
     min_loss_scale: float = _field(1.0, "dynamic scaling never goes below this", _positive_float)
-    auto_cast: bool = _field(False, "DeepSpeed input autocasting; only false is supported", _boolean)
 
 
 @dataclass(frozen=True)
@@ -557,8 +558,6 @@ class ZeroConfig(_Section):
     stage: int = _field(0, "0 = replicated data parallel, 1 = optimizer states partitioned, "
                         "2 = and gradients, 3 = and weights", _one_of(0, 1, 2, 3))
     reduce_bucket_size: int = _field(500_000_000, "gradient elements per reduction bucket", _positive_int)
-    reduce_scatter: bool = _field(True, "reduce-scatter gradients rather than all-reduce", _boolean)
-    contiguous_gradients: bool = _field(True, "gradients land in one flat buffer", _boolean)
     overlap_comm: bool = _field(True, "overlap reductions and gathers with compute", _boolean)
     stage3_prefetch_bucket_size: int = _field(
         50_000_000, "parameter elements gathered ahead of use; 0 disables prefetch", _non_negative_int)
@@ -694,8 +693,6 @@ class EngineConfig(_Section):
         None, "divide by this before summing over ranks, the rest after; None = the "
         "data-parallel size (DeepSpeed's stage-3 pre-division), 1.0 = sum first",
         _optional(_positive_float))
-    zero_allow_untested_optimizer: bool = _field(
-        False, "no effect: the engine always runs its own partitioned optimizer", _boolean)
     dump_state: bool = _field(False, "print the engine's state when it starts (rank 0)", _boolean)
 
     def _check_combination(self) -> None:
