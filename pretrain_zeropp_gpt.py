@@ -23,9 +23,11 @@ with status 2; other bad input (missing data, too small a dataset) exits with st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,8 +47,14 @@ from megatron_lite.arguments import (
 from megatron_lite.checkpointing import RunControl, SaveFailed
 from megatron_lite.dry_run import describe_count, run_dry_run
 from megatron_lite.metrics import MetricsWriter
-from megatron_lite.model import GPTModel
-from megatron_lite.training import LoaderFactory, TrainingSummary, perplexity, pretrain
+from megatron_lite.model import GPTModel, lm_loss
+from megatron_lite.training import (
+    LoaderFactory,
+    LossFunction,
+    TrainingSummary,
+    perplexity,
+    pretrain,
+)
 from zeropp.lr_schedules import AnnealingLR
 
 USAGE_ERRORS = (ArgumentError, zeropp.ConfigError, zeropp.TopologyError)
@@ -62,41 +70,74 @@ def main(argv: list[str] | None = None) -> int:
         # cluster) belongs to the caller: used, not destroyed.
         owns_process_group = not dist.is_initialized()
         zeropp.init_distributed(timeout_s=args.distributed_timeout_minutes * 60)
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        ds_config = read_ds_config(args)
-        validate_args(args, world_size)
-        check_supported(args, ds_config)
-        # One seed for every rank, as Megatron seeds its data-parallel ranks.
-        torch.manual_seed(args.seed)
-        tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
-                                    merge_file=args.merge_file,
-                                    tokenizer_model=args.tokenizer_model)
-        train_loader, valid_loader = build_loader_factories(args, rank, world_size,
-                                                            tokenizer.vocab_size)
-        model = build_meta_model(args, tokenizer.vocab_size)
-        engine = build_engine(args, model, ds_config)
-        print_run_description(args, model, engine.topology.describe())
-        scheduler = AnnealingLR(engine.optimizer, max_lr=args.lr, min_lr=args.min_lr,
-                                warmup_iters=args.lr_warmup_iters,
-                                decay_iters=args.lr_decay_iters, decay_style=args.lr_decay_style)
+        training = build_training(args)
+        print_run_description(args, training.model, training.engine.topology.describe())
     except USAGE_ERRORS as error:
         return fail(error, status=2, destroy=owns_process_group)
     except (FileNotFoundError, ValueError) as error:
         return fail(error, status=1, destroy=owns_process_group)
-    run_control = RunControl(args, engine, scheduler, model.config)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     try:
         with MetricsWriter.from_args(args, enabled=rank == world_size - 1) as metrics_writer:
-            summary = pretrain(args, engine, scheduler, model.config, train_loader,
-                               valid_loader, metrics_writer, engine.device,
-                               run_control=run_control)
+            summary = training.run(metrics_writer)
     except (SaveFailed, FloatingPointError, zeropp.CheckpointError, ValueError) as error:
         return fail(error, status=1, destroy=owns_process_group)
     finally:
-        engine.close()
+        training.close()
     report(summary)
     if owns_process_group:
         dist.destroy_process_group()
     return 0
+
+
+@dataclass
+class Training:
+    """One run, wired: what ``build_training`` makes and the entry point, the tests and the
+    benchmarks all train with."""
+
+    args: argparse.Namespace
+    model: GPTModel
+    engine: zeropp.ZeroEngine
+    scheduler: AnnealingLR
+    train_loader: LoaderFactory
+    valid_loader: LoaderFactory | None
+    run_control: RunControl
+
+    def run(self, metrics_writer: MetricsWriter, loss_fn: LossFunction = lm_loss
+            ) -> TrainingSummary:
+        """Train (resuming from ``--load``), then measure the validation loss."""
+        return pretrain(self.args, self.engine, self.scheduler, self.model.config,
+                        self.train_loader, self.valid_loader, metrics_writer,
+                        self.engine.device, loss_fn=loss_fn, run_control=self.run_control)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def build_training(args: argparse.Namespace) -> Training:
+    """Parsed command line -> a wired run, in the process group that exists already.
+
+    The DeepSpeed JSON is read and parsed once and reconciled with the command line here;
+    then the tokenizer, this rank's loaders, the model on the meta device, the engine (each
+    rank materializes only its shard), the lr schedule and the run control.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ds_config = read_ds_config(args)
+    validate_args(args, world_size)
+    check_supported(args, ds_config)
+    # One seed for every rank, as Megatron seeds its data-parallel ranks.
+    torch.manual_seed(args.seed)
+    tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
+                                merge_file=args.merge_file, tokenizer_model=args.tokenizer_model)
+    train_loader, valid_loader = build_loader_factories(args, rank, world_size,
+                                                        tokenizer.vocab_size)
+    model = build_meta_model(args, tokenizer.vocab_size)
+    engine = build_engine(args, model, ds_config)
+    scheduler = AnnealingLR(engine.optimizer, max_lr=args.lr, min_lr=args.min_lr,
+                            warmup_iters=args.lr_warmup_iters, decay_iters=args.lr_decay_iters,
+                            decay_style=args.lr_decay_style)
+    return Training(args, model, engine, scheduler, train_loader, valid_loader,
+                    RunControl(args, engine, scheduler, model.config))
 
 
 def fail(error: Exception, status: int, destroy: bool) -> int:
@@ -114,44 +155,44 @@ def print_rank_0(text: str) -> None:
 # ---- configuration ------------------------------------------------------------------------
 
 
-def read_ds_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The DeepSpeed JSON ({} without --deepspeed_config), after the command line agreed
-    with it; ``engine_config`` later adds the ZeRO stage and every resolved CLI value."""
+def read_ds_config(args: argparse.Namespace) -> zeropp.EngineConfig:
+    """The DeepSpeed JSON (empty without --deepspeed_config), reconciled with the command
+    line, then parsed once; ``engine_config`` later sets every value the command line
+    resolved."""
     if args.deepspeed_config is None:
-        return {}
+        return zeropp.EngineConfig()
     if not os.path.isfile(args.deepspeed_config):
         raise ArgumentError(f"--deepspeed_config {args.deepspeed_config}: no such file")
-    ds_config = zeropp.read_json_config(args.deepspeed_config)
-    reconcile_with_ds_config(args, ds_config)
-    return ds_config
+    raw = zeropp.read_json_config(args.deepspeed_config)
+    reconcile_with_ds_config(args, raw)  # compares what the file itself says
+    return zeropp.EngineConfig.from_json(raw)
 
 
-def check_supported(args: argparse.Namespace, ds_config: dict[str, Any]) -> None:
+def check_supported(args: argparse.Namespace, ds_config: zeropp.EngineConfig) -> None:
     if args.data_path is None and not args.mock_data:
         raise ArgumentError("--data-path is required for training (or --mock-data)")
     if args.data_path is not None and args.mock_data:
         raise ArgumentError("--mock-data and --data-path exclude each other: pick one")
-    if "scheduler" in ds_config:
+    if ds_config.scheduler is not None:
         raise ArgumentError(
             f"the scheduler block in {args.deepspeed_config} would be ignored: the lr "
             "schedule comes from --lr, --lr-decay-style and --lr-warmup-iters; remove the block"
         )
 
 
-def engine_config(args: argparse.Namespace, ds_config: dict[str, Any]) -> dict[str, Any]:
-    """The DeepSpeed dict the engine gets: the file's keys plus every resolved CLI value."""
-    config = dict(ds_config)
-    config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
-    config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
-    config["train_batch_size"] = args.global_batch_size
-    config["gradient_clipping"] = args.clip_grad
-    config["zero_optimization"] = {**config.get("zero_optimization", {}),
-                                   "stage": args.zero_stage}
-    config["fp16"] = {**config.get("fp16", {}), **fp16_block(args)}
-    # DeepSpeed still reads the legacy section name "bfloat16"; keep whichever the file uses.
-    bf16_section = "bfloat16" if "bfloat16" in config else "bf16"
-    config[bf16_section] = {**config.get(bf16_section, {}), "enabled": bool(args.bf16)}
-    return config
+def engine_config(args: argparse.Namespace, ds_config: zeropp.EngineConfig
+                  ) -> zeropp.EngineConfig:
+    """The config the engine gets: the file's, with every value the command line resolved."""
+    return dataclasses.replace(
+        ds_config,
+        train_micro_batch_size_per_gpu=args.micro_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        train_batch_size=args.global_batch_size,
+        gradient_clipping=args.clip_grad,
+        zero_optimization=dataclasses.replace(ds_config.zero_optimization, stage=args.zero_stage),
+        fp16=dataclasses.replace(ds_config.fp16, **fp16_block(args)),
+        bf16=dataclasses.replace(ds_config.bf16, enabled=bool(args.bf16)),
+    )
 
 
 def fp16_block(args: argparse.Namespace) -> dict[str, Any]:
@@ -212,16 +253,16 @@ def build_loader_factories(
 # ---- engine and run -----------------------------------------------------------------------
 
 
-def build_engine(args: argparse.Namespace, model: GPTModel, ds_config: dict[str, Any]) -> Any:
-    engine, _, _, _ = zeropp.initialize(
+def build_engine(args: argparse.Namespace, model: GPTModel,
+                 ds_config: zeropp.EngineConfig) -> zeropp.ZeroEngine:
+    return zeropp.engine_from_config(
         model,
-        config=engine_config(args, ds_config),
+        engine_config(args, ds_config),
         ranks_per_node=args.ranks_per_node,
         param_init_fn=model.initial_value,
         optimizer_params={"lr": args.lr, "betas": (args.adam_beta1, args.adam_beta2),
                           "eps": args.adam_eps, "weight_decay": args.weight_decay},
     )
-    return engine
 
 
 def print_run_description(args: argparse.Namespace, model: GPTModel, topology: str) -> None:

@@ -18,17 +18,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import zeropp
 from data.gpt_dataset import build_train_valid_test_datasets
 from data.preprocess import preprocess
-from data.samplers import build_pretraining_data_loader, get_batch
+from data.samplers import get_batch
 from data.tokenizers import build_tokenizer
-from megatron_lite.arguments import parse_args, validate_args
+from megatron_lite.arguments import parse_args
 from megatron_lite.metrics import TRAIN_METRIC_KEYS, MetricsWriter
 from megatron_lite.model import GPTConfig, GPTModel, lm_loss
-from megatron_lite.training import TrainingSummary, pretrain
+from megatron_lite.training import TrainingSummary
+from pretrain_zeropp_gpt import build_training
 from tests.distributed import free_port
-from zeropp.lr_schedules import AnnealingLR
 
 SEQ_LENGTH = 16
 TINY_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -62,43 +61,24 @@ def corpus(tmp_path_factory) -> str:
 
 
 def train(corpus: str, tmp_path: Path, *flags: str, loss_fn=lm_loss, ds_extra=None):
-    """Run ``pretrain`` as the entry point would; returns (summary, train records, eval records)."""
+    """Run the entry point's own ``build_training`` in this process; returns (summary, train
+    records, eval records). ``ds_extra`` becomes the --deepspeed_config file."""
     metrics_file = tmp_path / "metrics.jsonl"
     metrics_file.unlink(missing_ok=True)
+    ds_flags = []
+    if ds_extra:
+        ds_file = tmp_path / "ds_config.json"
+        ds_file.write_text(json.dumps(ds_extra))
+        ds_flags = ["--deepspeed_config", str(ds_file)]
     args = parse_args([*TINY_MODEL, "--data-path", corpus, "--split", "90,10,0",
                        "--num-workers", "0", "--log-interval", "1", "--eval-iters", "2",
-                       "--data-cache-dir", str(tmp_path / "index-cache"), *flags])
-    validate_args(args, world_size=1)
-    torch.manual_seed(args.seed)
-    G = args.global_batch_size
-    datasets = build_train_valid_test_datasets(
-        args.data_path, args.split, SEQ_LENGTH, args.seed,
-        (args.train_iters * G, args.eval_iters * G, 0), cache_dir=args.data_cache_dir)
-    train_set, valid_set, _ = datasets
-    with torch.device("meta"):
-        model = GPTModel(GPTConfig(
-            num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=50257,
-            max_position_embeddings=SEQ_LENGTH, hidden_dropout=0.0, attention_dropout=0.0,
-            checkpoint_activations=args.checkpoint_activations, seed=args.seed))
-    ds_config = {
-        "train_micro_batch_size_per_gpu": args.micro_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "gradient_clipping": args.clip_grad,
-        "zero_optimization": {"stage": 3},
-        **(ds_extra or {}),
-    }
-    engine, _, _, _ = zeropp.initialize(model, config=ds_config, optimizer_params={
-        "lr": args.lr, "weight_decay": args.weight_decay})
-    scheduler = AnnealingLR(engine.optimizer, args.lr, args.min_lr, args.lr_warmup_iters,
-                            args.lr_decay_iters, args.lr_decay_style)
-
-    def loaders(dataset):
-        return lambda consumed: build_pretraining_data_loader(
-            dataset, consumed, args.micro_batch_size, dp_rank=0, dp_size=1)
-
-    with MetricsWriter(enabled=True, metrics_file=str(metrics_file)) as writer:
-        summary = pretrain(args, engine, scheduler, model.config, loaders(train_set),
-                           loaders(valid_set), writer, torch.device("cpu"), loss_fn=loss_fn)
+                       "--data-cache-dir", str(tmp_path / "index-cache"), *ds_flags, *flags])
+    training = build_training(args)
+    try:
+        with MetricsWriter(enabled=True, metrics_file=str(metrics_file)) as writer:
+            summary = training.run(writer, loss_fn=loss_fn)
+    finally:
+        training.close()
     records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     train_records = [r for r in records if "lm_loss" in r]
     eval_records = [r for r in records if "val_loss" in r]

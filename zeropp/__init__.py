@@ -12,6 +12,7 @@ from zeropp.engine import ZeroEngine
 from zeropp.initialize import (
     QuantizationOptions,
     build_engine,
+    engine_from_config,
     init_distributed,
     initialize,
     options_from_config,
@@ -33,6 +34,7 @@ __all__ = [
     "TopologyError",
     "ZeroEngine",
     "build_engine",
+    "engine_from_config",
     "build_topology",
     "checkpoint_client_state",
     "consolidate_checkpoint",

@@ -716,10 +716,12 @@ class EngineConfig(_Section):
                   world_size: int | None = None) -> EngineConfig:
         """Parse and validate; given ``world_size``, also fill in all three batch keys."""
         config = cls.from_mapping(read_json_config(path_or_dict))
-        if world_size is None:
-            return config
-        total, micro, steps = config.resolve_batch(world_size)
-        return dataclasses.replace(config, train_batch_size=total,
+        return config if world_size is None else config.with_batch_resolved(world_size)
+
+    def with_batch_resolved(self, world_size: int) -> EngineConfig:
+        """This config with all three batch keys filled in for ``world_size`` ranks."""
+        total, micro, steps = self.resolve_batch(world_size)
+        return dataclasses.replace(self, train_batch_size=total,
                                    train_micro_batch_size_per_gpu=micro,
                                    gradient_accumulation_steps=steps)
 

@@ -183,37 +183,32 @@ _COMM_DTYPES = {None: None, "fp32": torch.float32, "fp16": torch.float16, "bf16"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def initialize(
+def engine_from_config(
     model: nn.Module,
-    model_parameters=None,
-    config=None,
+    cfg,
     *,
+    optimizer_params: dict | None = None,
     ranks_per_node: int | None = None,
     param_init_fn=None,
-    optimizer_params: dict | None = None,
     lr_scheduler=None,
     device: torch.device | None = None,
-):
-    """``deepspeed.initialize``'s twin: returns ``(engine, optimizer, None, lr_scheduler)``.
+) -> ZeroEngine:
+    """The engine a parsed ``EngineConfig`` describes: the one typed path from a DeepSpeed
+    config to the engine, taken by ``initialize`` and by the application.
 
-    ``config`` is a DeepSpeed JSON path or dict. The optimizer comes from its ``optimizer``
-    block unless ``optimizer_params`` (lr, betas, eps, weight_decay) is given; the engine
-    always runs its own partitioned AdamW. ``model_parameters`` is accepted for signature
-    compatibility: every parameter of ``model`` is trained.
+    The optimizer comes from the config's ``optimizer`` block unless ``optimizer_params``
+    (lr, betas, eps, weight_decay) is given; a JSON ``scheduler`` block becomes the lr
+    schedule unless ``lr_scheduler`` is given.
     """
-    from zeropp.config import ConfigError, EngineConfig
+    from zeropp.config import ConfigError
 
-    init_distributed()
-    world_size = dist.get_world_size()
-    cfg = EngineConfig.from_json(config if config is not None else {}, world_size=None)
-    if cfg.train_batch_size is not None or cfg.train_micro_batch_size_per_gpu is not None:
-        cfg = EngineConfig.from_json(cfg.to_dict(), world_size=world_size)
     zero = cfg.zero_optimization
     params = dict(cfg.optimizer.params) if cfg.optimizer is not None else {}
     params.update(optimizer_params or {})
     if "lr" not in params:
         raise ConfigError("no learning rate: add an optimizer block or pass optimizer_params")
     sharding, quantization = options_from_config(zero, cfg)
+    init_distributed()
     if zero.inert_keys and dist.get_rank() == 0:
         print(f"note: {', '.join(zero.inert_keys)} have no effect at ZeRO stage {zero.stage} "
               "(ZeRO++ extends stage 3)", flush=True)
@@ -239,4 +234,34 @@ def initialize(
         from zeropp.lr_schedules import WarmupSchedule
 
         engine.lr_scheduler = WarmupSchedule(engine.optimizer, cfg.scheduler.type, cfg.scheduler.params)
+    return engine
+
+
+def initialize(
+    model: nn.Module,
+    model_parameters=None,
+    config=None,
+    *,
+    ranks_per_node: int | None = None,
+    param_init_fn=None,
+    optimizer_params: dict | None = None,
+    lr_scheduler=None,
+    device: torch.device | None = None,
+):
+    """``deepspeed.initialize``'s twin: returns ``(engine, optimizer, None, lr_scheduler)``.
+
+    ``config`` is a DeepSpeed JSON path or dict. The optimizer comes from its ``optimizer``
+    block unless ``optimizer_params`` (lr, betas, eps, weight_decay) is given; the engine
+    always runs its own partitioned AdamW. ``model_parameters`` is accepted for signature
+    compatibility: every parameter of ``model`` is trained.
+    """
+    from zeropp.config import EngineConfig
+
+    init_distributed()
+    cfg = EngineConfig.from_json(config if config is not None else {})  # parsed once
+    if cfg.train_batch_size is not None or cfg.train_micro_batch_size_per_gpu is not None:
+        cfg = cfg.with_batch_resolved(dist.get_world_size())
+    engine = engine_from_config(
+        model, cfg, optimizer_params=optimizer_params, ranks_per_node=ranks_per_node,
+        param_init_fn=param_init_fn, lr_scheduler=lr_scheduler, device=device)
     return engine, engine.optimizer, None, engine.lr_scheduler
