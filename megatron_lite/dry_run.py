@@ -53,7 +53,7 @@ from megatron_lite.arguments import (
 from megatron_lite.model import GPTConfig, GPTModel
 from zeropp.config import ConfigError, EngineConfig, ZeroConfig, read_json_config
 from zeropp.planner import SystemPlan, plan_zero3_and_zeropp, unit_parameter_counts
-from zeropp.topology import TopologyError
+from zeropp.topology import ClusterShape, TopologyError
 
 GIB = 1024**3
 # Megatron's per-layer activation constant and checkpoint size assume 16-bit activations.
@@ -66,17 +66,12 @@ PHASE_LABELS = {
 }
 
 
-@dataclass(frozen=True)
-class PlannedCluster:
-    """The cluster the dry run plans for (not the one it runs on)."""
+@dataclass(frozen=True, kw_only=True)
+class PlannedCluster(ClusterShape):
+    """The cluster the dry run plans for (not the one it runs on): a shape and each GPU's
+    memory."""
 
-    nodes: int
-    gpus_per_node: int
     gpu_memory_gib: float
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.gpus_per_node
 
     @property
     def gpu_memory_bytes(self) -> int:
@@ -140,7 +135,8 @@ def planned_cluster(args: argparse.Namespace) -> PlannedCluster:
         if value is not None and not value > 0:
             raise ArgumentError(f"{flag} {value} must be positive")
     gpus_per_node = args.dry_run_gpus_per_node or args.ranks_per_node or 1
-    return PlannedCluster(args.dry_run_nodes, gpus_per_node, args.dry_run_gpu_memory_gb)
+    return PlannedCluster(world_size=args.dry_run_nodes * gpus_per_node,
+                          ranks_per_node=gpus_per_node, gpu_memory_gib=args.dry_run_gpu_memory_gb)
 
 
 def zero_config(args: argparse.Namespace) -> ZeroConfig:
@@ -200,7 +196,7 @@ def build_report(args: argparse.Namespace) -> DryRunReport:
         model = GPTModel(model_config(args, tokenizer_vocab_size(args)))
     dtype_bytes = 4 if args.params_dtype == torch.float32 else 2
     plans = plan_zero3_and_zeropp(
-        unit_parameter_counts(model), cluster.world_size, cluster.gpus_per_node, zero,
+        unit_parameter_counts(model), cluster.world_size, cluster.ranks_per_node, zero,
         dtype_bytes, args.gradient_accumulation_steps)
     return DryRunReport(
         num_parameters=model.num_parameters(),
@@ -280,7 +276,7 @@ def communication_lines(report: DryRunReport) -> list[str]:
     lines.append(_row("total", [_gib(v) for v in totals]))
     ratio = report.inter_node_ratio
     shown = "ZeRO++ sends nothing across nodes" if math.isinf(ratio) else f"{ratio:.2f}x"
-    if report.cluster.nodes == 1:
+    if report.cluster.num_nodes == 1:
         shown = "one node: nothing crosses nodes"
     lines.append(f"  inter-node volume, ZeRO-3 / ZeRO++: {shown}")
     return lines
@@ -295,7 +291,7 @@ def render(report: DryRunReport) -> str:
     tokens_per_gpu = report.micro_batch_size * report.seq_length
     lines = [
         f"number of parameters: {describe_count(report.num_parameters)}",
-        f"planned cluster: {cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs = "
+        f"planned cluster: {cluster.num_nodes} node(s) x {cluster.ranks_per_node} GPUs = "
         f"{cluster.world_size} GPUs of {cluster.gpu_memory_gib:g} GiB",
         f"per GPU: micro batch {report.micro_batch_size} x seq {report.seq_length} = "
         f"{tokens_per_gpu:,} tokens per micro-batch, {report.gradient_accumulation_steps} "
@@ -338,11 +334,11 @@ def simulate_plans(args: argparse.Namespace, argv: list[str], report: DryRunRepo
 
     cluster = report.cluster
     zero3, configured = report.plans
-    baseline = simulate_rank(argv, 0, cluster.nodes, cluster.gpus_per_node, save_dir=None,
+    baseline = simulate_rank(argv, 0, cluster.num_nodes, cluster.ranks_per_node, save_dir=None,
                              ds_config=baseline_ds_config(args))
     if dataclasses.replace(configured.zero, stage=3) == zero3.zero:
         return [baseline, baseline]
-    return [baseline, simulate_rank(argv, 0, cluster.nodes, cluster.gpus_per_node,
+    return [baseline, simulate_rank(argv, 0, cluster.num_nodes, cluster.ranks_per_node,
                                     save_dir=None)]
 
 

@@ -23,7 +23,7 @@ def gather_case(rank, world, per_node, numel, block):
     from zeropp.topology import build_topology
 
     topo = build_topology(per_node)
-    group = CommGroup(None, world, rank, topo.world_spans_nodes)
+    group = CommGroup(None, world, rank, topo.spans_nodes)
     out = {}
     for dtype in DTYPES:
         shard = _shard(rank, numel, dtype)
@@ -63,7 +63,7 @@ def reduce_case(rank, world, per_node, slice_numel, bits, integer):
     from zeropp.topology import build_topology
 
     topo = build_topology(per_node)
-    group = CommGroup(None, world, rank, topo.world_spans_nodes)
+    group = CommGroup(None, world, rank, topo.spans_nodes)
     qgz = HierarchicalReduceScatter(topo, bits=bits, block_size=64)
     out = {}
     for dtype in DTYPES:

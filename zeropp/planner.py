@@ -46,36 +46,11 @@ from zeropp.initialize import options_from_config
 from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
 from zeropp.residency import Residency, shard_alignment, stays_gathered
 from zeropp.sharded_model import ShardingOptions, default_unit_modules
-from zeropp.topology import Topology, TopologyError
+from zeropp.topology import ClusterShape, Topology, TopologyError
 
 FP32_BYTES = 4
 _DTYPES = {2: torch.float16, 4: torch.float32}  # bytes per working element -> a dtype that wide
 CommVolume = dict[str, dict[str, int]]  # {phase: {locality: bytes}}, as CommStats.snapshot()
-
-
-@dataclass(frozen=True)
-class ClusterShape:
-    """The data-parallel world: ``world_size`` ranks, ``ranks_per_node`` on each node."""
-
-    world_size: int
-    ranks_per_node: int
-
-    def __post_init__(self) -> None:
-        for name in ("world_size", "ranks_per_node"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.world_size % self.ranks_per_node:
-            raise TopologyError(f"ranks per node {self.ranks_per_node} does not divide the world "
-                                f"size {self.world_size}: every node must hold the same number")
-
-    @property
-    def num_nodes(self) -> int:
-        return self.world_size // self.ranks_per_node
-
-    @property
-    def spans_nodes(self) -> bool:
-        return self.num_nodes > 1
 
 
 @dataclass(frozen=True)
@@ -171,7 +146,7 @@ def engine_objects(zero: ZeroConfig, cluster: ClusterShape) -> tuple[Residency, 
     ``cluster`` (rank 0 of it, without process groups): the planner asks them its rules."""
     _, quant = options_from_config(dataclasses.replace(zero, stage=3))
     residency = Residency.for_stage(3, quant.hpz_size)
-    topology = Topology(0, cluster.world_size, cluster.ranks_per_node, quant.hpz_size)
+    topology = Topology.planned(cluster, quant.hpz_size)
     return residency, collectives_for(3, quant, topology)
 
 

@@ -151,7 +151,7 @@ class ShardedModel:
         self.dp_size = topology.world_size
         if self.residency.shard_optimizer_states:
             self.world = CommGroup(None, topology.world_size, topology.rank,
-                                   topology.world_spans_nodes)
+                                   topology.spans_nodes)
         else:
             self.world = CommGroup(None, 1, 0, False)
         self.comm = UnitComm(

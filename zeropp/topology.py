@@ -53,21 +53,49 @@ def resolve_ranks_per_node(explicit: int | None, world_size: int) -> int:
 
 
 @dataclass(frozen=True)
-class Topology:
+class ClusterShape:
+    """The one description of a cluster's shape: ``world_size`` ranks, ``ranks_per_node``
+    on each node. ``Topology`` (a rank's place in a running job) and the dry run's planned
+    cluster (plus a memory budget) extend it."""
+
+    world_size: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "ranks_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.world_size % self.ranks_per_node:
+            raise TopologyError(f"ranks per node {self.ranks_per_node} does not divide the world "
+                                f"size {self.world_size}: every node must hold the same number")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether a group of the whole world crosses a node boundary."""
+        return self.num_nodes > 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology(ClusterShape):
     """This rank's place in the cluster and the process groups built for it."""
 
     rank: int
-    world_size: int
-    ranks_per_node: int
     hpz_size: int = 1
     # Process groups; None means the default (world) group. Not part of equality.
     intra_node_group: object = field(default=None, compare=False, repr=False)
     inter_node_group: object = field(default=None, compare=False, repr=False)
     hpz_group: object = field(default=None, compare=False, repr=False)
 
-    @property
-    def num_nodes(self) -> int:
-        return self.world_size // self.ranks_per_node
+    @classmethod
+    def planned(cls, shape: ClusterShape, hpz_size: int = 1) -> Topology:
+        """Rank 0 of a cluster that is not running: no process groups, for planning."""
+        return cls(world_size=shape.world_size, ranks_per_node=shape.ranks_per_node,
+                   rank=0, hpz_size=hpz_size)
 
     @property
     def node_index(self) -> int:
@@ -81,10 +109,6 @@ class Topology:
     def hpz_rank(self) -> int:
         """Index of this rank inside its hpZ group."""
         return self.rank % self.hpz_size
-
-    @property
-    def world_spans_nodes(self) -> bool:
-        return self.num_nodes > 1
 
     def describe(self) -> str:
         return (
@@ -134,4 +158,5 @@ def build_topology(ranks_per_node: int | None = None, hpz_size: int = 1) -> Topo
         group = dist.new_group(list(range(start, start + hpz_size)))
         if start <= rank < start + hpz_size:
             hpz = group
-    return Topology(rank, world_size, per_node, hpz_size, intra, inter, hpz)
+    return Topology(world_size=world_size, ranks_per_node=per_node, rank=rank, hpz_size=hpz_size,
+                    intra_node_group=intra, inter_node_group=inter, hpz_group=hpz)

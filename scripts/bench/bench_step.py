@@ -52,12 +52,16 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron_lite.model import GPTConfig, GPTModel, lm_loss
 from scripts.bench.collective_bytes import CollectiveByteCounter
+
+if TYPE_CHECKING:  # imported for real only once the byte counter is installed
+    from zeropp.topology import ClusterShape
 
 RESULT_PREFIX = "LAB_RESULT "
 FP32_BYTES = 4
@@ -104,16 +108,6 @@ class BenchShape:
         )
 
 
-@dataclass(frozen=True)
-class Layout:
-    world_size: int
-    ranks_per_node: int
-
-    @property
-    def nodes(self) -> int:
-        return self.world_size // self.ranks_per_node
-
-
 class TrainingSystem(abc.ABC):
     """One system's training iteration; byte counts beyond the shared counter are optional."""
 
@@ -140,7 +134,7 @@ def _loss(model: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor,
 
 
 class OurEngine(TrainingSystem):
-    def __init__(self, shape: BenchShape, layout: Layout, switches: dict[str, bool]) -> None:
+    def __init__(self, shape: BenchShape, layout: ClusterShape, switches: dict[str, bool]) -> None:
         from zeropp import QuantizationOptions, build_engine
 
         with torch.device("meta"):
@@ -177,7 +171,7 @@ def _padded_shard_numel(shape: torch.Size, shards: int) -> int:
 
 
 class Fsdp2(TrainingSystem):
-    def __init__(self, shape: BenchShape, layout: Layout, hybrid: bool) -> None:
+    def __init__(self, shape: BenchShape, layout: ClusterShape, hybrid: bool) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -185,7 +179,7 @@ class Fsdp2(TrainingSystem):
         model = GPTModel(shape.gpt_config())  # materialized and initialized on the CPU
         mesh = None
         if hybrid:
-            mesh = init_device_mesh("cpu", (layout.nodes, layout.ranks_per_node),
+            mesh = init_device_mesh("cpu", (layout.num_nodes, layout.ranks_per_node),
                                     mesh_dim_names=("replicate", "shard"))
         self.shard_group_size = layout.ranks_per_node if hybrid else layout.world_size
         block_params = {id(p) for layer in model.layers for p in layer.parameters()}
@@ -220,7 +214,7 @@ class Fsdp2(TrainingSystem):
 
         units = [*self.block_shard_numels, self.root_shard_numel]
         if self.hybrid:
-            nodes = self.layout.nodes
+            nodes = self.layout.num_nodes
             reduce = sum(all_reduce_bytes(n * FP32_BYTES, nodes) for n in units)
             return {"forward_all_gather": 0, "backward_all_gather": 0, "gradient_reduce": reduce,
                     "optimizer": 0}
@@ -250,7 +244,7 @@ def _deepspeed_without_shm_build():
 
 
 class DeepSpeedZero3(TrainingSystem):
-    def __init__(self, shape: BenchShape, layout: Layout, extra: dict[str, bool]) -> None:
+    def __init__(self, shape: BenchShape, layout: ClusterShape, extra: dict[str, bool]) -> None:
         deepspeed = _deepspeed_without_shm_build()
         zero = {
             "stage": 3,
@@ -294,7 +288,7 @@ class DeepSpeedZero3(TrainingSystem):
         return loss.item()
 
 
-def build_system(name: str, shape: BenchShape, layout: Layout) -> TrainingSystem:
+def build_system(name: str, shape: BenchShape, layout: ClusterShape) -> TrainingSystem:
     if name in OUR_SYSTEMS:
         return OurEngine(shape, layout, OUR_SYSTEMS[name])
     if name in FSDP_SYSTEMS:
@@ -307,7 +301,7 @@ def build_system(name: str, shape: BenchShape, layout: Layout) -> TrainingSystem
 # ---- measurement --------------------------------------------------------------------------------
 
 
-def node_tx_bytes(layout: Layout) -> int:
+def node_tx_bytes(layout: ClusterShape) -> int:
     """Bytes all nodes have sent on their veths (each node's local rank 0 reads its own)."""
     interface = os.environ.get("GLOO_SOCKET_IFNAME")
     mine = 0
@@ -335,7 +329,7 @@ def _per_iteration(by_key: dict[str, int] | None, iters: int) -> dict[str, float
 
 
 def measure(system: TrainingSystem, counter: CollectiveByteCounter, shape: BenchShape,
-            layout: Layout, iters: int, warmup: int, seed: int) -> dict:
+            layout: ClusterShape, iters: int, warmup: int, seed: int) -> dict:
     rank = dist.get_rank()
     batches = random_batches(shape, warmup + iters, rank, layout.world_size, seed)
     losses = [system.train_step(*next(batches)) for _ in range(warmup)]
@@ -397,9 +391,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def resolve_layout(args: argparse.Namespace) -> Layout:
+def ranks_per_node(args: argparse.Namespace) -> int:
+    return args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def resolve_layout(args: argparse.Namespace) -> ClusterShape:
+    from zeropp.topology import ClusterShape  # after the counter is installed (see main)
+
     world = dist.get_world_size()
-    per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    per_node = ranks_per_node(args)
     if per_node < 1 or world % per_node:
         raise ValueError(f"ranks per node {per_node} must divide the world size {world}")
     if args.global_batch_size % world:
@@ -407,7 +407,7 @@ def resolve_layout(args: argparse.Namespace) -> Layout:
                          f"of the world size {world}")
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"--iters {args.iters} must be >= 1 and --warmup {args.warmup} >= 0")
-    return Layout(world, per_node)
+    return ClusterShape(world, per_node)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -417,10 +417,10 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
-        layout = resolve_layout(args)
-        # Before any system is built: the engine and DeepSpeed keep references to the
+        # Before anything imports the engine or DeepSpeed: they keep references to the
         # torch.distributed functions they call, made when they are imported or start.
-        counter = CollectiveByteCounter(layout.ranks_per_node).install()
+        counter = CollectiveByteCounter(ranks_per_node(args)).install()
+        layout = resolve_layout(args)
         shape = BenchShape(args.num_layers, args.hidden_size, args.num_attention_heads,
                            args.seq_length, args.vocab_size, args.global_batch_size)
         started = time.perf_counter()

@@ -37,7 +37,7 @@ WEIGHT_GATHERS: dict[str, Factory] = {
 GRADIENT_REDUCTIONS: dict[str, Factory] = {
     # Stage 0 has no shards to reduce into: the whole gradient is summed on every rank.
     "all_reduce": lambda quant, topology, execution: ReplicatedAllReduce(
-        CommGroup(None, topology.world_size, topology.rank, topology.world_spans_nodes),
+        CommGroup(None, topology.world_size, topology.rank, topology.spans_nodes),
         execution),
     "exact": lambda quant, topology, execution: ReduceScatter(execution),
     "qgZ": lambda quant, topology, execution: HierarchicalReduceScatter(
