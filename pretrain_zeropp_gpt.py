@@ -44,12 +44,18 @@ from megatron_lite.arguments import (
     reconcile_with_ds_config,
     validate_args,
 )
-from megatron_lite.checkpointing import RunControl, SaveFailed
+from megatron_lite.checkpointing import (
+    CheckpointConfig,
+    RunControl,
+    SaveFailed,
+    plain_arguments,
+)
 from megatron_lite.dry_run import describe_count, run_dry_run
 from megatron_lite.metrics import MetricsWriter
 from megatron_lite.model import GPTModel, lm_loss
 from megatron_lite.training import (
     LoaderFactory,
+    LoopConfig,
     LossFunction,
     TrainingSummary,
     perplexity,
@@ -106,7 +112,7 @@ class Training:
     def run(self, metrics_writer: MetricsWriter, loss_fn: LossFunction = lm_loss
             ) -> TrainingSummary:
         """Train (resuming from ``--load``), then measure the validation loss."""
-        return pretrain(self.args, self.engine, self.scheduler, self.model.config,
+        return pretrain(LoopConfig.from_args(self.args), self.engine, self.scheduler, self.model.config,
                         self.train_loader, self.valid_loader, metrics_writer,
                         self.engine.device, loss_fn=loss_fn, run_control=self.run_control)
 
@@ -137,7 +143,8 @@ def build_training(args: argparse.Namespace) -> Training:
                             warmup_iters=args.lr_warmup_iters, decay_iters=args.lr_decay_iters,
                             decay_style=args.lr_decay_style)
     return Training(args, model, engine, scheduler, train_loader, valid_loader,
-                    RunControl(args, engine, scheduler, model.config))
+                    RunControl(CheckpointConfig.from_args(args), engine, scheduler, model.config,
+                               run_arguments=plain_arguments(args)))
 
 
 def fail(error: Exception, status: int, destroy: bool) -> int:

@@ -192,7 +192,7 @@ def _resolve_inputs(inputs: Any) -> list[Any]:
             continue
         path = os.fspath(entry)
         if path.startswith(HF_PREFIX):
-            _parse_hf_input(path)
+            parse_hf_input(path)
             sources.append(path)
         elif os.path.isdir(path):
             sources.extend(_corpus_files_under(path))
@@ -334,7 +334,7 @@ def _is_hf_dataset(value: Any) -> bool:
     return type(value).__module__.startswith("datasets.") and hasattr(value, "__iter__")
 
 
-def _parse_hf_input(spec: str) -> tuple[str, str]:
+def parse_hf_input(spec: str) -> tuple[str, str]:
     """``hf:NAME[:SPLIT]`` -> (NAME, SPLIT)."""
     body = spec[len(HF_PREFIX):].removeprefix("//")
     name, separator, split = body.rpartition(":")
@@ -349,7 +349,7 @@ def _iter_hf_records(source: Any) -> Iterator[tuple[str, int, Any]]:
     if isinstance(source, str):
         import datasets  # imported here: it is slow to import and only this input needs it
 
-        name, split = _parse_hf_input(source)
+        name, split = parse_hf_input(source)
         dataset = datasets.load_dataset(name, split=split, streaming=True)
         label = f"{HF_PREFIX}{name}:{split}"
     else:

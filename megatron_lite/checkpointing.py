@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ def checkpoint_tag(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def _plain_args(args: argparse.Namespace) -> dict[str, Any]:
+def plain_arguments(args: argparse.Namespace) -> dict[str, Any]:
     """The arguments as JSON-like values (checkpoints are loaded with weights_only=True)."""
     plain = {}
     for key, value in vars(args).items():
@@ -47,18 +48,41 @@ def _plain_args(args: argparse.Namespace) -> dict[str, Any]:
     return plain
 
 
-class RunControl:
-    """Checkpoint cadence, resume, and the collective stop decisions of the training loop."""
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving, resuming and stopping, as the command line resolved them (``from_args``)."""
 
-    def __init__(self, args: argparse.Namespace, engine, lr_scheduler, model_config) -> None:
-        self.args = args
+    save: str | None = None  # directory to save to
+    load: str | None = None  # directory to resume from
+    save_interval: int | None = None  # iterations between saves
+    save_error: str = "stop"  # "stop" or "continue" past a storage failure
+    no_load_optim: bool = False  # resume the weights only
+    exit_signal_handler: bool = False  # save and stop on SIGTERM
+    exit_on_nan: int = 0  # stop after this many consecutive non-finite losses; 0 = never
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> CheckpointConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+class RunControl:
+    """Checkpoint cadence, resume, and the collective stop decisions of the training loop.
+
+    ``run_arguments`` (the command line as plain values) is stored in every checkpoint, as
+    Megatron stores its arguments, so a checkpoint tells how it was made.
+    """
+
+    def __init__(self, config: CheckpointConfig, engine, lr_scheduler, model_config,
+                 run_arguments: dict[str, Any] | None = None) -> None:
+        self.config = config
+        self.run_arguments = run_arguments or {}
         self.engine = engine
         self.lr_scheduler = lr_scheduler
         self.model_config = model_config
         self.last_saved_iteration: int | None = None
         self.nonfinite_streak = 0
         self._signal_received = False
-        if args.exit_signal_handler:
+        if config.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame) -> None:
@@ -68,14 +92,14 @@ class RunControl:
     # ---- resume --------------------------------------------------------------------------
     def resume(self, trainer) -> None:
         """Load ``--load`` into the engine and the trainer's counters (no-op without it)."""
-        if not self.args.load:
+        if not self.config.load:
             return
         if self._first_run_of_a_restartable_job():
-            trainer.log(f"no checkpoint in {self.args.load} yet: starting from scratch "
-                           f"(--load {self.args.load} is also --save)")
+            trainer.log(f"no checkpoint in {self.config.load} yet: starting from scratch "
+                           f"(--load {self.config.load} is also --save)")
             return
         path, client = self.engine.load_checkpoint(
-            self.args.load, load_optimizer_states=not self.args.no_load_optim
+            self.config.load, load_optimizer_states=not self.config.no_load_optim
         )
         saved_model = client.get("model_config", {})
         ours = dataclasses.asdict(self.model_config)
@@ -87,7 +111,7 @@ class RunControl:
                     f"this run has {key}={ours[key]}"
                 )
         trainer.load_state_dict(client)
-        if not self.args.no_load_optim and client.get("lr_scheduler"):
+        if not self.config.no_load_optim and client.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(client["lr_scheduler"], strict=False)
         self.last_saved_iteration = trainer.iteration
         trainer.log(f"resumed from {path} at iteration {trainer.iteration} "
@@ -97,8 +121,8 @@ class RunControl:
         """``--save X --load X`` (Megatron's habit for jobs that may be restarted) with nothing
         saved in X yet. A ``--load`` elsewhere that holds no checkpoint stays an error: that
         is a wrong path, not a first run; so is a ``latest`` naming a missing checkpoint."""
-        load = Path(self.args.load)
-        if not self.args.save or load.resolve() != Path(self.args.save).resolve():
+        load = Path(self.config.load)
+        if not self.config.save or load.resolve() != Path(self.config.save).resolve():
             return False
         if not load.exists():
             return True
@@ -112,16 +136,16 @@ class RunControl:
             **trainer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "model_config": dataclasses.asdict(self.model_config),
-            "args": _plain_args(self.args),
+            "args": self.run_arguments,
         }
         try:
             path = self.engine.save_checkpoint(
-                self.args.save, tag=checkpoint_tag(trainer.iteration), client_state=client
+                self.config.save, tag=checkpoint_tag(trainer.iteration), client_state=client
             )
         except CheckpointError as error:  # raised on every rank alike
             # Only storage may fail and leave the run sound; any other error (NCCL, CUDA, a
             # bug) ends the run whatever --save-error says.
-            if self.args.save_error == "stop" or not isinstance(error, CheckpointStorageError):
+            if self.config.save_error == "stop" or not isinstance(error, CheckpointStorageError):
                 raise SaveFailed(f"checkpoint save at iteration {trainer.iteration} failed: "
                                  f"{error}") from error
             trainer.log(f"warning: checkpoint save at iteration {trainer.iteration} failed "
@@ -131,12 +155,12 @@ class RunControl:
         trainer.log(f"saved checkpoint {path} at iteration {trainer.iteration}")
 
     def maybe_save(self, trainer) -> None:
-        interval = self.args.save_interval
-        if self.args.save and interval and trainer.iteration % interval == 0:
+        interval = self.config.save_interval
+        if self.config.save and interval and trainer.iteration % interval == 0:
             self.save(trainer)
 
     def save_at_end(self, trainer) -> None:
-        if self.args.save and self.last_saved_iteration != trainer.iteration:
+        if self.config.save and self.last_saved_iteration != trainer.iteration:
             self.save(trainer)
 
     # ---- stop conditions -----------------------------------------------------------------
@@ -147,8 +171,8 @@ class RunControl:
         a non-finite loss gives a non-finite gradient norm, which every rank's engine
         agrees to skip. The flags cross ranks only when there is something to agree on.
         """
-        check_loss = bool(self.args.exit_on_nan) and not applied
-        if not (self.args.exit_signal_handler or check_loss):
+        check_loss = bool(self.config.exit_on_nan) and not applied
+        if not (self.config.exit_signal_handler or check_loss):
             self.nonfinite_streak = 0
             return False
         nonfinite = (~torch.isfinite(loss.detach().float())).float() if check_loss \
@@ -159,7 +183,7 @@ class RunControl:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         signalled, nonfinite = flags.tolist()
         self.nonfinite_streak = self.nonfinite_streak + 1 if nonfinite else 0
-        limit = self.args.exit_on_nan
+        limit = self.config.exit_on_nan
         if limit and self.nonfinite_streak >= limit:
             raise FloatingPointError(
                 f"the loss was not finite for {self.nonfinite_streak} consecutive iterations "
@@ -168,7 +192,7 @@ class RunControl:
         if signalled:
             trainer.log(f"SIGTERM received: saving at iteration {trainer.iteration} and "
                            "exiting")
-            if self.args.save:
+            if self.config.save:
                 self.save(trainer)
             else:
                 print("warning: no --save directory; exiting without a checkpoint",

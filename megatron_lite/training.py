@@ -23,12 +23,13 @@ interface (``TrainingEngine``) and uses ``torch.distributed`` only to average lo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import resource
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,9 @@ from megatron_lite.metrics import (
     training_log_line,
 )
 from megatron_lite.model import GPTConfig, flops_per_token, lm_loss
-from zeropp.lr_schedules import AnnealingLR
+
+if TYPE_CHECKING:  # for annotations only: the loop runs whatever schedule it is handed
+    from zeropp.lr_schedules import AnnealingLR
 
 # (logits, labels, loss_mask) -> scalar mean loss of one micro-batch.
 LossFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -83,7 +86,7 @@ class TrainingSummary:
 
 
 @dataclass
-class _IntervalTotals:
+class IntervalTotals:
     """What accumulates between two log lines."""
 
     iterations: int = 0
@@ -144,18 +147,38 @@ def mean_across_ranks(value: torch.Tensor) -> float:
     return value.item()
 
 
+@dataclass(frozen=True)
+class LoopConfig:
+    """What the training loop reads: resolved and validated values of the command line
+    (``megatron_lite.arguments.validate_args``), taken by ``from_args``."""
+
+    train_iters: int
+    global_batch_size: int  # samples per iteration, all ranks
+    gradient_accumulation_steps: int  # micro-batches per iteration on each rank
+    seq_length: int
+    log_interval: int
+    eval_iters: int  # global batches per evaluation
+    eval_interval: int | None = None  # iterations between evaluations; None: only at the end
+    exit_interval: int | None = None  # stop after a multiple of this many iterations
+    checkpoint_activations: bool = False  # counted in the FLOPs per token
+    fp16: bool = False  # the log line shows the loss scale
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LoopConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
 class Trainer:
     """Runs the training iterations and evaluations of one ``pretrain`` call.
 
-    ``args`` is the validated namespace of ``megatron_lite.arguments`` (batch sizes, iteration
-    counts, intervals). ``train_loader_factory`` and ``valid_loader_factory`` build this
+    ``config`` holds the batch sizes, iteration counts and intervals (``LoopConfig``). ``train_loader_factory`` and ``valid_loader_factory`` build this
     rank's loaders from a consumed-sample count; validation always restarts at sample 0, so
     every evaluation scores the same ``--eval-iters`` global batches and the numbers compare.
     """
 
     def __init__(
         self,
-        args: argparse.Namespace,
+        config: LoopConfig,
         engine: TrainingEngine,
         lr_scheduler: AnnealingLR,
         model_config: GPTConfig,
@@ -166,7 +189,7 @@ class Trainer:
         loss_fn: LossFunction = lm_loss,
         run_control: RunControl | None = None,
     ) -> None:
-        self.args = args
+        self.config = config
         self.run_control = run_control
         self.engine = engine
         self.lr_scheduler = lr_scheduler
@@ -176,8 +199,8 @@ class Trainer:
         self.device = device
         self.loss_fn = loss_fn
         self.vocab_size = model_config.vocab_size
-        self.flops_per_token = flops_per_token(model_config, args.seq_length,
-                                               args.checkpoint_activations)
+        self.flops_per_token = flops_per_token(model_config, config.seq_length,
+                                               config.checkpoint_activations)
         self.world_size = engine.topology.world_size
         # Megatron prints from the last rank: with pipelining it is the one that has the loss.
         self.is_logging_rank = engine.topology.rank == self.world_size - 1
@@ -187,13 +210,13 @@ class Trainer:
         self.applied_updates = 0
         self.skipped_iterations = 0
         self.last_evaluation: tuple[int, float] | None = None
-        self._interval = _IntervalTotals()
+        self._interval = IntervalTotals()
 
     # ---- training ------------------------------------------------------------------------
 
     def train(self) -> None:
         """Iterate until ``--train-iters`` (or the ``--exit-interval`` stop)."""
-        args = self.args
+        config = self.config
         if self.run_control is not None:
             self.run_control.resume(self)
         batches = iter(self.train_loader_factory(self.consumed_samples))
@@ -201,12 +224,12 @@ class Trainer:
         self.engine.train()
         self.engine.comm_bytes(reset=True)  # materializing the model is not training traffic
         self.timers("interval-time").start()
-        while self.iteration < args.train_iters:
+        while self.iteration < config.train_iters:
             loss, applied = self.train_step(batches)
             self._interval.add_iteration(loss, applied)
-            if self.iteration % args.log_interval == 0:
+            if self.iteration % config.log_interval == 0:
                 self._log_interval()
-            if args.eval_interval and self.iteration % args.eval_interval == 0:
+            if config.eval_interval and self.iteration % config.eval_interval == 0:
                 # As in Megatron, evaluation time is not training time.
                 self.timers("interval-time").stop()
                 self.evaluate_validation()
@@ -215,9 +238,9 @@ class Trainer:
                 self.run_control.maybe_save(self)
                 if self.run_control.should_stop(self, loss, applied):
                     break
-            if args.exit_interval and self.iteration % args.exit_interval == 0:
+            if config.exit_interval and self.iteration % config.exit_interval == 0:
                 self.log(f"exiting after iteration {self.iteration} (--exit-interval "
-                            f"{args.exit_interval})")
+                            f"{config.exit_interval})")
                 break
         if self._interval.iterations:
             self._log_interval()
@@ -229,7 +252,7 @@ class Trainer:
         """One global batch; returns this rank's mean micro-batch loss and whether the
         engine applied the update."""
         micro_losses = []
-        for _ in range(self.args.gradient_accumulation_steps):
+        for _ in range(self.config.gradient_accumulation_steps):
             self.timers("batch-generator").start()
             tokens, labels, loss_mask = self._next_micro_batch(batches, "training")
             self.timers("batch-generator").stop()
@@ -245,7 +268,7 @@ class Trainer:
             micro_losses.append(loss.detach())
         applied = not self.engine.last_step_overflowed
         self.iteration += 1
-        self.consumed_samples += self.args.global_batch_size
+        self.consumed_samples += self.config.global_batch_size
         if applied:
             self.applied_updates += 1
             self.lr_scheduler.step(self.applied_updates)
@@ -260,7 +283,7 @@ class Trainer:
         except StopIteration:
             raise RuntimeError(
                 f"the {split} data ran out at iteration {self.iteration}: its dataset must "
-                f"hold iterations x --global-batch-size {self.args.global_batch_size} samples"
+                f"hold iterations x --global-batch-size {self.config.global_batch_size} samples"
             ) from None
         largest = int(text.max())
         if largest >= self.vocab_size:  # would index past the embedding table
@@ -276,7 +299,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, loader_factory: LoaderFactory) -> float:
         """Mean loss over ``--eval-iters`` global batches (the same ones on every call)."""
-        steps = self.args.eval_iters * self.args.gradient_accumulation_steps
+        steps = self.config.eval_iters * self.config.gradient_accumulation_steps
         if steps == 0:
             raise ValueError("--eval-iters is 0: there is nothing to evaluate on")
         batches = iter(loader_factory(0))
@@ -292,7 +315,7 @@ class Trainer:
 
     def evaluate_validation(self) -> float | None:
         """Validation loss at the current iteration, printed and logged; None without data."""
-        if self.valid_loader_factory is None or self.args.eval_iters == 0:
+        if self.valid_loader_factory is None or self.config.eval_iters == 0:
             return None
         if self.last_evaluation is not None and self.last_evaluation[0] == self.iteration:
             return self.last_evaluation[1]
@@ -315,7 +338,7 @@ class Trainer:
 
     def _log_interval(self) -> None:
         interval = self._interval
-        self._interval = _IntervalTotals()
+        self._interval = IntervalTotals()
         interval.add_comm_bytes(self.engine.comm_bytes(reset=True))
         iterations = interval.iterations
         # Overflows are agreed across ranks, so every rank makes the same choice here and
@@ -330,12 +353,12 @@ class Trainer:
             print(step_times, flush=True)
         self.metrics_writer.log_train(self.iteration, metrics)
 
-    def _interval_metrics(self, interval: _IntervalTotals, mean_loss: float,
+    def _interval_metrics(self, interval: IntervalTotals, mean_loss: float,
                           seconds: float) -> dict[str, Any]:
-        args = self.args
+        config = self.config
         iterations = interval.iterations
-        samples_per_sec = args.global_batch_size * iterations / max(seconds, 1e-9)
-        tokens_per_sec_per_gpu = samples_per_sec * args.seq_length / self.world_size
+        samples_per_sec = config.global_batch_size * iterations / max(seconds, 1e-9)
+        tokens_per_sec_per_gpu = samples_per_sec * config.seq_length / self.world_size
         comm_per_iteration = {
             phase: {locality: round(nbytes / iterations) for locality, nbytes in by_loc.items()}
             for phase, by_loc in interval.comm_bytes.items()
@@ -353,8 +376,8 @@ class Trainer:
             "max_memory_bytes": max_memory_bytes(self.device),
             "samples_per_sec": samples_per_sec,
             "consumed_samples": self.consumed_samples,
-            "consumed_tokens": self.consumed_samples * args.seq_length,
-            "global_batch_size": args.global_batch_size,
+            "consumed_tokens": self.consumed_samples * config.seq_length,
+            "global_batch_size": config.global_batch_size,
             "comm_bytes": comm_per_iteration,
             "comm_inter_node_mb_per_iteration": inter_node / 1e6,
         }
@@ -365,17 +388,17 @@ class Trainer:
         return self.lr_scheduler.get_lr(max(self.applied_updates - 1, 0))
 
     def _log_line(self, metrics: dict[str, Any]) -> str:
-        args = self.args
+        config = self.config
         return training_log_line(
             iteration=self.iteration,
-            train_iters=args.train_iters,
+            train_iters=config.train_iters,
             consumed_samples=metrics["consumed_samples"],
             consumed_tokens=metrics["consumed_tokens"],
             elapsed_ms=metrics["elapsed_ms_per_iteration"],
             lr=metrics["lr"],
-            global_batch_size=args.global_batch_size,
+            global_batch_size=config.global_batch_size,
             lm_loss=metrics["lm_loss"],
-            loss_scale=metrics["loss_scale"] if args.fp16 else None,
+            loss_scale=metrics["loss_scale"] if config.fp16 else None,
             grad_norm=metrics["grad_norm"],
             skipped_iterations=metrics["skipped_iterations"],
             samples_per_sec=metrics["samples_per_sec"],
@@ -404,7 +427,7 @@ class Trainer:
 
 
 def pretrain(
-    args: argparse.Namespace,
+    config: LoopConfig,
     engine: TrainingEngine,
     lr_scheduler: AnnealingLR,
     model_config: GPTConfig,
@@ -420,7 +443,7 @@ def pretrain(
     An ``--exit-interval`` stop still gets the final evaluation: the stop is planned, and
     the number tells where the run stands.
     """
-    trainer = Trainer(args, engine, lr_scheduler, model_config, train_loader_factory,
+    trainer = Trainer(config, engine, lr_scheduler, model_config, train_loader_factory,
                       valid_loader_factory, metrics_writer, device, loss_fn, run_control)
     trainer.train()
     return TrainingSummary(

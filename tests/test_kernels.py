@@ -509,14 +509,14 @@ out_dir = Path(sys.argv[1])
 tile = {"ROWS": 2, "COLS": 2048}
 sizes = {"numel": "i64", "nblocks": "i64", "block_size": "i32"}
 jobs = {
-    "quantize": (kernels._quantize_kernel,
+    "quantize": (kernels.quantize_kernel,
                  {"x_ptr": "*bf16", "codes_ptr": "*u8", "scale_bytes_ptr": "*u8", **sizes},
                  {"QMAX": 7, "BITS": 4, "PACK_NIBBLES": True}),
-    "dequantize": (kernels._dequantize_kernel,
+    "dequantize": (kernels.dequantize_kernel,
                    {"payload_ptr": "*u8", "out_ptr": "*bf16", "payload_stride": "i64",
                     "out_stride": "i64", **sizes, "data_nbytes": "i64"},
                    {"BITS": 4}),
-    "dequantize_reduce_quantize": (kernels._dequantize_reduce_quantize_kernel,
+    "dequantize_reduce_quantize": (kernels.dequantize_reduce_quantize_kernel,
                                    {"payload_ptr": "*u8", "codes_ptr": "*u8",
                                     "scale_bytes_ptr": "*u8", "payload_stride": "i64",
                                     "k": "i32", **sizes, "data_nbytes_in": "i64"},

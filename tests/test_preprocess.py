@@ -148,7 +148,7 @@ def test_hugging_face_dataset_object_and_local_hf_input(tmp_path):
     ("hf:/data/local_folder:train", ("/data/local_folder", "train")),
 ])
 def test_hf_input_syntax(spec, expected):
-    assert readers._parse_hf_input(spec) == expected
+    assert readers.parse_hf_input(spec) == expected
 
 
 def test_hf_input_without_a_name_is_refused():

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_lite.checkpointing import RunControl, SaveFailed
-from megatron_lite.training import _IntervalTotals
+from megatron_lite.checkpointing import CheckpointConfig, RunControl, SaveFailed
+from megatron_lite.training import IntervalTotals
 from tests.distributed import run_ranks
 from tests.test_pretrain_cli import data_prefix, run
 from tests.test_resilience import train_args
@@ -101,7 +100,7 @@ class _Scheduler:
 def test_save_error_continue_covers_storage_failures_only(save_error):
     import zeropp
 
-    args = argparse.Namespace(save="x", save_error=save_error, exit_signal_handler=False)
+    args = CheckpointConfig(save="x", save_error=save_error)
     storage = RunControl(args, _Engine(zeropp.CheckpointStorageError("disk full")),
                          _Scheduler(), toy_config())
     other = RunControl(args, _Engine(zeropp.CheckpointError("cannot write (on another rank)")),
@@ -140,10 +139,10 @@ def test_save_and_load_the_same_directory_starts_fresh_then_resumes(data_prefix,
 
 
 def test_an_interval_of_skipped_iterations_logs_their_unscaled_loss():
-    interval = _IntervalTotals()
+    interval = IntervalTotals()
     interval.add_iteration(torch.tensor(2.0), applied=False)
     interval.add_iteration(torch.tensor(4.0), applied=False)
     assert interval.local_mean_loss().item() == 3.0
     interval.add_iteration(torch.tensor(10.0), applied=True)  # applied ones take precedence
     assert interval.local_mean_loss().item() == 10.0
-    assert _IntervalTotals().local_mean_loss() is None
+    assert IntervalTotals().local_mean_loss() is None

@@ -188,7 +188,7 @@ def _tile_indices(numel, nblocks, block_size, ROWS: tl.constexpr, COLS: tl.const
 
 
 @_jit
-def _quantize_kernel(
+def quantize_kernel(
     x_ptr,
     codes_ptr,
     scale_bytes_ptr,
@@ -223,7 +223,7 @@ def _quantize_kernel(
 
 
 @_jit
-def _dequantize_kernel(
+def dequantize_kernel(
     payload_ptr,
     out_ptr,
     payload_stride,
@@ -318,7 +318,7 @@ def _dequantize_reduce_kernel(
 
 
 @_jit
-def _dequantize_reduce_quantize_kernel(
+def dequantize_reduce_quantize_kernel(
     payload_ptr,
     codes_ptr,
     scale_bytes_ptr,
@@ -431,7 +431,7 @@ def quantize_blockwise(x: Tensor, bits: int, block_size: int) -> Tensor:
     rows, cols, num_warps = _tile_config(layout)
     codes_target = _codes_target(payload, layout)
     grid = (triton.cdiv(layout.nblocks, rows),)
-    _quantize_kernel[grid](
+    quantize_kernel[grid](
         x,
         codes_target,
         payload[layout.data_nbytes :],
@@ -454,7 +454,7 @@ def _dequantize_rows(payloads: Tensor, out: Tensor, layout: PayloadLayout) -> No
     """Dequantize each row of `payloads` (k, nbytes) into the row of `out` (k, numel)."""
     rows, cols, num_warps = _tile_config(layout)
     grid = (triton.cdiv(layout.nblocks, rows), payloads.shape[0])
-    _dequantize_kernel[grid](
+    dequantize_kernel[grid](
         payloads,
         out,
         payloads.stride(0),
@@ -549,7 +549,7 @@ def dequantize_reduce_quantize(
     rows, cols, num_warps = _tile_config(layout_out)
     codes_target = _codes_target(payload, layout_out)
     grid = (triton.cdiv(layout_out.nblocks, rows),)
-    _dequantize_reduce_quantize_kernel[grid](
+    dequantize_reduce_quantize_kernel[grid](
         payloads,
         codes_target,
         payload[layout_out.data_nbytes :],
