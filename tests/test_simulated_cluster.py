@@ -13,6 +13,7 @@ import pytest
 
 from megatron_lite.arguments import parse_args
 from megatron_lite.dry_run import build_report, run_dry_run
+from megatron_lite.model import GPTConfig
 from megatron_lite.simulate import simulate_cluster, simulate_rank
 
 # GPT-3 XL's shape (1.3B), fp16 with activation checkpointing: the tutorial's recipe, small.
@@ -106,3 +107,27 @@ def test_dry_run_prints_measured_next_to_planned(capsys):
     zero3, zeropp = (float(v) for v in measured.split()[-2:])
     assert 0 < zero3 <= zeropp
     assert "rank 0 of 32 on the simulated GPU cluster" in out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stages_1_and_2_on_16_gpus_follow_nccl_rules_and_deepspeeds_formulas(tmp_path, stage):
+    """The tutorial's JSON with only ``stage`` changed, 1.3B in fp16 on 2 x 8 simulated GPUs
+    (two micro-batches accumulated): NCCL's rules hold, no gather in forward or backward, and
+    the model states plus held gradients at the peak follow DeepSpeed's formulas within 10%
+    (d = 2 bytes, K = 12: stage 1 2d Psi + K Psi / N, stage 2 d Psi + (d + K) Psi / N)."""
+    argv = GPT_1P3B + ["--global-batch-size", "32",
+                       "--deepspeed_config", ds_config(tmp_path, stage=stage),
+                       "--zero-stage", str(stage)]
+    cluster = simulate_cluster(argv, nodes=2, gpus_per_node=8)
+    for rank in (cluster.first, cluster.last):
+        assert rank.violations == []
+        assert functions(rank.host_syncs_per_iteration) == dict.fromkeys(ALLOWED_SYNCS, 1)
+    assert cluster.order_mismatches == []
+    psi = GPTConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=50257,
+                    max_position_embeddings=1024).num_parameters()
+    n, d, k = 16, 2, 12
+    formula = 2 * d * psi + k * psi / n if stage == 1 else d * psi + (d + k) * psi / n
+    peak = cluster.first.peak_by_category
+    held = peak["model states"] + (peak.get("gradients in flight", 0) if stage == 1 else 0)
+    assert abs(held / formula - 1) < 0.10, (held, formula)
+    assert peak.get("gathered weights", 0) == 0  # the weights are whole: nothing is gathered
