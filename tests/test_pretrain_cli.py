@@ -62,6 +62,20 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
     return ([r for r in records if "lm_loss" in r], [r for r in records if "val_loss" in r])
 
 
+def assert_same_training(one: Path, two: Path) -> tuple[list[dict], list[dict]]:
+    """Two runs' metrics files hold the same losses, validation losses and gradient norms
+    (1e-5); returns their training records."""
+    train_one, eval_one = read_metrics(one)
+    train_two, eval_two = read_metrics(two)
+    assert [r["lm_loss"] for r in train_two] == pytest.approx(
+        [r["lm_loss"] for r in train_one], rel=1e-5)
+    assert [r["val_loss"] for r in eval_two] == pytest.approx(
+        [r["val_loss"] for r in eval_one], rel=1e-5)
+    assert [r["grad_norm"] for r in train_two] == pytest.approx(
+        [r["grad_norm"] for r in train_one], rel=1e-5)
+    return train_one, train_two
+
+
 def test_single_process_run_logs_and_reports(data_prefix, tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     result = run([sys.executable, ENTRY_POINT, *TINY_RUN, "--data-path", data_prefix,
@@ -94,14 +108,7 @@ def test_two_ranks_match_one_rank(data_prefix, tmp_path):
     assert double.returncode == 0, double.stderr
     assert "> topology: 2 ranks = 2 node(s) x 1" in double.stdout
     assert "| global batch 4 | gradient accumulation 1 |" in double.stdout
-    train_one, eval_one = read_metrics(one)
-    train_two, eval_two = read_metrics(two)
-    assert [r["lm_loss"] for r in train_two] == pytest.approx(
-        [r["lm_loss"] for r in train_one], rel=1e-5)
-    assert [r["val_loss"] for r in eval_two] == pytest.approx(
-        [r["val_loss"] for r in eval_one], rel=1e-5)
-    assert [r["grad_norm"] for r in train_two] == pytest.approx(
-        [r["grad_norm"] for r in train_one], rel=1e-5)
+    train_one, train_two = assert_same_training(one, two)
     # One rank sends nothing; two ranks on two nodes gather weights and reduce gradients
     # across the node boundary every iteration, the same amount each iteration.
     assert all(r["comm_inter_node_mb_per_iteration"] == 0 for r in train_one)
@@ -160,12 +167,7 @@ def test_stages_1_and_2_run_the_tutorial_config_changed_only_in_stage(data_prefi
     assert (f"zero_optimization.zero_hpz_partition_size, zero_optimization."
             f"zero_quantized_gradients have no effect at ZeRO stage {stage}") in double.stdout
     assert "| gradient accumulation 2 |" in double.stdout
-    train_one, eval_one = read_metrics(one)
-    train_two, eval_two = read_metrics(two)
-    assert [r["lm_loss"] for r in train_two] == pytest.approx(
-        [r["lm_loss"] for r in train_one], rel=1e-5)
-    assert [r["val_loss"] for r in eval_two] == pytest.approx(
-        [r["val_loss"] for r in eval_one], rel=1e-5)
+    _, train_two = assert_same_training(one, two)
+    # Gradients cross the node boundary, the same amount every iteration.
     gradient_bytes = {r["comm_bytes"]["gradient_reduce"]["inter_node"] for r in train_two}
-    # Stage 1 reduces once per step (at the accumulation boundary), stage 2 per micro-batch.
     assert len(gradient_bytes) == 1 and gradient_bytes.pop() > 0

@@ -13,7 +13,7 @@ from tests.toy_models import toy_batches, toy_loss, toy_model
 STEPS, SPLIT = 6, 3
 
 
-def train(rank, world, ckpt, mode, per_node, hpz, crash_rank=None):
+def train(rank, world, ckpt, mode, per_node, hpz, crash_rank=None, stage=3):
     """mode: 'full' (STEPS steps), 'first' (SPLIT steps, save), 'resume' (load, rest)."""
     from zeropp import checkpoint
     from zeropp.initialize import QuantizationOptions, build_engine
@@ -22,7 +22,7 @@ def train(rank, world, ckpt, mode, per_node, hpz, crash_rank=None):
     engine = build_engine(
         toy_model(hidden=43), lr=3e-3, weight_decay=0.1, gradient_clipping=1.0,
         ranks_per_node=per_node, quantization=QuantizationOptions(hpz_size=hpz),
-        sharding=ShardingOptions(persistence_threshold=0),
+        sharding=ShardingOptions(stage=stage, persistence_threshold=0),
     )
     data = toy_batches(STEPS, 1, 8)
     per_rank = 8 // world
