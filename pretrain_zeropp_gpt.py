@@ -23,9 +23,6 @@ with status 2; other bad input (missing data, too small a dataset) exits with st
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import math
-import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +38,6 @@ from megatron_lite.arguments import (
     ArgumentError,
     gpt_config_from_args,
     parse_args,
-    reconcile_with_ds_config,
     validate_args,
 )
 from megatron_lite.checkpointing import (
@@ -51,6 +47,7 @@ from megatron_lite.checkpointing import (
     plain_arguments,
 )
 from megatron_lite.dry_run import describe_count, run_dry_run
+from megatron_lite.ds_config import engine_config, read_ds_config
 from megatron_lite.metrics import MetricsWriter
 from megatron_lite.model import GPTModel, lm_loss
 from megatron_lite.training import (
@@ -61,6 +58,7 @@ from megatron_lite.training import (
     perplexity,
     pretrain,
 )
+from zeropp.config import EngineConfig
 from zeropp.lr_schedules import AnnealingLR
 
 USAGE_ERRORS = (ArgumentError, zeropp.ConfigError, zeropp.TopologyError)
@@ -162,20 +160,7 @@ def print_rank_0(text: str) -> None:
 # ---- configuration ------------------------------------------------------------------------
 
 
-def read_ds_config(args: argparse.Namespace) -> zeropp.EngineConfig:
-    """The DeepSpeed JSON (empty without --deepspeed_config), reconciled with the command
-    line, then parsed once; ``engine_config`` later sets every value the command line
-    resolved."""
-    if args.deepspeed_config is None:
-        return zeropp.EngineConfig()
-    if not os.path.isfile(args.deepspeed_config):
-        raise ArgumentError(f"--deepspeed_config {args.deepspeed_config}: no such file")
-    raw = zeropp.read_json_config(args.deepspeed_config)
-    reconcile_with_ds_config(args, raw)  # compares what the file itself says
-    return zeropp.EngineConfig.from_json(raw)
-
-
-def check_supported(args: argparse.Namespace, ds_config: zeropp.EngineConfig) -> None:
+def check_supported(args: argparse.Namespace, ds_config: EngineConfig) -> None:
     if args.data_path is None and not args.mock_data:
         raise ArgumentError("--data-path is required for training (or --mock-data)")
     if args.data_path is not None and args.mock_data:
@@ -185,38 +170,6 @@ def check_supported(args: argparse.Namespace, ds_config: zeropp.EngineConfig) ->
             f"the scheduler block in {args.deepspeed_config} would be ignored: the lr "
             "schedule comes from --lr, --lr-decay-style and --lr-warmup-iters; remove the block"
         )
-
-
-def engine_config(args: argparse.Namespace, ds_config: zeropp.EngineConfig
-                  ) -> zeropp.EngineConfig:
-    """The config the engine gets: the file's, with every value the command line resolved."""
-    return dataclasses.replace(
-        ds_config,
-        train_micro_batch_size_per_gpu=args.micro_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        train_batch_size=args.global_batch_size,
-        gradient_clipping=args.clip_grad,
-        zero_optimization=dataclasses.replace(ds_config.zero_optimization, stage=args.zero_stage),
-        fp16=dataclasses.replace(ds_config.fp16, **fp16_block(args)),
-        bf16=dataclasses.replace(ds_config.bf16, enabled=bool(args.bf16)),
-    )
-
-
-def fp16_block(args: argparse.Namespace) -> dict[str, Any]:
-    if not args.fp16:
-        return {"enabled": False}
-    power = math.log2(args.initial_loss_scale)
-    if not power.is_integer():
-        raise ArgumentError(f"--initial-loss-scale {args.initial_loss_scale:g} must be a power "
-                            "of two (DeepSpeed stores it as initial_scale_power)")
-    return {
-        "enabled": True,
-        "loss_scale": args.loss_scale or 0,  # 0 selects dynamic scaling
-        "initial_scale_power": int(power),
-        "loss_scale_window": args.loss_scale_window,
-        "hysteresis": args.hysteresis,
-        "min_loss_scale": args.min_loss_scale,
-    }
 
 
 def build_meta_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:
@@ -261,7 +214,7 @@ def build_loader_factories(
 
 
 def build_engine(args: argparse.Namespace, model: GPTModel,
-                 ds_config: zeropp.EngineConfig) -> zeropp.ZeroEngine:
+                 ds_config: EngineConfig) -> zeropp.ZeroEngine:
     return zeropp.engine_from_config(
         model,
         engine_config(args, ds_config),

@@ -47,11 +47,11 @@ import torch
 from megatron_lite.arguments import (
     ArgumentError,
     gpt_config_from_args,
-    reconcile_with_ds_config,
     validate_args,
 )
+from megatron_lite.ds_config import read_ds_config
 from megatron_lite.model import GPTConfig, GPTModel
-from zeropp.config import ConfigError, EngineConfig, ZeroConfig, read_json_config
+from zeropp.config import ConfigError, ZeroConfig, read_json_config
 from zeropp.planner import SystemPlan, plan_zero3_and_zeropp, unit_parameter_counts
 from zeropp.topology import ClusterShape, TopologyError
 
@@ -141,11 +141,7 @@ def planned_cluster(args: argparse.Namespace) -> PlannedCluster:
 
 def zero_config(args: argparse.Namespace) -> ZeroConfig:
     """The ``zero_optimization`` block the engine would run: the file's, stage from the CLI."""
-    if args.deepspeed_config is None:
-        return ZeroConfig(stage=args.zero_stage)
-    ds_config = read_json_config(args.deepspeed_config)
-    reconcile_with_ds_config(args, ds_config)
-    zero = EngineConfig.from_mapping(ds_config).zero_optimization
+    zero = read_ds_config(args).zero_optimization
     return dataclasses.replace(zero, stage=args.zero_stage)
 
 
