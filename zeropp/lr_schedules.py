@@ -17,6 +17,7 @@ depend on the training program, while the training program may depend on the eng
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Any, Protocol
 
@@ -34,7 +35,7 @@ def _cosine(progress: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-class ParamGroupSchedule:
+class ParamGroupSchedule(abc.ABC):
     """An lr per position, written into every param group, with a resumable state.
 
     Subclasses list what ``state_dict`` saves (``saved_fields``, in order) and which of those
@@ -49,8 +50,9 @@ class ParamGroupSchedule:
         # None: the schedule only computes lrs (for example to print the plan).
         self.optimizer = optimizer
 
+    @abc.abstractmethod
     def get_lr(self, step: int) -> float:
-        raise NotImplementedError
+        """The learning rate at position ``step`` of the schedule."""
 
     def _set_lr(self, lr: float) -> float:
         """Write ``lr`` into every param group (groups split weight decay, not the lr)."""
@@ -81,8 +83,9 @@ class ParamGroupSchedule:
                     )
         self._resume(state)
 
+    @abc.abstractmethod
     def _resume(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """Move to the saved position and apply its lr."""
 
 
 class AnnealingLR(ParamGroupSchedule):
