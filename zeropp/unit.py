@@ -219,6 +219,8 @@ class ShardedUnit:
     def refresh_after_update(self) -> None:
         """The shard changed (optimizer step, checkpoint load): drop every derived copy."""
         self.drop_secondary()
+        if self.replicated and self.comm.world.size == 1:
+            return  # stage 0: the update was written into the whole weights themselves
         if self.state is ShardState.GATHERED:
             self.state = ShardState.SHARDED
             if not self.replicated:
