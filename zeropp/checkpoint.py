@@ -244,8 +244,15 @@ class _OldShards:
 
 
 def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
-         load_optimizer_states: bool = True) -> dict:
-    """Restore ``engine`` from a checkpoint written at any world size; returns client_state."""
+         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+         load_module_only: bool = False) -> dict:
+    """Restore ``engine`` from a checkpoint written at any world size; returns client_state.
+
+    ``load_module_only`` restores the weights alone: no optimizer state, loss scale, lr
+    schedule or step counters (DeepSpeed's meaning, for fine-tuning from a checkpoint).
+    """
+    if load_module_only:
+        load_optimizer_states = load_lr_scheduler_states = False
     root = Path(load_dir)
     tag = tag or read_latest(root)
     old = _OldShards(root / tag)
@@ -282,10 +289,12 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
                                 strict=False):
             group.update(saved)
         engine.loss_scaler.load_state_dict(reference["loss_scaler"])
-        if engine.lr_scheduler is not None and reference["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(reference["lr_scheduler"])
-    for key, value in reference["engine"].items():
-        setattr(engine, key, value)
+    if (load_lr_scheduler_states and engine.lr_scheduler is not None
+            and reference["lr_scheduler"] is not None):
+        engine.lr_scheduler.load_state_dict(reference["lr_scheduler"])
+    if not load_module_only:
+        for key, value in reference["engine"].items():
+            setattr(engine, key, value)
     feedback = engine.sharded.error_feedback
     if feedback is not None:
         saved = mine.get("error_feedback") if mine is not None else None

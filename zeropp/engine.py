@@ -34,7 +34,10 @@ class ZeroEngine:
         self.sharded = sharded
         self.optimizer = optimizer
         self.loss_scaler = loss_scaler
-        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self._accumulation_steps = gradient_accumulation_steps
+        # set_gradient_accumulation_boundary: the caller decides where the boundary falls.
+        self._forced_boundary: bool | None = None
+        self._step_applied = False
         self.gradient_clipping = gradient_clipping
         self.lr_scheduler = lr_scheduler
         self.config = config
@@ -101,13 +104,21 @@ class ZeroEngine:
         feedback = self.sharded.error_feedback
         if feedback is not None:  # errors are stored unscaled ([Note: error feedback])
             feedback.gradient_scale = self.loss_scaler.scale / self.sharded.comm.predivide_factor
-        boundary = (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        boundary = self._forced_boundary if self._forced_boundary is not None else (
+            (self.micro_steps + 1) % self._accumulation_steps == 0)
         with self._timed("bwd"):
             self.sharded.run_backward(loss.float() * self.loss_scaler.scale, boundary)
         self.micro_steps += 1
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return self.micro_steps > 0 and self.micro_steps % self.gradient_accumulation_steps == 0
+        if self._forced_boundary is not None:
+            return self._forced_boundary
+        return self.micro_steps > 0 and self.micro_steps % self._accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's override: the next backward/step treat the boundary as ``is_boundary``
+        until it is set again (``None`` returns to counting micro-batches)."""
+        self._forced_boundary = is_boundary
 
     def step(self) -> bool:
         """Update at the accumulation boundary; returns True when an update was applied."""
@@ -118,11 +129,12 @@ class ZeroEngine:
         return applied
 
     def _step(self) -> bool:
+        self._step_applied = False
         if not self.is_gradient_accumulation_boundary():
             return False
         # What the reductions did not divide by already (ShardingOptions.gradient_predivide_factor).
         divisor = (
-            self.sharded.dp_size * self.gradient_accumulation_steps * self.loss_scaler.scale
+            self.sharded.dp_size * self._accumulation_steps * self.loss_scaler.scale
             / self.sharded.comm.predivide_factor
         )
         norm, overflow = self._average_clip_and_update(divisor)
@@ -136,7 +148,79 @@ class ZeroEngine:
             self.skipped_steps += 1
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        self._step_applied = not overflow
         return not overflow
+
+    # ---- DeepSpeed's engine API (DeepSpeedEngine's meanings) -------------------------------
+    def was_step_applied(self) -> bool:
+        """Whether the last ``step()`` updated the weights (False off the boundary and on a
+        skipped fp16 step)."""
+        return self._step_applied
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._batch_key("train_micro_batch_size_per_gpu")
+
+    def train_batch_size(self) -> int:
+        return self._batch_key("train_batch_size")
+
+    def _batch_key(self, key: str) -> int:
+        value = getattr(self.config, key, None) if self.config is not None else None
+        if value is None:
+            raise ValueError(f"{key} is unknown: the engine was built without batch sizes "
+                             "(set train_batch_size or train_micro_batch_size_per_gpu)")
+        return value
+
+    @property
+    def global_samples(self) -> int:
+        """Samples of all ranks consumed by the optimizer steps taken so far."""
+        return self.global_steps * self.train_batch_size()
+
+    def zero_optimization_stage(self) -> int:
+        return self.sharded.residency.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.sharded.dtype == torch.float16
+
+    def bfloat16_enabled(self) -> bool:
+        return self.sharded.dtype == torch.bfloat16
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.sharded.dp_size
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", self.topology.local_rank))
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True):
+        return self.module.named_parameters(prefix, recurse)
+
+    def zero_grad(self) -> None:
+        """Drop the gradients accumulated since the last step (every rank calls it)."""
+        self.sharded.zero_grad()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model, gathered (collective): ``full_state_dict``. DeepSpeed's ZeRO-3
+        engine returns empty partitioned placeholders here; the gathered weights are what a
+        caller of ``state_dict`` can use."""
+        return self.full_state_dict()
 
     def _average_clip_and_update(self, divisor: float) -> tuple[float, bool]:
         """Average (divide by ``divisor`` once), clip and step; skip on a non-finite norm."""
@@ -206,12 +290,23 @@ class ZeroEngine:
 
         return checkpoint.save(self, save_dir, tag or f"global_step{self.global_steps}", client_state)
 
-    def load_checkpoint(self, load_dir, tag: str | None = None, load_optimizer_states: bool = True):
-        """Load a checkpoint saved at any world size; returns ``(path, client_state)``."""
+    def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        """Load a checkpoint saved at any world size; returns ``(path, client_state)``.
+
+        DeepSpeed's signature: ``load_module_only`` takes the weights alone,
+        ``load_lr_scheduler_states=False`` keeps this run's schedule.
+        """
         from zeropp import checkpoint
 
+        if not load_module_strict:
+            raise ValueError("load_checkpoint(load_module_strict=False) is not supported: "
+                             "every parameter of the model must be in the checkpoint")
         tag = tag or checkpoint.read_latest(load_dir)
-        state = checkpoint.load(self, load_dir, tag, load_optimizer_states)
+        state = checkpoint.load(self, load_dir, tag, load_optimizer_states,
+                                load_lr_scheduler_states, load_module_only)
         return str(load_dir) + "/" + tag, state
 
     def memory_breakdown(self) -> dict[str, int]:

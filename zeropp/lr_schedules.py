@@ -61,6 +61,12 @@ class ParamGroupSchedule(abc.ABC):
                 group["lr"] = lr
         return lr
 
+    def get_last_lr(self) -> list[float]:
+        """torch's ``LRScheduler.get_last_lr``: the lr each param group holds now."""
+        if self.optimizer is None:
+            raise ValueError("this schedule drives no optimizer: call get_lr(step)")
+        return [group["lr"] for group in self.optimizer.param_groups]
+
     def state_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.saved_fields}
 

@@ -454,6 +454,12 @@ class ShardedModel:
                 unit.backward_done = False
         self._release_all()
 
+    def zero_grad(self) -> None:
+        """Forget every gradient not yet applied: held, flattened and reduced ones."""
+        self._finish_reductions()
+        for unit in self.units:
+            unit.drop_gradients()
+
     def refresh_after_update(self) -> None:
         """The shards changed (optimizer step, checkpoint load): rebuild every derived copy."""
         for unit in self.units:

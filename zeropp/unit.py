@@ -301,3 +301,11 @@ class ShardedUnit:
 
     def zero_grad_shard(self) -> None:
         self.grad_shard.zero_()
+
+    def drop_gradients(self) -> None:
+        """Discard this unit's gradients at every stage of their way to the shard."""
+        for param in self._held_grads:
+            param.grad = None
+        self._held_grads.clear()
+        self._grad_flat = None
+        self.zero_grad_shard()

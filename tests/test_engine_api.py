@@ -1,0 +1,147 @@
+"""DeepSpeed's engine API on this engine, with DeepSpeedEngine's meanings (2 ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+from tests.toy_models import toy_batches, toy_loss, toy_model
+
+LR = 3e-3
+
+
+def _engine(stage: int, accumulation: int = 2, scheduler: bool = False):
+    import zeropp
+
+    config = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": accumulation,
+              "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+    if scheduler:
+        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 4,
+                                                              "warmup_max_lr": LR}}
+    engine, _, _, _ = zeropp.initialize(toy_model(), config=config)
+    return engine
+
+
+def _micro(engine, tokens):
+    engine.backward(toy_loss(engine(tokens), tokens))
+    return engine.step()
+
+
+def facts(rank, world):
+    engine = _engine(stage=3, scheduler=True)
+    data = toy_batches(2, 2, 3 * world)
+    mine = data[:, :, rank * 3:(rank + 1) * 3]
+    out = {
+        "sizes": (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
+                  engine.train_batch_size(), engine.world_size, engine.dp_world_size),
+        "local_rank": engine.local_rank,
+        "stage": engine.zero_optimization_stage(),
+        "precision": (engine.fp16_enabled(), engine.bfloat16_enabled()),
+        "parameters": (sum(1 for _ in engine.parameters()),
+                       sorted(n for n, _ in engine.named_parameters())),
+        "model_names": sorted(n for n, _ in toy_model().named_parameters()),
+    }
+    applied = [_micro(engine, mine[0, 0])]
+    out["after_first"] = (engine.was_step_applied(), engine.global_samples)
+    applied.append(_micro(engine, mine[0, 1]))
+    out["after_boundary"] = (engine.was_step_applied(), engine.global_samples)
+    out["applied"] = applied
+    out["lr"] = (engine.get_lr(), engine.lr_scheduler.get_last_lr())
+    engine.eval()
+    out["training"] = [engine.training]
+    engine.train()
+    out["training"].append(engine.training)
+    out["state_dict"] = sorted(engine.state_dict())
+    engine.close()
+    return out
+
+
+def test_engine_answers_deepspeeds_questions():
+    world = 2
+    for rank, out in enumerate(run_ranks(facts, world)):
+        assert out["sizes"] == (3, 2, 3 * 2 * world, world, world)
+        assert out["local_rank"] == rank
+        assert out["stage"] == 3
+        assert out["precision"] == (False, False)
+        assert out["parameters"][1] == out["model_names"]
+        assert out["parameters"][0] == len(out["model_names"])  # the tied head counted once
+        assert out["after_first"] == (False, 0)  # not a boundary: nothing applied
+        assert out["after_boundary"] == (True, 3 * 2 * world)
+        assert out["applied"] == [False, True]
+        engine_lr, scheduler_lr = out["lr"]
+        assert engine_lr == scheduler_lr and 0 < engine_lr[0] < LR  # warming up
+        assert out["training"] == [False, True]
+        assert out["state_dict"] == out["model_names"]
+
+
+def zero_grad_run(rank, world, discard_first):
+    """With 2 micro-batches per step: [a (discarded by zero_grad), b, c] must equal [b, c]."""
+    engine = _engine(stage=1)
+    data = toy_batches(1, 3, 3 * world)[0, :, rank * 3:(rank + 1) * 3]
+    held = None
+    if discard_first:
+        engine.backward(toy_loss(engine(data[0]), data[0]))
+        held = engine.memory_breakdown()["gradient_buffers"]
+        engine.zero_grad()
+        assert engine.memory_breakdown()["gradient_buffers"] == 0
+        engine.set_gradient_accumulation_boundary(False)  # b is not the boundary either
+        _micro(engine, data[1])
+        engine.set_gradient_accumulation_boundary(True)
+        applied = _micro(engine, data[2])
+    else:
+        _micro(engine, data[1])
+        applied = _micro(engine, data[2])
+    return held, applied, engine.full_state_dict()
+
+
+def test_zero_grad_discards_and_the_boundary_can_be_set():
+    discarded = run_ranks(zero_grad_run, 2, True)
+    plain = run_ranks(zero_grad_run, 2, False)
+    for (held, applied, params), (_, plain_applied, plain_params) in zip(discarded, plain,
+                                                                         strict=True):
+        assert held > 0  # stage 1 held the discarded micro-batch's gradients whole
+        assert applied and plain_applied
+        for name, value in plain_params.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=name)
+
+
+def module_only(rank, world, ckpt, mode):
+    engine = _engine(stage=3, accumulation=1, scheduler=True)
+    data = toy_batches(2, 1, 3 * world)[:, 0, rank * 3:(rank + 1) * 3]
+    if mode == "save":
+        for step in range(2):
+            _micro(engine, data[step])
+        engine.save_checkpoint(ckpt, tag="t")
+        return engine.full_state_dict(), engine.global_steps, engine.get_lr()
+    lr_before = engine.get_lr()
+    engine.load_checkpoint(ckpt, load_module_only=True)
+    return (engine.full_state_dict(), engine.global_steps, engine.get_lr(), lr_before,
+            len(engine.optimizer.moment_tensors()))
+
+
+def test_load_module_only_takes_the_weights_alone(tmp_path):
+    saved = run_ranks(module_only, 2, str(tmp_path), "save")
+    loaded = run_ranks(module_only, 2, str(tmp_path), "load")
+    for (weights, steps, lr), (new_weights, new_steps, new_lr, lr_before, moments) in zip(
+            saved, loaded, strict=True):
+        assert steps == 2 and new_steps == 0
+        assert new_lr == lr_before != lr  # this run's schedule, not the checkpoint's
+        assert moments == 0  # no Adam state restored
+        for name, value in weights.items():
+            torch.testing.assert_close(new_weights[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_load_module_strict_false_is_refused_with_the_reason(tmp_path):
+    results = run_ranks(_refused, 1, str(tmp_path))
+    assert "load_module_strict=False) is not supported" in results[0]
+
+
+def _refused(rank, world, ckpt):
+    engine = _engine(stage=3, accumulation=1)
+    try:
+        engine.load_checkpoint(ckpt, load_module_strict=False)
+    except ValueError as error:
+        return str(error)
+    pytest.fail("no error")
