@@ -134,7 +134,7 @@ class ShardedModel:
         collectives: Collectives,
         hpz_group: CommGroup | None,
         execution: Execution,
-        residency: Residency | None = None,
+        residency: Residency,
         param_init_fn: Callable[[str], torch.Tensor] | None = None,
         unit_modules: list[nn.Module] | None = None,
     ) -> None:
@@ -144,8 +144,7 @@ class ShardedModel:
         self.dtype = dtype
         self.device = device
         self.stats = CommStats()
-        self.residency = residency or Residency.for_stage(
-            options.stage, hpz_group.size if hpz_group is not None else 1)
+        self.residency = residency
         # ``world`` is the group parameters are sharded over; ``dp_size`` the number of
         # replicas whose gradients are averaged (the same ranks unless stage 0 replicates).
         self.dp_size = topology.world_size
