@@ -29,6 +29,7 @@ from zeropp.config import (
     SchedulerConfig,
     ZeroConfig,
     read_json_config,
+    resolve_auto,
 )
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -217,6 +218,14 @@ def test_auto_batch_values_must_be_resolved(key):
     message = error_of({key: "auto"})
     assert message.startswith(f'{key}: "auto" is a Hugging Face Trainer placeholder')
     assert "resolve it to a positive integer" in message
+    assert "zeropp.config.resolve_auto" in message and "zeropp.initialize" in message
+
+
+def test_prescale_gradients_makes_deepspeed_ignore_the_predivide_factor():
+    config = EngineConfig.from_json({"prescale_gradients": True, "gradient_predivide_factor": 8})
+    assert config.predivide_factor is None  # the data-parallel size, as DeepSpeed's prescale
+    assert EngineConfig.from_json({"prescale_gradients": False,
+                                   "gradient_predivide_factor": 1.0}).predivide_factor == 1.0
 
 
 def test_communication_data_type_is_normalized():
@@ -252,9 +261,17 @@ def test_unknown_keys_name_the_nearest_known_key(raw, message):
 
 @pytest.mark.parametrize("raw, message", [
     (zero(stage=3, offload_param={"device": "cpu"}),
-     "zero_optimization.offload_param is not supported by this engine (ZeRO-3/ZeRO++ on device memory only)"),
-    (zero(stage=3, offload_optimizer={"device": "nvme"}),
-     "zero_optimization.offload_optimizer is not supported by this engine (ZeRO-3/ZeRO++ on device memory only)"),
+     'zero_optimization.offload_param.device="cpu" is not supported by this engine (CPU/NVMe offload; '
+     'ZeRO-3/ZeRO++ on device memory only); accepted only as "none"'),
+    (zero(stage=3, offload_optimizer={"pin_memory": True, "device": "nvme", "nvme_path": "/nvme"}),
+     'zero_optimization.offload_optimizer.device="nvme" is not supported by this engine (CPU/NVMe offload'),
+    ({"data_types": {"grad_accum_dtype": "bf16"}},
+     'data_types.grad_accum_dtype="bf16" is not supported by this engine (gradients always accumulate in fp32'),
+    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "bias_correction": False}}},
+     "optimizer.params.bias_correction=false is not supported by this engine"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}},
+     "optimizer.params.max_grad_norm=1.0 is not supported by this engine (DeepSpeed rejects it too: "
+     "use gradient_clipping)"),
     (zero(stage=3, mics_shard_size=8), "zero_optimization.mics_shard_size=8 is not supported by this engine (MiCS"),
     ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast=true is not supported by this engine"),
     ({"activation_checkpointing": {"cpu_checkpointing": True}},
@@ -264,7 +281,6 @@ def test_unknown_keys_name_the_nearest_known_key(raw, message):
     ({"pipeline": {"stages": 2}}, "pipeline is not supported by this engine (pipeline parallelism"),
     ({"amp": {"enabled": True}}, "amp is not supported by this engine (NVIDIA Apex AMP"),
     ({"elasticity": {"enabled": True}}, "elasticity is not supported by this engine"),
-    ({"flops_profiler": {"enabled": True}}, "flops_profiler.enabled=true is not supported by this engine"),
     (zero(stage=3, reduce_scatter=False),
      "zero_optimization.reduce_scatter=false is not supported by this engine (stages 1-3 always"),
     (zero(stage=3, contiguous_gradients=False),
@@ -299,6 +315,19 @@ def test_zero_stages_1_and_2_take_the_tutorial_config_and_leave_zeropp_inert(sta
 
 @pytest.mark.parametrize("raw", [
     zero(stage=3, offload_param={"device": "none"}, offload_optimizer=None),
+    # offload off: its tuning keys and the aio block describe no offload at all
+    {"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "none", "buffer_count": 4, "pipeline_read": False, "pipeline_write": False,
+        "pin_memory": True, "fast_init": False, "ratio": 0.3, "nvme_path": None},
+        "offload_param": {"device": "none", "pin_memory": True, "buffer_size": 1e8,
+                          "max_in_cpu": 1e9, "buffer_count": 5}},
+     "aio": {"block_size": 1048576, "queue_depth": 16, "single_submit": False,
+             "overlap_events": True, "thread_count": 2, "intra_op_parallelism": 1}},
+    zero(stage=2, offload_optimizer={"pin_memory": True}),  # device defaults to "none"
+    {"aio": None, "flops_profiler": {"enabled": True, "profile_step": 1}},
+    {"data_types": {"grad_accum_dtype": "fp32"}}, {"data_types": {"grad_accum_dtype": None}},
+    {"cuda_visible_devices": 0, "dataloader_drop_last": True},
+    {"prescale_gradients": True, "gradient_predivide_factor": 8},  # DeepSpeed ignores the factor
     zero(stage=3, cpu_offload=False, mics_shard_size=-1, load_from_fp32_weights=True),
     {"fp16": {"enabled": True, "auto_cast": False}},
     {"activation_checkpointing": {"cpu_checkpointing": False, "partition_activations": True,
@@ -476,8 +505,6 @@ def test_batch_resolution_agrees_with_deepspeed(deepspeed_config, monkeypatch):
      "zero_optimization.zero_quantized_gradients: qgZ extends ZeRO-3 and needs stage 3, got stage 0"),
     (zero(stage=3, zero_quantized_gradients_error_feedback=True),
      "zero_optimization.zero_quantized_gradients_error_feedback: needs zero_quantized_gradients true"),
-    ({"prescale_gradients": True, "gradient_predivide_factor": 2},
-     "prescale_gradients divides by the data-parallel size, gradient_predivide_factor by"),
     ({"communication_data_type": "fp16", **zero(stage=3, zero_quantized_gradients=True)},
      'communication_data_type="fp16" applies to the exact reduce-scatter; qgZ sends'),
     (zero(stage=3, zeropp_loco_param={"err_beta": 0.8}),
@@ -527,16 +554,86 @@ def test_direct_construction_is_validated_and_frozen():
 
 
 def test_optimizer_normalization_and_rules():
-    adam = OptimizerConfig(type="adam", params={"lr": 3e-4, "torch_adam": True})
-    assert adam.type == "AdamW"
-    assert adam.params == {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
-    assert error_of({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}).startswith(
-        "optimizer.params.adam_w_mode=false is not supported by this engine")
+    adam = OptimizerConfig(type="adam", params={"lr": 3e-4, "torch_adam": False})
+    assert adam.type == "AdamW"  # DeepSpeed's Adam defaults to adam_w_mode true
+    assert adam.params == {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
+                           "amsgrad": False}
     assert error_of({"optimizer": {"type": "Lamb"}}).startswith(
-        'optimizer.type="Lamb" is not supported by this engine')
+        'optimizer.type="Lamb" is not supported by this engine (LAMB scales each tensor')
     assert error_of({"optimizer": {"params": {"betas": [0.9, 1.0]}}}) == (
         "optimizer.params.betas: expected two numbers in [0, 1), got [0.9, 1.0]")
     assert error_of({"optimizer": {"params": {"lr": "auto"}}}).startswith('optimizer.params.lr: "auto"')
+
+
+@pytest.mark.parametrize("type_, params, expected_type, expected", [
+    # adam_w_mode false: classic Adam, weight decay added to the gradient (L2)
+    ("Adam", {"lr": 1e-4, "adam_w_mode": False, "weight_decay": 0.1}, "Adam",
+     {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False}),
+    # type AdamW is always decoupled: DeepSpeed ignores adam_w_mode there
+    ("AdamW", {"adam_w_mode": False, "torch_adam": False, "amsgrad": True}, "AdamW",
+     {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "amsgrad": True}),
+    # torch_adam builds torch.optim.AdamW, whose own weight_decay default is 0.01
+    ("AdamW", {"torch_adam": True, "adam_w_mode": True, "lr": 2e-5}, "AdamW",
+     {"lr": 2e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False}),
+    ("Adam", {"bias_correction": True}, "AdamW",
+     {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False}),
+    ("sgd", {"lr": 0.1, "momentum": 0.9, "nesterov": True}, "SGD",
+     {"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0, "nesterov": True}),
+    ("Adagrad", {}, "Adagrad", {"lr": 0.01, "lr_decay": 0.0, "weight_decay": 0.0,
+                                "initial_accumulator_value": 0.0, "eps": 1e-10}),
+])
+def test_optimizer_types_normalize_to_torch_keyword_arguments(type_, params, expected_type, expected):
+    config = OptimizerConfig(type=type_, params=params)
+    assert (config.type, config.params) == (expected_type, expected)
+    torch = pytest.importorskip("torch")
+    # the params are exactly keyword arguments of the torch.optim class of that name
+    getattr(torch.optim, config.type)([torch.nn.Parameter(torch.zeros(2))], **config.params)
+    again = EngineConfig.from_json(EngineConfig(optimizer=config).to_dict()).optimizer
+    assert again == config  # to_dict spells adam_w_mode false out for classic Adam
+
+
+def test_optimizer_defaults_match_torch_signatures():
+    torch = pytest.importorskip("torch")
+    cases = [("SGD", {}), ("Adagrad", {}), ("Adam", {"torch_adam": True, "adam_w_mode": False}),
+             ("AdamW", {"torch_adam": True})]
+    for kind, switches in cases:
+        config = OptimizerConfig(type=kind, params=switches)
+        assert config.type == kind
+        signature = inspect.signature(getattr(torch.optim, kind).__init__).parameters
+        for key, value in config.params.items():
+            default = signature[key].default
+            assert value == (list(default) if isinstance(default, tuple) else default), (kind, key)
+        assert set(config.params) < set(signature), kind
+
+
+@pytest.mark.parametrize("type_, params, fragment", [
+    ("OneBitAdam", {}, "1-bit Adam needs its own compressed communication"),
+    ("OnebitAdam", {}, "1-bit Adam needs its own compressed communication"),
+    ("ZeroOneAdam", {}, "0/1 Adam needs its own compressed communication"),
+    ("OneBitLamb", {}, "1-bit LAMB"),
+    ("Lion", {}, "Lion"),
+    ("Muon", {}, "Muon orthogonalizes whole matrices; not element-wise"),
+    ("MuAdamW", {}, "muP scales each tensor by its width; not element-wise"),
+    ("RMSprop", {}, "the partitioned optimizer implements AdamW, Adam, SGD and Adagrad"),
+])
+def test_optimizers_that_are_not_element_wise_are_refused(type_, params, fragment):
+    message = error_of({"optimizer": {"type": type_, "params": params}})
+    assert message.startswith(f'optimizer.type="{type_}" is not supported by this engine (')
+    assert fragment in message
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"type": "SGD", "params": {"nesterov": True}},
+     "optimizer.params.nesterov=true needs momentum > 0 and dampening 0"),
+    ({"type": "SGD", "params": {"torch_adam": True}},
+     "optimizer.params.torch_adam: unknown key"),
+    ({"type": "SGD", "params": {"max_grad_norm": 1.0}},
+     "optimizer.params.max_grad_norm=1.0 is not supported by this engine"),
+    ({"type": "AdamW", "params": {"adam_w_mode": "false"}},
+     'optimizer.params.adam_w_mode: expected true or false, got "false"'),
+])
+def test_optimizer_parameter_rules(raw, message):
+    assert error_of({"optimizer": raw}).startswith(message)
 
 
 def test_scheduler_rules():
@@ -569,3 +666,98 @@ def test_round_trip_through_json_text(tmp_path):
     assert EngineConfig.from_json(path) == config
     assert config.to_dict()["zero_optimization"]["stage3_prefetch_bucket_size"] == 20_000_000
     assert config.gradient_accumulation_steps == 8
+
+
+# --- resolve_auto: Hugging Face's "auto" placeholders ---------------------------------------
+
+HF_STYLE = {
+    "fp16": {"enabled": "auto", "loss_scale": 0}, "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+        "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                          "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto",
+                          "stage3_gather_16bit_weights_on_model_save": "auto"},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+}
+TRAINING_ARGUMENTS = dict(world_size=4, micro_batch_size=3, gradient_accumulation_steps=2,
+                          hidden_size=100, lr=2e-4, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1,
+                          gradient_clipping=0.5, bf16=True, total_num_steps=50, warmup_steps=5)
+
+
+def test_resolve_auto_fills_what_the_hf_trainer_fills():
+    resolved = resolve_auto(HF_STYLE, **TRAINING_ARGUMENTS)
+    assert resolved["train_micro_batch_size_per_gpu"] == 3
+    assert resolved["gradient_accumulation_steps"] == 2
+    assert resolved["train_batch_size"] == 3 * 2 * 4
+    assert resolved["gradient_clipping"] == 0.5
+    assert resolved["fp16"]["enabled"] is False and resolved["bf16"]["enabled"] is True
+    assert resolved["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.9, 0.95], "eps": 1e-6,
+                                               "weight_decay": 0.1}
+    assert resolved["scheduler"]["params"] == {"warmup_min_lr": 0, "warmup_max_lr": 2e-4,
+                                               "warmup_num_steps": 5, "total_num_steps": 50}
+    zero_block = resolved["zero_optimization"]
+    assert (zero_block["reduce_bucket_size"], zero_block["stage3_prefetch_bucket_size"],
+            zero_block["stage3_param_persistence_threshold"]) == (10_000, 9_000, 1_000)
+    assert zero_block["stage3_gather_16bit_weights_on_model_save"] is False
+    config = EngineConfig.from_json(resolved, world_size=4)
+    assert config.compute_dtype == "bfloat16" and config.gradient_accumulation_steps == 2
+    assert HF_STYLE["train_batch_size"] == "auto"  # the input is left alone
+
+
+def test_resolve_auto_follows_hugging_faces_fallbacks():
+    resolved = resolve_auto(HF_STYLE, world_size=2, micro_batch_size=4, hidden_size=8, lr=1e-3,
+                            betas=[0.9, 0.999], eps=1e-8, weight_decay=0.0, total_num_steps=100)
+    assert resolved["fp16"]["enabled"] is False and resolved["bf16"]["enabled"] is False  # no --fp16
+    assert resolved["gradient_accumulation_steps"] == 1 and resolved["train_batch_size"] == 8
+    assert resolved["gradient_clipping"] == 1.0  # max_grad_norm's default in the Trainer and Accelerate
+    assert resolved["scheduler"]["params"]["warmup_num_steps"] == 1  # no warmup: HF keeps it positive
+    ratio = resolve_auto(HF_STYLE, **{**TRAINING_ARGUMENTS, "warmup_steps": 0.1})
+    assert ratio["scheduler"]["params"]["warmup_num_steps"] == 5  # a fraction of total_num_steps
+
+
+@pytest.mark.parametrize("missing, key", [
+    ("micro_batch_size", "train_micro_batch_size_per_gpu"),
+    ("hidden_size", "zero_optimization.reduce_bucket_size"),
+    ("lr", "optimizer.params.lr"),
+    ("betas", "optimizer.params.betas"),
+    ("total_num_steps", "scheduler.params.total_num_steps"),
+])
+def test_resolve_auto_names_the_key_and_the_keyword_it_needs(missing, key):
+    arguments = {name: value for name, value in TRAINING_ARGUMENTS.items() if name != missing}
+    with pytest.raises(ConfigError) as caught:
+        resolve_auto(HF_STYLE, **arguments)
+    assert str(caught.value) == (f'{key}: "auto" needs a value: pass {missing}=... to '
+                                 "zeropp.config.resolve_auto (or write the value)")
+
+
+def test_resolve_auto_keeps_concrete_values_and_derives_the_batch_from_them():
+    raw = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4,
+           "gradient_accumulation_steps": 3, "optimizer": {"params": {"lr": 5e-5}},
+           "zero_optimization": {"stage": 2, "reduce_bucket_size": 2e8}}
+    resolved = resolve_auto(raw, world_size=2, micro_batch_size=16, gradient_accumulation_steps=1,
+                            lr=1.0, hidden_size=4)
+    assert resolved["train_batch_size"] == 4 * 3 * 2  # from the config's own micro and steps
+    assert resolved["optimizer"]["params"]["lr"] == 5e-5
+    assert resolved["zero_optimization"]["reduce_bucket_size"] == 2e8
+    written = {"train_batch_size": 32, "zero_optimization": {"stage": 1}}
+    assert resolve_auto(written, world_size=8) == written
+
+
+def test_resolve_auto_refuses_placeholders_hugging_face_never_fills():
+    with pytest.raises(ConfigError, match=r'^zero_optimization.stage: "auto" is not a placeholder '
+                                          r"Hugging Face fills; write a value$"):
+        resolve_auto({"zero_optimization": {"stage": "auto"}}, world_size=1)
+    with pytest.raises(ConfigError, match=r"^world_size: expected a positive integer, got 0$"):
+        resolve_auto({}, world_size=0)
+
+
+def test_resolve_auto_reads_files(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "bfloat16": {"enabled": "auto"}}))
+    assert resolve_auto(path, world_size=1, micro_batch_size=2, bf16=True) == {
+        "train_micro_batch_size_per_gpu": 2, "bfloat16": {"enabled": True}}

@@ -4,6 +4,7 @@
     loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()
 """
 
+from zeropp import zero  # deepspeed.zero's twin: GatheredParameters, Init
 from zeropp.checkpoint import CheckpointError, CheckpointStorageError
 from zeropp.checkpoint import client_state as checkpoint_client_state
 from zeropp.checkpoint import consolidate as consolidate_checkpoint
@@ -42,4 +43,5 @@ __all__ = [
     "initialize",
     "options_from_config",
     "read_json_config",
+    "zero",
 ]

@@ -13,6 +13,10 @@ what its config says:
 * values are checked strictly: integral floats such as ``1e7`` count as integers, but strings,
   booleans for numbers, numbers for booleans and Hugging Face ``"auto"`` placeholders do not.
 
+Hugging Face's ``"auto"`` placeholders are filled before parsing by ``resolve_auto``, with the
+values HF's Trainer would put there. Offload is refused unless its device is ``"none"``; the
+offload blocks' other keys and the ``aio`` block then describe no offload and are accepted.
+
 Errors are ``ConfigError`` with one line naming the key path and the offending value. Batch
 sizes are resolved against the data-parallel world size by DeepSpeed's rules
 (``EngineConfig.resolve_batch``). Whether ``zero_hpz_partition_size`` divides the ranks per
@@ -92,7 +96,8 @@ def _show(value: Any) -> str:
 def _fail(path: str, expected: str, value: Any) -> NoReturn:
     if isinstance(value, str) and value.strip().lower() == "auto":
         raise ConfigError(f'{path}: "auto" is a Hugging Face Trainer placeholder; resolve it to '
-                          f"{expected} before the engine reads the config")
+                          f"{expected} first: zeropp.config.resolve_auto does, and "
+                          "zeropp.initialize calls it once the model is known")
     raise ConfigError(f"{path}: expected {expected}, got {_show(value)}")
 
 
@@ -166,6 +171,18 @@ def _string_list(path: str, value: Any) -> list[str]:
     return list(value)
 
 
+def _devices(path: str, value: Any) -> Any:
+    # CUDA_VISIBLE_DEVICES written into the JSON: a device index, a "0,1" string or a list.
+    def index(item: Any) -> bool:
+        return isinstance(item, int) and not isinstance(item, bool) and item >= 0
+
+    valid = (isinstance(value, str) or index(value)
+             or (isinstance(value, list) and all(map(index, value))))
+    if not valid:
+        _fail(path, "a device index, a string or an array of indices", value)
+    return value
+
+
 def _object(path: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         _fail(path, "an object", value)
@@ -213,8 +230,12 @@ ALIASES: dict[str, str] = {
 }
 
 _CLI_CHECKPOINTING = "no effect: --checkpoint-activations alone controls recomputation"
-_PROFILER_OFF = "no effect: the flops profiler stays disabled"
+_PROFILER_OFF = "no effect: the flops profiler is not reproduced"
 _BYTE_ACCOUNTING = "no effect: the engine's own byte accounting reports communication volume"
+# Offload sub-keys and the aio block only tune offload I/O. They are accepted because the
+# offload device itself is refused unless it is "none": they can only ever describe no offload.
+_OFFLOAD_OFF = 'no effect: offload is off (its device is "none")'
+_NVME_IO = 'no effect: NVMe I/O for offload, which is off (a device other than "none" is refused)'
 
 ACCEPTED: dict[str, Accepted] = {
     "zero_allow_untested_optimizer": Accepted(
@@ -223,9 +244,14 @@ ACCEPTED: dict[str, Accepted] = {
     "zero_force_ds_cpu_optimizer": Accepted(_boolean, "no effect: concerns CPU offload, which is rejected"),
     **_under("comms_logger", _same_meaning(_BYTE_ACCOUNTING, enabled=_boolean, verbose=_boolean,
                                            prof_all=_boolean, prof_ops=_string_list, debug=_boolean)),
+    "cuda_visible_devices": Accepted(
+        _devices, "no effect: DeepSpeed's config does not read it either; the launcher picks devices"),
+    "dataloader_drop_last": Accepted(
+        _boolean, "no effect: concerns deepspeed_io's loader; the application's loader decides"),
     **_under("flops_profiler", _same_meaning(
-        _PROFILER_OFF, profile_step=_positive_int, module_depth=_integer(-1, "an integer >= -1"),
-        top_modules=_positive_int, detailed=_boolean, output_file=_optional(_string),
+        _PROFILER_OFF, enabled=_boolean, profile_step=_positive_int,
+        module_depth=_integer(-1, "an integer >= -1"), top_modules=_positive_int,
+        detailed=_boolean, output_file=_optional(_string),
         recompute_fwd_factor=_non_negative_float)),
     **_under("activation_checkpointing", {
         **_same_meaning(_CLI_CHECKPOINTING, number_checkpoints=_optional(_positive_int),
@@ -233,6 +259,25 @@ ACCEPTED: dict[str, Accepted] = {
                         synchronize_checkpoint_boundary=_boolean, profile=_boolean),
         "partition_activations": Accepted(_boolean, "no effect: there are no tensor-parallel ranks"),
     }),
+    **_under("aio", {
+        **_same_meaning(_NVME_IO, block_size=_positive_int, queue_depth=_positive_int,
+                        intra_op_parallelism=_positive_int, single_submit=_boolean,
+                        overlap_events=_boolean, use_gds=_boolean),
+        "thread_count": Accepted(_positive_int, "no effect: DeepSpeed 0.19 no longer reads it "
+                                 "(renamed intra_op_parallelism); NVMe I/O is not used"),
+    }),
+    **_under("zero_optimization.offload_param", _same_meaning(
+        _OFFLOAD_OFF, nvme_path=_optional(_string), buffer_count=_non_negative_int,
+        buffer_size=_non_negative_int, max_in_cpu=_non_negative_int, pin_memory=_boolean)),
+    **_under("zero_optimization.offload_optimizer", _same_meaning(
+        _OFFLOAD_OFF, nvme_path=_optional(_string), buffer_count=_non_negative_int,
+        pin_memory=_boolean, pipeline_read=_boolean, pipeline_write=_boolean, fast_init=_boolean,
+        ratio=_unit_interval, super_offload=_boolean, cpuadam_cores_perc=_unit_interval)),
+    "optimizer.params.torch_adam": Accepted(
+        _boolean, "no effect on the update: torch's kernel instead of DeepSpeed's (with torch's "
+        "AdamW, a missing weight_decay is torch's 0.01)"),
+    "optimizer.params.adam_w_mode": Accepted(
+        _boolean, "type Adam: true = AdamW, false = Adam with L2 decay; type AdamW ignores it"),
     "checkpoint.tag_validation": Accepted(_one_of("Ignore", "Warn", "Fail"),
                                           "no effect: the application checks checkpoint tags"),
     "bf16.immediate_grad_update": Accepted(_boolean, "no effect: a stage 0-2 bf16 optimizer detail"),
@@ -260,7 +305,7 @@ ACCEPTED: dict[str, Accepted] = {
 
 _DEVICE_ONLY = "ZeRO-3/ZeRO++ on device memory only"
 _DATA_PARALLEL_ONLY = "this engine is data-parallel only"
-_NO_OFFLOAD = (None, {"device": "none"})
+_OFFLOAD = f"CPU/NVMe offload; {_DEVICE_ONLY}"
 _OFF = (DISABLED_BLOCK,)
 
 UNSUPPORTED: dict[str, Unsupported] = {
@@ -281,7 +326,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "autotuning": Unsupported("the DeepSpeed autotuner", _OFF),
     "hybrid_engine": Unsupported("the RLHF hybrid engine", _OFF),
     "compile": Unsupported("DeepCompile", ({},)),
-    "aio": Unsupported(f"NVMe I/O for offload; {_DEVICE_ONLY}"),
     "comet": Unsupported("the Comet monitor; use the W&B or TensorBoard writers", _OFF),
     "gradient_allreduce_op": Unsupported("gradients are always averaged", ("mean",)),
     "fp16.auto_cast": Unsupported("input autocasting; the model casts its own activations", (False,)),
@@ -291,12 +335,18 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "bf16.check_overflow": Unsupported("skipping bf16 steps on inf/nan gradients", (False,)),
     "activation_checkpointing.cpu_checkpointing": Unsupported(
         "checkpointed activations stay in device memory", (False,)),
-    "flops_profiler.enabled": Unsupported("the DeepSpeed flops profiler", (False,)),
+    "data_types.grad_accum_dtype": Unsupported(
+        "gradients always accumulate in fp32; 16-bit accumulation would round them", (None, "fp32")),
+    "data_types.param_dtype": Unsupported("weights take the fp16/bf16 block's dtype", (None,)),
+    "data_types.buffer_dtype": Unsupported("buffers keep the dtype the model gives them", (None,)),
+    "optimizer.params.bias_correction": Unsupported(
+        "the Adam update always corrects the moment bias", (True,)),
+    "optimizer.params.max_grad_norm": Unsupported("DeepSpeed rejects it too: use gradient_clipping"),
     "checkpoint.load_universal": Unsupported("universal checkpoints", (False,)),
     "checkpoint.use_node_local_storage": Unsupported("node-local checkpoint storage", (False,)),
     **_under("zero_optimization", {
-        "offload_param": Unsupported(_DEVICE_ONLY, _NO_OFFLOAD),
-        "offload_optimizer": Unsupported(_DEVICE_ONLY, _NO_OFFLOAD),
+        "offload_param.device": Unsupported(_OFFLOAD, ("none",)),
+        "offload_optimizer.device": Unsupported(_OFFLOAD, ("none",)),
         "cpu_offload": Unsupported(_DEVICE_ONLY, (None, False)),
         "cpu_offload_param": Unsupported(_DEVICE_ONLY, (None, False)),
         "cpu_offload_use_pin_memory": Unsupported(_DEVICE_ONLY, (None, False)),
@@ -347,8 +397,14 @@ def _children(section: str) -> set[str]:
             for key in (*ALIASES, *ACCEPTED, *UNSUPPORTED) if key.startswith(prefix)}
 
 
+# Blocks DeepSpeed reads as optional: null means the block is absent.
+_NULL_MEANS_ABSENT = {"aio", "zero_optimization.offload_param", "zero_optimization.offload_optimizer"}
+
+
 def _check_table_key(path: str, value: Any, siblings: set[str]) -> None:
     """Validate a key that is no dataclass field: a table entry, an accepted block, or a typo."""
+    if value is None and path in _NULL_MEANS_ABSENT:
+        return
     if path in UNSUPPORTED:
         _require_inert(path, value)
     elif path in ACCEPTED:
@@ -455,12 +511,40 @@ def _betas(path: str, value: Any) -> list[float]:
     return [float(beta) for beta in betas]
 
 
+# Each optimizer's parameters: the keyword arguments of its torch.optim class, with the
+# defaults DeepSpeed passes (FusedAdam's for Adam/AdamW, torch's for SGD and Adagrad).
 _ADAM_PARAMS: dict[str, tuple[Check, Any]] = {
     "lr": (_positive_float, 1e-3),
     "betas": (_betas, [0.9, 0.999]),
     "eps": (_positive_float, 1e-8),
     "weight_decay": (_non_negative_float, 0.0),
+    "amsgrad": (_boolean, False),
 }
+_OPTIMIZER_PARAMS: dict[str, dict[str, tuple[Check, Any]]] = {
+    "AdamW": _ADAM_PARAMS,
+    "Adam": _ADAM_PARAMS,
+    "SGD": {"lr": (_positive_float, 1e-3), "momentum": (_non_negative_float, 0.0),
+            "dampening": (_non_negative_float, 0.0), "weight_decay": (_non_negative_float, 0.0),
+            "nesterov": (_boolean, False)},
+    "Adagrad": {"lr": (_positive_float, 0.01), "lr_decay": (_non_negative_float, 0.0),
+                "weight_decay": (_non_negative_float, 0.0),
+                "initial_accumulator_value": (_non_negative_float, 0.0),
+                "eps": (_positive_float, 1e-10)},
+}
+# The optimizer steps each rank's flat shard on its own, so only element-wise updates qualify.
+_NOT_ELEMENT_WISE = "not element-wise: a rank's shard cannot step on its own"
+_REFUSED_OPTIMIZERS = {
+    "lamb": f"LAMB scales each tensor by its own trust ratio; {_NOT_ELEMENT_WISE}",
+    "onebitadam": "1-bit Adam needs its own compressed communication",
+    "zerooneadam": "0/1 Adam needs its own compressed communication",
+    "onebitlamb": f"1-bit LAMB needs its own compressed communication; {_NOT_ELEMENT_WISE}",
+    "lion": "Lion; the partitioned optimizer implements AdamW, Adam, SGD and Adagrad",
+    "muon": f"Muon orthogonalizes whole matrices; {_NOT_ELEMENT_WISE}",
+    **{name: f"muP scales each tensor by its width; {_NOT_ELEMENT_WISE}"
+       for name in ("muadam", "muadamw", "musgd")},
+}
+# DeepSpeed keys of the Adam block that are no torch.optim.Adam(W) keyword arguments.
+_ADAM_SWITCHES = ("torch_adam", "adam_w_mode", "bias_correction")
 
 
 def _fill_params(path: str, raw: Any, table: Mapping[str, tuple[Check, Any]]) -> dict[str, Any]:
@@ -481,26 +565,46 @@ def _fill_params(path: str, raw: Any, table: Mapping[str, tuple[Check, Any]]) ->
 
 @dataclass(frozen=True)
 class OptimizerConfig(_Section):
-    """The optimizer: AdamW (decoupled weight decay) over each rank's fp32 shard."""
+    """The optimizer, stepped over each rank's fp32 shard: AdamW, Adam, SGD or Adagrad."""
 
     SECTION: ClassVar[str] = "optimizer"
-    type: str = _field("AdamW", "AdamW; DeepSpeed's Adam with adam_w_mode true is the same", _string)
-    params: dict[str, Any] = _field(dict, "lr, betas, eps, weight_decay; missing ones filled",
+    type: str = _field("AdamW", "AdamW, Adam (L2-coupled decay), SGD or Adagrad; DeepSpeed's Adam "
+                       "with adam_w_mode true (its default) is AdamW", _string)
+    params: dict[str, Any] = _field(dict, "the torch.optim keyword arguments; missing ones filled",
                                     _object, factory=True)
 
     def _check_combination(self) -> None:
-        params = dict(self.params)
-        if self.type.lower() == "adam":
-            # DeepSpeed's Adam defaults to adam_w_mode=true, which makes it AdamW.
-            _boolean("optimizer.params.torch_adam", params.pop("torch_adam", False))
-            if not _boolean("optimizer.params.adam_w_mode", params.pop("adam_w_mode", True)):
-                raise ConfigError("optimizer.params.adam_w_mode=false is not supported by this engine "
-                                  "(L2-coupled weight decay; the optimizer is AdamW)")
-        elif self.type.lower() != "adamw":
+        given = dict(self.params)
+        kind = {name.lower(): name for name in _OPTIMIZER_PARAMS}.get(self.type.lower())
+        if kind is None:
+            reason = _REFUSED_OPTIMIZERS.get(self.type.lower(), "the partitioned optimizer "
+                                             "implements AdamW, Adam, SGD and Adagrad")
             raise ConfigError(f"optimizer.type={_show(self.type)} is not supported by this engine "
-                              "(AdamW, or Adam with adam_w_mode true)")
-        object.__setattr__(self, "type", "AdamW")
-        object.__setattr__(self, "params", _fill_params("optimizer.params", params, _ADAM_PARAMS))
+                              f"({reason})")
+        if "max_grad_norm" in given:  # DeepSpeed refuses it for every optimizer type
+            _require_inert("optimizer.params.max_grad_norm", given["max_grad_norm"])
+        defaults = _OPTIMIZER_PARAMS[kind]
+        if kind in ("Adam", "AdamW"):
+            switches = {key: given.pop(key) for key in _ADAM_SWITCHES if key in given}
+            for key, value in switches.items():
+                _check_table_key(f"optimizer.params.{key}", value, set())
+            # DeepSpeed: type AdamW is always decoupled; Adam is decoupled unless adam_w_mode false.
+            if kind == "Adam" and switches.get("adam_w_mode", True):
+                kind = "AdamW"
+            if kind == "AdamW" and switches.get("torch_adam", False):
+                # torch_adam builds torch.optim.AdamW, whose own weight_decay default is 0.01.
+                defaults = {**defaults, "weight_decay": (_non_negative_float, 0.01)}
+        params = _fill_params("optimizer.params", given, defaults)
+        if kind == "SGD" and params["nesterov"] and (params["momentum"] <= 0 or params["dampening"]):
+            raise ConfigError("optimizer.params.nesterov=true needs momentum > 0 and dampening 0 "
+                              f"(got momentum {params['momentum']}, dampening {params['dampening']})")
+        object.__setattr__(self, "type", kind)
+        object.__setattr__(self, "params", params)
+
+    def to_dict(self) -> dict[str, Any]:
+        """DeepSpeed JSON meaning the same: normalized "Adam" needs adam_w_mode false spelled out."""
+        switch = {"adam_w_mode": False} if self.type == "Adam" else {}
+        return {"type": self.type, "params": {**copy.deepcopy(self.params), **switch}}
 
 
 _WARMUP = {"warmup_num_steps": (_positive_int, 1000), "warmup_type": (_one_of("log", "linear"), "log")}
@@ -698,9 +802,6 @@ class EngineConfig(_Section):
     def _check_combination(self) -> None:
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
-        if self.prescale_gradients and self.gradient_predivide_factor is not None:
-            raise ConfigError("prescale_gradients divides by the data-parallel size, "
-                              "gradient_predivide_factor by a factor of its own; keep one")
         if self.communication_data_type is not None and self.zero_optimization.zero_quantized_gradients:
             raise ConfigError(f"communication_data_type={_show(self.communication_data_type)} "
                               "applies to the exact reduce-scatter; qgZ sends int4/int8 blocks "
@@ -708,7 +809,10 @@ class EngineConfig(_Section):
 
     @property
     def predivide_factor(self) -> float | None:
-        """The gradient pre-division factor (None: the data-parallel size)."""
+        """The gradient pre-division factor (None: the data-parallel size).
+
+        As in DeepSpeed, prescale_gradients true divides by the data-parallel size and leaves
+        gradient_predivide_factor unused."""
         return None if self.prescale_gradients else self.gradient_predivide_factor
 
     @classmethod
@@ -762,10 +866,146 @@ class EngineConfig(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (for checkpoints); ``from_json(to_dict())`` equals this config."""
-        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
+        raw = {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
+        if self.optimizer is not None:
+            raw["optimizer"] = self.optimizer.to_dict()
+        return raw
 
 
 def _exact_quotient(total: int, divisor: int, divisor_text: str) -> int:
     if total % divisor != 0:
         raise ConfigError(f"train_batch_size {total} is not divisible by {divisor_text} = {divisor}")
     return total // divisor
+
+
+# --- Hugging Face "auto" placeholders -------------------------------------------------------
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def _find_autos(node: Any, path: str = "") -> list[str]:
+    if _is_auto(node):
+        return [path]
+    if isinstance(node, Mapping):
+        return [found for key, value in node.items() for found in _find_autos(value, _join(path, key))]
+    return []
+
+
+def _parent(config: dict[str, Any], path: str) -> tuple[dict[str, Any] | None, str]:
+    *sections, key = path.split(".")
+    node: Any = config
+    for section in sections:
+        node = node.get(section) if isinstance(node, Mapping) else None
+    return (node if isinstance(node, dict) else None), key
+
+
+_HIDDEN_SIZE_KEYS = {  # zero_optimization keys HF derives from the model's hidden size h
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+    "param_persistence_threshold": lambda h: 10 * h,
+}
+_SAVE_16BIT_KEYS = ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                    "stage3_gather_fp16_weights_on_model_save")
+
+
+def resolve_auto(raw: str | PathLike[str] | Mapping[str, Any], *, world_size: int,
+                 micro_batch_size: int | None = None, gradient_accumulation_steps: int | None = None,
+                 hidden_size: int | None = None, lr: float | None = None,
+                 betas: tuple[float, float] | list[float] | None = None, eps: float | None = None,
+                 weight_decay: float | None = None, gradient_clipping: float | None = None,
+                 fp16: bool | None = None, bf16: bool | None = None,
+                 total_num_steps: int | None = None, warmup_steps: float | None = None,
+                 save_16bit_model: bool | None = None) -> dict[str, Any]:
+    """A copy of the DeepSpeed config with Hugging Face's ``"auto"`` placeholders filled in.
+
+    Contract (the values Hugging Face's Trainer/Accelerate would put there, from the
+    TrainingArguments named in brackets):
+
+    * ``train_micro_batch_size_per_gpu`` <- ``micro_batch_size`` [per_device_train_batch_size];
+      ``gradient_accumulation_steps`` <- ``gradient_accumulation_steps``, else 1 (HF's default);
+      ``train_batch_size`` <- micro * accumulation * ``world_size``, taking each factor from
+      the config where it is a number, else from the keyword (accumulation absent: 1).
+    * ``zero_optimization``: ``reduce_bucket_size`` <- h*h, ``stage3_prefetch_bucket_size`` <-
+      int(0.9*h*h), ``stage3_param_persistence_threshold`` <- 10*h with h = ``hidden_size``
+      (the model's ``config.hidden_size``; for a GPT, its width). HF fills the stage-3 pair at
+      stage 3 only; here they are filled at any stage, where they have no effect.
+      ``stage3_gather_16bit_weights_on_model_save`` <- ``save_16bit_model``, else false
+      (Accelerate's ``zero3_save_16bit_model`` default).
+    * ``gradient_clipping`` <- ``gradient_clipping`` [max_grad_norm], else 1.0 (the default of
+      both the Trainer and Accelerate).
+    * ``optimizer.params``: ``lr``, ``betas``, ``eps``, ``weight_decay`` <- the keywords
+      [learning_rate, adam_beta1/2, adam_epsilon, weight_decay]; no fallback.
+    * ``scheduler.params``: ``warmup_min_lr`` <- 0; ``warmup_max_lr`` <- ``lr``;
+      ``total_num_steps`` <- ``total_num_steps`` [num_training_steps]; ``warmup_num_steps`` <-
+      max(1, ``warmup_steps``) where a ``warmup_steps`` below 1 is a fraction of
+      ``total_num_steps`` (HF's rule); none given: 1 (no warmup, as HF without --warmup_steps).
+    * ``fp16.enabled`` / ``bf16.enabled`` (or ``bfloat16.enabled``) <- ``fp16`` / ``bf16``,
+      else false (HF without --fp16 / --bf16).
+
+    Keywords only fill placeholders: a concrete value in the config is kept and never compared
+    with a keyword (unlike the Trainer, which refuses mismatches), so callers may pass what they
+    know. An ``"auto"`` whose keyword is missing and has no fallback raises ``ConfigError``
+    naming the key and the keyword to pass; so does an ``"auto"`` where Hugging Face fills
+    nothing. Other keys are not validated: ``EngineConfig.from_json`` does that. A config
+    without ``"auto"`` comes back equal. ``raw`` is a path or a mapping and is not modified.
+    """
+    config = read_json_config(raw)
+    world = _positive_int("world_size", world_size)
+
+    def keyword(name: str, value: Any, check: Check, fallback: Any = _REQUIRED) -> Callable[[str], Any]:
+        """A filler: the keyword's value, checked; else the fallback; else an error naming both."""
+        def make(path: str) -> Any:
+            if value is None and fallback is _REQUIRED:
+                raise ConfigError(f'{path}: "auto" needs a value: pass {name}=... to '
+                                  "zeropp.config.resolve_auto (or write the value)")
+            return check(name, fallback if value is None else value)
+        return make
+
+    def fill(path: str, make: Callable[[str], Any]) -> None:
+        node, key = _parent(config, path)
+        if node is not None and _is_auto(node.get(key)):
+            node[key] = make(path)
+
+    def written(key: str) -> Any:  # a top-level batch key the config gives as a number
+        value = config.get(key)
+        return None if value is None or _is_auto(value) else value
+
+    micro = keyword("micro_batch_size", micro_batch_size, _positive_int)
+    steps = keyword("gradient_accumulation_steps", gradient_accumulation_steps, _positive_int, 1)
+    fill("gradient_accumulation_steps", steps)  # first: train_batch_size uses it
+    fill("train_micro_batch_size_per_gpu", micro)
+    fill("train_batch_size", lambda path: world
+         * int(written("train_micro_batch_size_per_gpu") or micro(path))
+         * int(written("gradient_accumulation_steps") or steps(path)))
+    fill("gradient_clipping", keyword("gradient_clipping", gradient_clipping, _non_negative_float, 1.0))
+    fill("fp16.enabled", keyword("fp16", fp16, _boolean, False))
+    for section in ("bf16", "bfloat16"):  # HF looks under "bf16" only; DeepSpeed reads both
+        fill(f"{section}.enabled", keyword("bf16", bf16, _boolean, False))
+    hidden = keyword("hidden_size", hidden_size, _positive_int)
+    for key, rule in _HIDDEN_SIZE_KEYS.items():
+        fill(f"zero_optimization.{key}", lambda path, rule=rule: rule(hidden(path)))
+    for key in _SAVE_16BIT_KEYS:
+        fill(f"zero_optimization.{key}", keyword("save_16bit_model", save_16bit_model, _boolean, False))
+    for name, value, check in (("lr", lr, _positive_float), ("betas", betas, _betas),
+                               ("eps", eps, _positive_float),
+                               ("weight_decay", weight_decay, _non_negative_float)):
+        fill(f"optimizer.params.{name}", keyword(name, value, check))
+    fill("scheduler.params.warmup_min_lr", lambda path: 0)  # no TrainingArguments field: HF writes 0
+    fill("scheduler.params.warmup_max_lr", keyword("lr", lr, _positive_float))
+    total_steps = keyword("total_num_steps", total_num_steps, _positive_int)
+    fill("scheduler.params.total_num_steps", total_steps)
+
+    def warmup(path: str) -> int:
+        count = keyword("warmup_steps", warmup_steps, _non_negative_float, 0)(path)
+        if 0 < count < 1:  # HF reads a warmup_steps below 1 as a fraction of the run
+            count = math.ceil(count * total_steps(path))
+        return max(1, int(count))  # HF keeps it positive: DeepSpeed refuses 0
+
+    fill("scheduler.params.warmup_num_steps", warmup)
+    left = _find_autos(config)
+    if left:
+        raise ConfigError(f'{left[0]}: "auto" is not a placeholder Hugging Face fills; write a value')
+    return config

@@ -36,7 +36,11 @@ reductions follow the graph's post-backward points, then the unit list.
 from __future__ import annotations
 
 import contextlib
+import copy
 import enum
+import itertools
+import weakref
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -112,6 +116,76 @@ def default_unit_modules(model: nn.Module) -> list[nn.Module]:
     return units
 
 
+def _post_order(module: nn.Module, prefix: str, seen: set[int]) -> Iterator[tuple[str, nn.Module]]:
+    """(qualified name, module) with every child before its parent, each module once."""
+    for name, child in module._modules.items():
+        if child is not None and id(child) not in seen:
+            seen.add(id(child))
+            yield from _post_order(child, f"{prefix}.{name}" if prefix else name, seen)
+    yield prefix, module
+
+
+def reset_parameters_values(module: nn.Module, prefix: str,
+                            wanted: dict[int, str]) -> dict[str, torch.Tensor]:
+    """Initial values of the meta parameters ``wanted`` (id -> name) of ``module``, by torch's
+    convention: each module's own ``reset_parameters()`` (``_reset_parameters()`` for the
+    few torch modules that name it so).
+
+    The default for a model built on the meta device (``zeropp.zero.Init``) with neither
+    ``param_init_fn`` nor an ``initial_value`` method. It runs on a copy of ``module`` in
+    which only the wanted parameters are materialized (on the CPU: one unit at a time, never
+    the whole model), calling ``reset_parameters()`` children first, then parents, as
+    construction does (a parent's reset may re-initialize its children's parameters). Each
+    module draws from its own seed, a function of its qualified name, so every rank computes
+    the same values and the user's random stream is left alone. The distributions are the
+    module's own; the draws are not those of eager construction, which takes them from the
+    global random stream in construction order. A reset written in an ancestor outside the
+    unit is not run for the unit's parameters.
+    """
+    # Real (non-meta) tensors are replaced by meta twins in the copy: never duplicated in
+    # memory, never overwritten by a reset.
+    memo: dict[int, object] = {}
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if not tensor.is_meta:
+            twin = torch.empty_like(tensor, device="meta")
+            if isinstance(tensor, nn.Parameter):
+                twin = nn.Parameter(twin, requires_grad=tensor.requires_grad)
+            memo[id(tensor)] = twin
+    copies = {id(copy.deepcopy(p, memo)): name
+              for p in module.parameters() if (name := wanted.get(id(p))) is not None}
+    clone = copy.deepcopy(module, memo)
+    real: dict[int, nn.Parameter] = {}  # id of the copy's meta parameter -> materialized one
+    for sub in clone.modules():
+        for attr, param in sub._parameters.items():
+            if param is not None and id(param) in copies:
+                if id(param) not in real:  # a tied parameter stays one tensor
+                    real[id(param)] = nn.Parameter(
+                        torch.empty(param.shape, dtype=param.dtype, device="cpu"),
+                        requires_grad=param.requires_grad)
+                sub._parameters[attr] = real[id(param)]
+    materialized = {id(p): meta_id for meta_id, p in real.items()}
+    covered: set[int] = set()
+    with torch.no_grad():
+        for name, sub in _post_order(clone, prefix, set()):
+            # nn.MultiheadAttention and nn.Transformer name theirs with an underscore.
+            reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
+            mine = {id(p) for p in sub.parameters() if id(p) in materialized}
+            if not callable(reset) or not mine:
+                continue
+            with torch.random.fork_rng(devices=[]):
+                torch.default_generator.manual_seed(zlib.crc32(name.encode()))
+                reset()
+            covered |= mine
+    missing = [copies[meta_id] for meta_id, p in real.items() if id(p) not in covered]
+    if missing:
+        raise ValueError(
+            f"parameter {missing[0]!r} is on the meta device and no module holding it has "
+            "reset_parameters(): give the model an initial_value(name) method or pass "
+            "param_init_fn"
+        )
+    return {copies[meta_id]: p.detach() for meta_id, p in real.items()}
+
+
 def _param_owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
@@ -119,6 +193,21 @@ def _param_owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
             if param is not None:
                 owners.setdefault(id(param), []).append((module, attr))
     return owners
+
+
+# Every live ShardedModel, so that ``zeropp.zero.GatheredParameters`` finds the unit holding a
+# parameter from the parameter alone: nothing is attached to the parameters themselves.
+_LIVE_MODELS: weakref.WeakSet[ShardedModel] = weakref.WeakSet()
+_SERIAL = itertools.count()  # construction order: the same on every rank
+
+
+def find_unit(param: torch.Tensor) -> tuple[ShardedModel, int] | None:
+    """(the sharded model, the index of its unit) holding ``param``; None if no engine does."""
+    for sharded in list(_LIVE_MODELS):
+        index = sharded.unit_index_of(param)
+        if index is not None:
+            return sharded, index
+    return None
 
 
 class ShardedModel:
@@ -180,10 +269,19 @@ class ShardedModel:
         self._forward_order: list[ShardedUnit] = []
         self._last_forward_order: list[ShardedUnit] = []
         self._kept_for_backward: set[ShardedUnit] = set()  # from the last forward's order
+        # Called with a unit's index after its working shard was written outside a step
+        # (zeropp.zero.GatheredParameters with a modifier_rank): whoever keeps another copy
+        # of the weights, the optimizer's fp32 masters, brings it up to date.
+        self.shard_write_listeners: list[Callable[[int], None]] = []
+        self._param_units = {id(p): (index, p) for index, unit in enumerate(self.units)
+                             for p in unit.params}
+        self.serial = next(_SERIAL)
         self._install_hooks()
+        self._install_state_dict_guards()
         for unit in self.units:
             if unit.persistent:
                 unit.gather_now("forward_all_gather")
+        _LIVE_MODELS.add(self)
 
     # ---- construction --------------------------------------------------------------------
     def _build_units(self, model, unit_modules, param_init_fn):
@@ -208,15 +306,18 @@ class ShardedModel:
                 align=self.comm.alignment,
             )
             originals = {names[id(p)]: p for p in params}
+            defaults: dict[str, torch.Tensor] = {}  # reset_parameters() values, made on demand
+            prefix = module_names.get(id(module), "")
 
-            def full_value(slot, originals=originals):
+            def full_value(slot, originals=originals, defaults=defaults, module=module,
+                           prefix=prefix):
                 param = originals[slot.name]
                 if param.is_meta:
                     if param_init_fn is None:
-                        raise ValueError(
-                            f"parameter {slot.name!r} is on the meta device: give the model an "
-                            "initial_value(name) method or pass param_init_fn"
-                        )
+                        if not defaults:  # the whole unit at once: resets span parameters
+                            defaults.update(reset_parameters_values(module, prefix, {
+                                id(p): n for n, p in originals.items() if p.is_meta}))
+                        return defaults[slot.name].to(torch.float32)
                     value = param_init_fn(slot.name)
                     if tuple(value.shape) != slot.shape:
                         raise ValueError(
@@ -235,11 +336,16 @@ class ShardedModel:
                 replicated=self.residency.weights_replicated,
             )
             unit.shard.copy_(master)
+            defaults.clear()
             units.append(unit)
             masters.append(master)
         leftovers = [n for n, b in model.named_buffers() if b.is_meta]
         if leftovers:
-            raise ValueError(f"buffers still on the meta device after sharding: {leftovers}")
+            raise ValueError(
+                f"buffers still on the meta device after sharding: {leftovers}: the engine "
+                "materializes parameters only, so register buffers with real values (e.g. "
+                "after leaving zeropp.zero.Init)"
+            )
         return units, masters
 
     @staticmethod
@@ -271,6 +377,22 @@ class ShardedModel:
                 if param.requires_grad:
                     self._hook_handles.append(param.register_post_accumulate_grad_hook(
                         partial(self._on_grad_ready, unit)))
+
+    def _install_state_dict_guards(self) -> None:
+        """``module.state_dict()`` (Hugging Face's ``save_pretrained`` calls it) raises a clear
+        error while weights it would read are sharded, instead of torch failing on their
+        empty storage. Every module holding parameters gets the check, for the units under it.
+        """
+        if self.residency.weights_replicated:
+            return  # stages 0-2: the weights stay whole
+        unit_of = {id(p): unit for unit in self.units for p in unit.params}
+        for name, module in self.module.named_modules():
+            units = {id(unit_of[id(p)]): unit_of[id(p)] for p in module.parameters()}
+            if not units:
+                continue
+            label = f"{name} ({type(module).__name__})" if name else type(module).__name__
+            self._hook_handles.append(module.register_state_dict_pre_hook(
+                partial(_refuse_sharded_state_dict, list(units.values()), label)))
 
     # ---- hooks ---------------------------------------------------------------------------
     def _pre_forward(self, unit: ShardedUnit, module, args, kwargs):
@@ -413,6 +535,7 @@ class ShardedModel:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
+        _LIVE_MODELS.discard(self)
 
     # ---- public API ----------------------------------------------------------------------
     @property
@@ -464,21 +587,68 @@ class ShardedModel:
         for unit in self.units:
             unit.refresh_after_update()
 
+    def unit_index_of(self, param: torch.Tensor) -> int | None:
+        """Index of the unit holding ``param`` (one of the model's parameters), else None."""
+        entry = self._param_units.get(id(param))
+        return entry[0] if entry is not None and entry[1] is param else None
+
+    def settle(self) -> None:
+        """Finish every collective in flight (prefetches, reductions): a collective issued
+        next from this thread then follows them on every rank."""
+        self._finish_reductions()
+        for unit in self.units:
+            if unit.gathering:
+                unit.wait_gather()
+
+    def shard_written(self, index: int) -> None:
+        """Unit ``index``'s working shard was written outside a step: tell the listeners."""
+        for listener in self.shard_write_listeners:
+            listener(index)
+
     @contextlib.contextmanager
     def gathered_parameters(self) -> Iterator[nn.Module]:
         """Full, exact weights on every rank for the duration of the block (read-only use)."""
+        # Units that stay gathered may hold qwZ's dequantized weights: they are gathered
+        # exactly for the block, and training gets its own copy back afterwards.
+        training_copies: dict[ShardedUnit, torch.Tensor] = {}
+        self.settle()
         for unit in self.units:
-            unit.gather_exact(self.stats)
+            inexact = unit.state is ShardState.GATHERED and not unit.gathers_exactly
+            if inexact and not unit.holds:
+                training_copies[unit] = unit.full.clone()
+            unit.gather_exact(self.stats, refresh=inexact and not unit.holds)
         try:
             yield self.module
         finally:
+            for unit, full in training_copies.items():
+                unit.full.copy_(full)
             self._release_all()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter, unsharded, as CPU tensors in the working dtype (all ranks)."""
+        """What ``state_dict()`` of the unwrapped model holds, unsharded, as CPU copies
+        (collective: all ranks call it). Parameters are in the working dtype; every name of
+        a tied parameter is there and the names share one tensor, as in ``state_dict()``.
+        """
         with self.gathered_parameters():
+            # Inside the gather the state_dict guards pass; keep_vars keeps the parameter
+            # objects, so tied names are recognized by identity.
+            state = self.module.state_dict(keep_vars=True)
+            copies: dict[int, torch.Tensor] = {}
             out = {}
-            for unit in self.units:
-                for slot, view in zip(unit.layout.slots, unit.layout.views(unit.full), strict=True):
-                    out[slot.name] = view.detach().cpu().clone()
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    if id(value) not in copies:
+                        copies[id(value)] = value.detach().to("cpu", copy=True)
+                    value = copies[id(value)]
+                out[key] = value
         return out
+
+
+def _refuse_sharded_state_dict(units: list[ShardedUnit], label: str, module, prefix,
+                               keep_vars) -> None:
+    if any(unit.state is not ShardState.GATHERED for unit in units):
+        raise RuntimeError(
+            f"the weights of {label} are sharded by ZeRO stage 3; read them inside "
+            "engine.gathered_parameters() or zeropp.zero.GatheredParameters(...), or use "
+            "engine.full_state_dict() / engine.save_16bit_model()"
+        )

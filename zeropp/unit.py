@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from zeropp.comm import CommGroup, CommStats, Pending, all_gather
-from zeropp.comm.collectives import Collective
+from zeropp.comm.collectives import AllGather, Collective
 from zeropp.comm.streams import Execution
 from zeropp.flat_layout import FlatLayout, reduce_bucket_ranges
 
@@ -116,6 +116,9 @@ class ShardedUnit:
         self._held_grads: list[nn.Parameter] = []  # arrived, not yet in _grad_flat
         # The unit's backward is over and its reduction started (ShardedModel._post_backward).
         self.backward_done = False
+        # ``zeropp.zero.GatheredParameters`` contexts holding the whole weights: the user reads
+        # or writes them until the context exits, so the engine's own releases leave them.
+        self.holds = 0
 
         self.params: list[nn.Parameter] = []
         for ref, view in zip(refs, layout.views(self.full), strict=True):
@@ -184,20 +187,31 @@ class ShardedUnit:
         self.start_gather(phase)
         self.wait_gather()
 
-    def gather_exact(self, stats: CommStats) -> None:
-        """Gather the working shards unquantized (reading weights out, not training)."""
+    @property
+    def gathers_exactly(self) -> bool:
+        """Whether ``full``, once gathered, equals the shards (False under qwZ's gather)."""
+        return self.replicated or isinstance(self.comm.gather, AllGather)
+
+    def gather_exact(self, stats: CommStats, refresh: bool = False) -> None:
+        """Gather the working shards unquantized (reading weights out, not training).
+
+        ``refresh`` gathers again a unit already gathered, whose ``full`` may hold qwZ's
+        dequantized values or local changes; the shards are what counts.
+        """
         if self.gathering:
             self.wait_gather()
-        if self.state is ShardState.GATHERED:
+        if self.state is ShardState.GATHERED and not refresh:
             return
         self.drop_secondary()
         self._alloc_full()
-        all_gather(self.full, self.shard, self.comm.world, stats, "optimizer").wait()
+        # A replicated unit's shard lies inside ``full``: sent from a copy (see start_gather).
+        shard = self.shard.clone() if self.replicated else self.shard
+        all_gather(self.full, shard, self.comm.world, stats, "optimizer").wait()
         self.state = ShardState.GATHERED
 
     def release(self, keep_secondary: bool) -> None:
         """Free the gathered weights; with hpZ after forward, keep this rank's secondary shard."""
-        if self.persistent or self.state is not ShardState.GATHERED:
+        if self.persistent or self.holds or self.state is not ShardState.GATHERED:
             return
         if keep_secondary and self.comm.hpz is not None:
             size = self.layout.padded_numel // self.comm.hpz.size
@@ -221,6 +235,9 @@ class ShardedUnit:
         self.drop_secondary()
         if self.replicated and self.comm.world.size == 1:
             return  # stage 0: the update was written into the whole weights themselves
+        if self.holds:  # a GatheredParameters context still reads them: gathered anew
+            self.gather_exact(self.comm.stats, refresh=True)
+            return
         if self.state is ShardState.GATHERED:
             self.state = ShardState.SHARDED
             if not self.replicated:
