@@ -12,6 +12,7 @@ from zeropp.config import ConfigError, EngineConfig, read_json_config
 from zeropp.engine import ZeroEngine
 from zeropp.initialize import (
     QuantizationOptions,
+    add_config_arguments,
     build_engine,
     engine_from_config,
     init_distributed,
@@ -23,6 +24,7 @@ from zeropp.sharded_model import ShardingOptions
 from zeropp.topology import Topology, TopologyError, build_topology
 
 __all__ = [
+    "add_config_arguments",
     "CheckpointError",
     "CheckpointStorageError",
     "ConfigError",

@@ -70,8 +70,7 @@ def read_latest(load_dir: str | os.PathLike) -> str:
     return tag
 
 
-def _unit_record(unit, master: torch.Tensor, moments) -> dict:
-    exp_avg, exp_avg_sq = moments
+def _unit_record(unit, master: torch.Tensor, state: dict[str, torch.Tensor]) -> dict:
     return {
         "name": unit.name,
         "slots": [[s.name, list(s.shape), s.offset] for s in unit.layout.slots],
@@ -79,8 +78,8 @@ def _unit_record(unit, master: torch.Tensor, moments) -> dict:
         "shard_start": unit.shard_start,
         "shard_end": unit.shard_end,
         "master": master.detach().cpu(),
-        "exp_avg": exp_avg.detach().cpu(),
-        "exp_avg_sq": exp_avg_sq.detach().cpu(),
+        # The optimizer's element-wise state (Adam: exp_avg, exp_avg_sq), shard-shaped.
+        **{key: value.detach().cpu() for key, value in state.items()},
     }
 
 
@@ -116,10 +115,13 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
         "rank": rank,
         "world_size": world,
         "units": [
-            _unit_record(unit, optimizer.shard_master(index), optimizer.shard_moments(index))
+            _unit_record(unit, optimizer.shard_master(index), optimizer.shard_state(index))
             for index, unit in enumerate(engine.sharded.units)
         ],
-        "adam_step": optimizer.step_count,
+        "optimizer_type": type(optimizer.inner).__name__,
+        "state_keys": optimizer.state_keys(),
+        "adam_step": optimizer.step_count,  # the optimizer's step (kept under its first name)
+        "optimizer_scalars": optimizer.scalar_state(),
         "param_groups": [{k: v for k, v in g.items() if k != "params"}
                          for g in optimizer.param_groups],
         "loss_scaler": engine.loss_scaler.state_dict(),
@@ -263,7 +265,15 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
             f"checkpoint units {sorted(saved_units)} do not match the model's {sorted(ours)}"
         )
     optimizer = engine.optimizer
-    fields = ("master", "exp_avg", "exp_avg_sq") if load_optimizer_states else ("master",)
+    saved = old.rank_state(0)
+    # Checkpoints written before other optimizers were partitioned hold Adam's two moments.
+    saved_type = saved.get("optimizer_type", "AdamW")
+    state_keys = tuple(saved.get("state_keys", ("exp_avg", "exp_avg_sq")))
+    if load_optimizer_states and saved_type != type(optimizer.inner).__name__:
+        raise CheckpointError(
+            f"checkpoint holds {saved_type} state but the optimizer is "
+            f"{type(optimizer.inner).__name__}: load with load_optimizer_states=False")
+    fields = ("master", *state_keys) if load_optimizer_states else ("master",)
     for index, unit in enumerate(engine.sharded.units):
         values = {f: torch.zeros_like(unit.grad_shard) for f in fields}
         for slot in unit.layout.slots:
@@ -276,8 +286,9 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
                 values[field][dst : dst + hi - lo] = old.read(
                     unit.name, slot.name, slot.shape, lo, hi, field
                 ).to(unit.grad_shard.device)
-        moments = (values["exp_avg"], values["exp_avg_sq"]) if load_optimizer_states else None
-        optimizer.load_shard(index, values["master"], moments, old.rank_state(0)["adam_step"])
+        state = {key: values[key] for key in state_keys} if load_optimizer_states else None
+        scalars = saved.get("optimizer_scalars", {"step": saved["adam_step"]})
+        optimizer.load_shard(index, values["master"], state, scalars)
         unit.zero_grad_shard()
     # Every derived copy of the weights (gathered buffers, hpZ secondary shards) is stale.
     engine.sharded.refresh_after_update()

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from zeropp.loss_scaler import LossScaler
-from zeropp.optimizer import PartitionedAdamW, clip_coefficient
+from zeropp.optimizer import PartitionedOptimizer, clip_coefficient
 from zeropp.sharded_model import ShardedModel
 
 
@@ -24,7 +24,7 @@ class ZeroEngine:
     def __init__(
         self,
         sharded: ShardedModel,
-        optimizer: PartitionedAdamW,
+        optimizer: PartitionedOptimizer,
         loss_scaler: LossScaler,
         gradient_accumulation_steps: int = 1,
         gradient_clipping: float = 0.0,
@@ -230,7 +230,7 @@ class ZeroEngine:
         if overflow:
             self.optimizer.skip_step()
         else:
-            self.optimizer.step(inv * clip_coefficient(norm, self.gradient_clipping))
+            self.optimizer.step(grad_multiplier=inv * clip_coefficient(norm, self.gradient_clipping))
         self.sharded.refresh_after_update()
         return norm, overflow
 

@@ -15,7 +15,12 @@ from zeropp.comm.registry import collectives_for
 from zeropp.comm.streams import execution_for
 from zeropp.engine import ZeroEngine
 from zeropp.loss_scaler import DynamicLossScaler, LossScaler
-from zeropp.optimizer import PartitionedAdamW
+from zeropp.optimizer import (
+    ELEMENTWISE_OPTIMIZERS,
+    OptimizerRecipe,
+    PartitionedOptimizer,
+    megatron_groups,
+)
 from zeropp.residency import Residency
 from zeropp.sharded_model import ShardedModel, ShardingOptions
 from zeropp.topology import Topology, build_topology
@@ -98,8 +103,14 @@ def build_engine(
     unit_modules: list[nn.Module] | None = None,
     lr_scheduler=None,
     config=None,
+    optimizer: OptimizerRecipe | None = None,
 ) -> ZeroEngine:
-    """Shard ``model`` (on the meta device or materialized) and wrap it in a ``ZeroEngine``."""
+    """Shard ``model`` (on the meta device or materialized) and wrap it in a ``ZeroEngine``.
+
+    The optimizer is ``optimizer`` (a recipe: torch class, defaults, parameter groups), else
+    AdamW(lr, betas, eps) with Megatron's groups: ``weight_decay`` on matrices, none on biases
+    and norms. ``lr_scheduler`` is a schedule object or a callable taking the optimizer.
+    """
     init_distributed()
     sharding = sharding or ShardingOptions()
     quantization = quantization or QuantizationOptions()
@@ -108,6 +119,10 @@ def build_engine(
     if param_init_fn is None and hasattr(model, "initial_value"):
         param_init_fn = model.initial_value
     residency = Residency.for_stage(sharding.stage, quantization.hpz_size)
+    recipe = optimizer or OptimizerRecipe(
+        torch.optim.AdamW, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
+        megatron_groups(model, weight_decay))
+    group_by_name = recipe.group_by_name(model)  # before sharding replaces any parameter
     execution = execution_for(device, sharding.overlap_comm)
     sharded = ShardedModel(
         model, topology, sharding, dtype, device,
@@ -115,14 +130,17 @@ def build_engine(
         _hpz_group(topology, residency), execution, residency,
         param_init_fn=param_init_fn, unit_modules=unit_modules,
     )
-    optimizer = PartitionedAdamW(
-        sharded.units, sharded.initial_masters, lr=lr, betas=betas, eps=eps,
-        weight_decay=weight_decay,
-    )
+    partitioned = PartitionedOptimizer(sharded.units, sharded.initial_masters, recipe,
+                                       group_by_name)
     sharded.initial_masters = []  # the optimizer owns the fp32 masters from here on
+    # Weights written through zero.GatheredParameters(modifier_rank=...) reach the masters.
+    sharded.shard_write_listeners.append(
+        lambda index: partitioned.load_shard(index, sharded.units[index].shard))
+    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        lr_scheduler = lr_scheduler(partitioned)  # DeepSpeed's callable: optimizer -> schedule
     return ZeroEngine(
         sharded,
-        optimizer,
+        partitioned,
         loss_scaler or LossScaler(1.0),
         gradient_accumulation_steps=gradient_accumulation_steps,
         gradient_clipping=gradient_clipping,
@@ -188,6 +206,8 @@ def engine_from_config(
     cfg,
     *,
     optimizer_params: dict | None = None,
+    model_parameters=None,
+    optimizer=None,
     ranks_per_node: int | None = None,
     param_init_fn=None,
     lr_scheduler=None,
@@ -196,17 +216,35 @@ def engine_from_config(
     """The engine a parsed ``EngineConfig`` describes: the one typed path from a DeepSpeed
     config to the engine, taken by ``initialize`` and by the application.
 
-    The optimizer comes from the config's ``optimizer`` block unless ``optimizer_params``
-    (lr, betas, eps, weight_decay) is given; a JSON ``scheduler`` block becomes the lr
-    schedule unless ``lr_scheduler`` is given.
+    The optimizer is ``optimizer`` (a torch optimizer or a callable building one from the
+    parameter groups: its class, hyperparameters and groups are kept, and the same class runs
+    over the shards), else the config's ``optimizer`` block (``optimizer_params`` overriding
+    its params) over ``model_parameters`` (tensors or groups; None: Megatron's decay and
+    no-decay groups). A JSON ``scheduler`` block becomes the lr schedule unless
+    ``lr_scheduler`` is given.
     """
     from zeropp.config import ConfigError
 
     zero = cfg.zero_optimization
-    params = dict(cfg.optimizer.params) if cfg.optimizer is not None else {}
-    params.update(optimizer_params or {})
-    if "lr" not in params:
-        raise ConfigError("no learning rate: add an optimizer block or pass optimizer_params")
+    groups_given = model_parameters if model_parameters is not None else model.parameters()
+    if optimizer is not None:
+        if cfg.optimizer is not None:  # DeepSpeed refuses the pair too
+            raise ConfigError("an optimizer was passed to initialize and the config has an "
+                              "optimizer block: keep one")
+        if not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
+            optimizer = optimizer(OptimizerRecipe.groups_of(groups_given))
+        recipe = OptimizerRecipe.from_optimizer(optimizer)
+    else:
+        params = dict(cfg.optimizer.params) if cfg.optimizer is not None else {}
+        params.update(optimizer_params or {})
+        if "lr" not in params:
+            raise ConfigError("no learning rate: add an optimizer block or pass optimizer_params")
+        if "betas" in params:
+            params["betas"] = tuple(params["betas"])
+        kind = cfg.optimizer.type if cfg.optimizer is not None else "AdamW"
+        groups = (OptimizerRecipe.groups_of(model_parameters) if model_parameters is not None
+                  else megatron_groups(model, float(params.get("weight_decay", 0.0))))
+        recipe = OptimizerRecipe(ELEMENTWISE_OPTIMIZERS[kind], params, groups)
     sharding, quantization = options_from_config(zero, cfg)
     init_distributed()
     if zero.inert_keys and dist.get_rank() == 0:
@@ -214,10 +252,7 @@ def engine_from_config(
               "(ZeRO++ extends stage 3)", flush=True)
     engine = build_engine(
         model,
-        lr=float(params["lr"]),
-        betas=tuple(params.get("betas", (0.9, 0.999))),
-        eps=float(params.get("eps", 1e-8)),
-        weight_decay=float(params.get("weight_decay", 0.0)),
+        lr=float(recipe.defaults.get("lr", 1e-3)),
         dtype=_DTYPES[cfg.compute_dtype],
         gradient_accumulation_steps=cfg.gradient_accumulation_steps or 1,
         gradient_clipping=cfg.gradient_clipping,
@@ -229,6 +264,7 @@ def engine_from_config(
         param_init_fn=param_init_fn,
         lr_scheduler=lr_scheduler,
         config=cfg,
+        optimizer=recipe,
     )
     if lr_scheduler is None and cfg.scheduler is not None:
         from zeropp.lr_schedules import WarmupSchedule
@@ -237,31 +273,112 @@ def engine_from_config(
     return engine
 
 
+def add_config_arguments(parser):
+    """DeepSpeed's command-line flags (``--deepspeed``, ``--deepspeed_config``) on ``parser``."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable the engine (kept for DeepSpeed scripts)")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="DeepSpeed JSON configuration file")
+    group.add_argument("--deepscale", default=False, action="store_true",
+                       help="deprecated spelling of --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str,
+                       help="deprecated spelling of --deepspeed_config")
+    return parser
+
+
+def _any_auto(value) -> bool:
+    if isinstance(value, dict):
+        return any(_any_auto(item) for item in value.values())
+    return isinstance(value, str) and value == "auto"
+
+
+def _hidden_size(model: nn.Module) -> int | None:
+    """The model's width, where a Hugging Face config or the model itself names it."""
+    for owner in (getattr(model, "config", None), model):
+        for name in ("hidden_size", "n_embd", "d_model"):
+            value = getattr(owner, name, None)
+            if isinstance(value, int):
+                return value
+    return None
+
+
 def initialize(
-    model: nn.Module,
+    args=None,
+    model: nn.Module | None = None,
+    optimizer=None,
     model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port=None,
+    mpu=None,
+    dist_init_required: bool | None = None,
+    collate_fn=None,
     config=None,
+    mesh_param=None,
+    config_params=None,
     *,
     ranks_per_node: int | None = None,
     param_init_fn=None,
     optimizer_params: dict | None = None,
-    lr_scheduler=None,
     device: torch.device | None = None,
 ):
-    """``deepspeed.initialize``'s twin: returns ``(engine, optimizer, None, lr_scheduler)``.
+    """``deepspeed.initialize``'s twin, with its signature: returns ``(engine, optimizer,
+    training_dataloader, lr_scheduler)``.
 
-    ``config`` is a DeepSpeed JSON path or dict. The optimizer comes from its ``optimizer``
-    block unless ``optimizer_params`` (lr, betas, eps, weight_decay) is given; the engine
-    always runs its own partitioned AdamW. ``model_parameters`` is accepted for signature
-    compatibility: every parameter of ``model`` is trained.
+    - ``config`` / ``config_params``: the DeepSpeed JSON (path or dict); else
+      ``args.deepspeed_config``. Hugging Face's ``"auto"`` values are resolved from the world
+      size and the model's hidden size (``zeropp.config.resolve_auto``).
+    - ``optimizer``: a torch optimizer or a callable taking the parameter groups; its class
+      (element-wise ones: Adam, AdamW, SGD, Adagrad, ...), hyperparameters and groups are
+      honoured over the shards. Else the config's optimizer block over ``model_parameters``
+      (None: every parameter, one group, as DeepSpeed), whose groups keep their own lr and
+      weight_decay. ``optimizer_params`` overrides the block's params.
+    - ``training_data``: a torch Dataset; returned as a DataLoader giving each rank its share
+      (DistributedSampler, ``train_micro_batch_size_per_gpu`` per batch), as DeepSpeed does.
+    - ``lr_scheduler``: a schedule object or a callable taking the optimizer.
+    - ``mpu`` (model parallelism) is refused: the engine is data-parallel only.
+    ``distributed_port``, ``dist_init_required`` and ``mesh_param`` are accepted and unused:
+    the launcher's environment says where the process group is.
     """
-    from zeropp.config import EngineConfig
+    from zeropp.config import ConfigError, EngineConfig, read_json_config, resolve_auto
 
+    if isinstance(args, nn.Module) and model is None:  # initialize(model, ...) positionally
+        args, model = None, args
+    if model is None:
+        raise ValueError("initialize: model is required")
+    if mpu is not None:
+        raise ValueError("initialize(mpu=...): model parallelism is not supported by this "
+                         "engine (data parallel only)")
+    if config is not None and config_params is not None:
+        raise ConfigError("initialize: config and config_params both given; pass one")
+    config = config if config is not None else config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     init_distributed()
-    cfg = EngineConfig.from_json(config if config is not None else {})  # parsed once
+    raw = read_json_config(config if config is not None else {})
+    if _any_auto(raw):
+        raw = resolve_auto(raw, world_size=dist.get_world_size(), hidden_size=_hidden_size(model))
+    cfg = EngineConfig.from_mapping(raw)  # parsed once
     if cfg.train_batch_size is not None or cfg.train_micro_batch_size_per_gpu is not None:
         cfg = cfg.with_batch_resolved(dist.get_world_size())
     engine = engine_from_config(
-        model, cfg, optimizer_params=optimizer_params, ranks_per_node=ranks_per_node,
-        param_init_fn=param_init_fn, lr_scheduler=lr_scheduler, device=device)
-    return engine, engine.optimizer, None, engine.lr_scheduler
+        model, cfg, optimizer_params=optimizer_params, model_parameters=(
+            model_parameters if model_parameters is not None else model.parameters()),
+        optimizer=optimizer, ranks_per_node=ranks_per_node, param_init_fn=param_init_fn,
+        lr_scheduler=lr_scheduler, device=device)
+    loader = None
+    if training_data is not None:
+        loader = training_dataloader(engine, training_data, collate_fn)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def training_dataloader(engine: ZeroEngine, dataset, collate_fn=None):
+    """DeepSpeed's training loader: each rank reads its share through a DistributedSampler
+    (shuffled, seed 0), ``train_micro_batch_size_per_gpu`` samples per batch."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(dataset, num_replicas=engine.dp_world_size,
+                                 rank=engine.topology.rank)
+    return DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(),
+                      sampler=sampler, collate_fn=collate_fn)

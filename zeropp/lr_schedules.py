@@ -178,7 +178,8 @@ class WarmupSchedule(ParamGroupSchedule):
     - WarmupCosineLR: ratios of the optimizer's lr: warm up from ``warmup_min_ratio`` to 1,
       then cosine decay to ``cos_min_ratio`` at ``total_num_steps``.
 
-    ``step()`` is called once per optimizer step (skipped steps excluded). The optimizer's lr
+    ``step()`` is called once per optimizer step (skipped steps excluded); the schedule's
+    iteration starts at -1, as DeepSpeed's does. The optimizer's lr
     at construction is the base of the ratios and the default ``warmup_max_lr``; it is saved,
     since by then the param groups hold the schedule's own lr. The kind is saved too, but not
     checked on load: the config's scheduler block decides it.
@@ -191,7 +192,9 @@ class WarmupSchedule(ParamGroupSchedule):
         self.kind = kind
         self.params = dict(params)
         self.base_lr = optimizer.param_groups[0]["lr"]
-        self.last_step = 0
+        # DeepSpeed's schedules start at iteration -1 (the warmup's floor) and the first step
+        # moves them to iteration 0: the first two updates both run at the floor.
+        self.last_step = -1
         self._set_lr(self.get_lr())
 
     def _warmup_gamma(self, step: int) -> float:
@@ -205,7 +208,10 @@ class WarmupSchedule(ParamGroupSchedule):
     def get_lr(self, step: int | None = None) -> float:
         """The lr at optimizer step ``step`` (default: the current one); no side effects."""
         step = self.last_step if step is None else step
-        p, gamma = self.params, self._warmup_gamma(step)
+        p = self.params
+        if step < 0:  # not started: DeepSpeed's floor (WarmupCosineLR's ratio is 0 there)
+            return 0.0 if self.kind == "WarmupCosineLR" else p["warmup_min_lr"]
+        gamma = self._warmup_gamma(step)
         if self.kind == "WarmupCosineLR":
             total, warmup = p["total_num_steps"], p["warmup_num_steps"]
             if step < warmup:

@@ -1,4 +1,5 @@
-"""AdamW over this rank's fp32 shards, with global-norm clipping and loss scaling.
+"""Any element-wise torch optimizer over this rank's fp32 shards, with global-norm clipping
+and loss scaling.
 
 [Note: gradient averaging]
 Gradients are reduce-scattered as SUMs and accumulated in fp32 across micro-batches; they are
@@ -6,22 +7,28 @@ divided exactly once, here, by (data-parallel size x accumulation steps x loss s
 global norm is computed from the shards with one all-reduce of a single number; a non-finite
 norm means some rank overflowed, so every rank skips the same step.
 
-The update itself is ``torch.optim.AdamW`` on flat fp32 tensors (element-wise, so sharding
-cannot change it); decoupled weight decay is applied first with a per-element mask, because a
-shard can hold the end of a weight matrix (decayed) and the start of a bias (not decayed).
+[Note: partitioned parameter groups]
+A shard is a run of a unit's flat buffer: it can hold the end of a weight matrix and the start
+of a bias, and the two can belong to different parameter groups (Megatron's no-decay group for
+biases and norms, a user's per-group learning rates). So the fp32 master of a shard is kept as
+one *piece* per (unit, group): that group's elements of the shard, packed end to end (the
+shard itself, no copy, when one group holds all of it). Group g of the torch optimizer holds
+group g's pieces of every unit with group g's hyperparameters, so torch applies each group's
+lr and weight decay itself. The classes allowed are element-wise (an element's update reads
+only its own gradient and state), so stepping the pieces is stepping the whole model.
 
 [Note: frozen parameters]
-Parameters with ``requires_grad=False`` are neither updated nor given optimizer state: the
-fp32 master of a unit holds only the trainable runs of its shard, packed end to end (the
-whole shard, the same tensor layout, when nothing in it is frozen), and Adam's moments follow
-the master. Frozen weights live in the working shard alone. ``shard_master`` and
-``shard_moments`` give shard-shaped views back for checkpoints.
+Parameters with ``requires_grad=False``, or given to no group, are in no piece: neither
+updated nor given optimizer state. Their weights live in the working shard alone.
+``shard_master`` and ``shard_state`` give shard-shaped tensors back for checkpoints.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,42 +43,144 @@ def default_decay_rule(slot: ParamSlot) -> bool:
     return len(slot.shape) >= 2
 
 
-class PartitionedAdamW:
-    def __init__(
-        self,
-        units: list[ShardedUnit],
-        initial_masters: list[torch.Tensor],
-        lr: float,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        decay_rule: Callable[[ParamSlot], bool] = default_decay_rule,
-    ) -> None:
+# Torch optimizers whose update of an element reads only that element's gradient and state:
+# stepping each rank's shard is then exactly stepping the whole model.
+ELEMENTWISE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    cls.__name__: cls for cls in (
+        torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad,
+        torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+        torch.optim.Adadelta)
+}
+
+
+@dataclass
+class OptimizerRecipe:
+    """What to run over the shards: a torch optimizer class, its keyword arguments, and the
+    model's parameters in groups, each with its own overrides (lr, weight_decay, ...).
+
+    ``groups`` holds dicts shaped like torch's: ``{"params": [nn.Parameter, ...], **overrides}``.
+    A parameter in no group is not optimized (torch's meaning).
+    """
+
+    cls: type[torch.optim.Optimizer]
+    defaults: dict[str, Any]
+    groups: list[dict[str, Any]]
+
+    def __post_init__(self) -> None:
+        if self.cls not in ELEMENTWISE_OPTIMIZERS.values():
+            raise ValueError(
+                f"optimizer {self.cls.__name__} cannot be partitioned: only element-wise torch "
+                f"optimizers are ({', '.join(ELEMENTWISE_OPTIMIZERS)})")
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer) -> OptimizerRecipe:
+        """The recipe of a torch optimizer built over the model's parameters: its class,
+        defaults, and every group with that group's hyperparameters."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer or a callable returning "
+                            f"one, got {type(optimizer).__name__}")
+        groups = [dict(group) for group in optimizer.param_groups]
+        return cls(type(optimizer), dict(optimizer.defaults), groups)
+
+    @staticmethod
+    def groups_of(model_parameters) -> list[dict[str, Any]]:
+        """``model_parameters`` as torch takes them (tensors, or dicts with "params") -> groups."""
+        items = list(model_parameters)
+        if not items:
+            raise ValueError("model_parameters is empty: no parameter to optimize")
+        if all(isinstance(item, Mapping) for item in items):
+            groups = []
+            for item in items:
+                group = dict(item)
+                params = group["params"]
+                group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
+                groups.append(group)
+            return groups
+        if any(isinstance(item, Mapping) for item in items):
+            raise ValueError("model_parameters mixes parameters and parameter-group dicts")
+        return [{"params": items}]
+
+    def group_by_name(self, model: nn.Module) -> dict[str, int]:
+        """Parameter name -> group index, read before sharding (which may give the module new
+        parameter objects): every name of a tied parameter maps to its group."""
+        index: dict[int, int] = {}
+        for number, group in enumerate(self.groups):
+            for param in group["params"]:
+                if id(param) in index:
+                    raise ValueError("a parameter appears in more than one parameter group")
+                index[id(param)] = number
+        by_name = {name: index[id(param)]
+                   for name, param in model.named_parameters(remove_duplicate=False)
+                   if id(param) in index}
+        found = {id(param) for _, param in model.named_parameters(remove_duplicate=False)}
+        if index.keys() - found:
+            raise ValueError("a parameter group holds a tensor that is not a parameter of the model")
+        return by_name
+
+
+def megatron_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Megatron's two groups: matrices decayed, biases and norm parameters not."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        (decay if param.dim() >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+@dataclass
+class _Piece:
+    """The elements of one parameter group inside one unit's shard, packed end to end."""
+
+    group: int
+    runs: list[tuple[int, int]]  # shard offsets
+    master: nn.Parameter  # fp32
+
+
+class PartitionedOptimizer(torch.optim.Optimizer):
+    """A torch optimizer over this rank's fp32 shards ([Note: partitioned parameter groups]).
+
+    It is a ``torch.optim.Optimizer``: ``param_groups`` and ``state`` are those of the torch
+    optimizer stepping the shards, so torch, Hugging Face and DeepSpeed schedules attach to it
+    and write each group's lr. Only the engine steps it (``engine.step()`` averages, clips and
+    unscales the gradients first).
+    """
+
+    def __init__(self, units: list[ShardedUnit], initial_masters: list[torch.Tensor],
+                 recipe: OptimizerRecipe, group_by_name: dict[str, int]) -> None:
         self.units = units
-        world = units[0].comm.world if units else None
-        self.world = world
-        # Trainable runs of each shard, in shard offsets ([Note: frozen parameters]).
-        self.trainable_runs = [_trainable_runs(u) for u in units]
-        self.masters = [
-            nn.Parameter(_pack(m.float(), runs))
-            for m, runs in zip(initial_masters, self.trainable_runs, strict=True)
-        ]
-        # Decayed elements of each master as (start, end) runs: a few per unit, no mask.
-        self.decay_runs = [
-            _packed_runs(u.layout.shard_runs(u.comm.world.rank, decay_rule), runs)
-            for u, runs in zip(units, self.trainable_runs, strict=True)
-        ]
-        self._adam = torch.optim.AdamW(
-            self.masters, lr=lr, betas=betas, eps=eps, weight_decay=0.0, foreach=False
-        )
-        # The lr schedule writes group["lr"]; decay lives beside it under its own key so
-        # torch's AdamW never applies it unmasked.
-        for group in self._adam.param_groups:
-            group["masked_weight_decay"] = weight_decay
+        self.world = units[0].comm.world if units else None
+        self.recipe = recipe
+        self.pieces: list[list[_Piece]] = []
+        for unit, initial in zip(units, initial_masters, strict=True):
+            slot_group = {slot.name: group_by_name.get(slot.name) if param.requires_grad else None
+                          for slot, param in zip(unit.layout.slots, unit.params, strict=True)}
+            everything = _merged(unit.layout.shard_runs(unit.comm.world.rank, lambda slot: True))
+            pieces = []
+            for number in range(len(recipe.groups)):
+                runs = _merged(unit.layout.shard_runs(
+                    unit.comm.world.rank, lambda slot, n=number, of=slot_group: of[slot.name] == n))
+                # A group holding every element of the shard keeps the shard itself, padding
+                # included: no packing copies, and the padding's gradient is zero.
+                if runs and runs == everything:
+                    runs = None
+                pieces.append(_Piece(number, runs, nn.Parameter(_pack(initial.float(), runs))))
+            self.pieces.append(pieces)
+        torch_groups = []
+        for number, group in enumerate(recipe.groups):
+            settings = {key: value for key, value in group.items() if key != "params"}
+            params = [p.master for pieces in self.pieces for p in pieces if p.group == number]
+            torch_groups.append({**recipe.defaults, **settings, "params": params})
+        self.inner = recipe.cls(torch_groups)
+        super().__init__(torch_groups, self.inner.defaults)
+        # One set of groups and state, the inner optimizer's: what a schedule writes is what
+        # the update reads.
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self.defaults = self.inner.defaults
 
     @property
-    def param_groups(self) -> list[dict]:
-        return self._adam.param_groups
+    def masters(self) -> list[nn.Parameter]:
+        return [piece.master for pieces in self.pieces for piece in pieces]
 
     def grad_norm_squared(self, inv_scale: float) -> float:
         """Squared global gradient norm (true units), over all ranks: one all-reduce."""
@@ -82,105 +191,111 @@ class PartitionedAdamW:
             all_reduce_sum(total, self.world, self.units[0].comm.stats, "optimizer")
         return float(total.item()) * inv_scale * inv_scale
 
-    def step(self, grad_multiplier: float) -> None:
-        """Apply AdamW with gradients ``grad_shard * grad_multiplier``; cast back to shards."""
-        group = self._adam.param_groups[0]
-        lr, wd = group["lr"], group["masked_weight_decay"]
-        for unit, master, runs, decay in zip(self.units, self.masters, self.trainable_runs,
-                                             self.decay_runs, strict=True):
-            if master.numel() == 0:  # nothing trainable in this shard: no state, no update
-                continue
-            master.grad = _pack(unit.grad_shard, runs).mul_(grad_multiplier)
-            if wd:
-                for start, end in decay:
-                    master.data[start:end].mul_(1.0 - lr * wd)
-        self._adam.step()
-        for unit, master, runs in zip(self.units, self.masters, self.trainable_runs, strict=True):
-            if master.grad is not None:
-                master.grad = None
-                _unpack_into(unit.shard, master.detach(), runs)
+    def step(self, closure=None, *, grad_multiplier: float | None = None):
+        """Update with gradients ``grad_shard * grad_multiplier``; cast back to the shards."""
+        if closure is not None or grad_multiplier is None:
+            raise RuntimeError("call engine.step(), not optimizer.step(): the engine averages, "
+                               "clips and unscales the sharded gradients before this update")
+        for unit, pieces in zip(self.units, self.pieces, strict=True):
+            for piece in pieces:
+                piece.master.grad = _pack(unit.grad_shard, piece.runs).mul_(grad_multiplier)
+        self.inner.step()
+        for unit, pieces in zip(self.units, self.pieces, strict=True):
+            for piece in pieces:
+                piece.master.grad = None
+                _unpack_into(unit.shard, piece.master.detach(), piece.runs)
             unit.zero_grad_shard()
+        return None
 
     def skip_step(self) -> None:
         for unit in self.units:
             unit.zero_grad_shard()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients live in the units' shards (``engine.zero_grad()`` drops them)."""
+
     # ---- shard-shaped state (checkpoints) ------------------------------------------------
     def shard_master(self, index: int) -> torch.Tensor:
-        """The fp32 weights of unit ``index``'s shard; frozen ones read from the working shard."""
-        master, runs = self.masters[index].detach(), self.trainable_runs[index]
-        if runs is None:
-            return master
-        full = self.units[index].shard.float()
-        _unpack_into(full, master, runs)
+        """The fp32 weights of unit ``index``'s shard; unoptimized ones from the working shard."""
+        full = self.units[index].shard.float().clone()
+        for piece in self.pieces[index]:
+            _unpack_into(full, piece.master.detach(), piece.runs)
         return full
 
-    def shard_moments(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(exp_avg, exp_avg_sq) in shard layout; zeros before the first step and where frozen."""
-        state = self._adam.state.get(self.masters[index], {})
-        out = []
-        for key in ("exp_avg", "exp_avg_sq"):
-            value, runs = state.get(key), self.trainable_runs[index]
-            if runs is None and value is not None:
-                out.append(value)
-                continue
-            full = torch.zeros_like(self.units[index].grad_shard)
-            if value is not None:
-                _unpack_into(full, value, runs)
-            out.append(full)
-        return out[0], out[1]
+    def state_keys(self) -> list[str]:
+        """Names of the element-wise optimizer state (e.g. exp_avg, exp_avg_sq)."""
+        keys: list[str] = []
+        for pieces in self.pieces:
+            for piece in pieces:
+                for key, value in self.state.get(piece.master, {}).items():
+                    if _elementwise(value, piece.master) and key not in keys:
+                        keys.append(key)
+        return keys
 
-    def load_shard(self, index: int, master: torch.Tensor, moments=None, step: float = 0.0) -> None:
-        """Set unit ``index``'s fp32 weights (and moments) from shard-shaped tensors."""
-        runs = self.trainable_runs[index]
+    def shard_state(self, index: int) -> dict[str, torch.Tensor]:
+        """Element-wise state in shard layout; zeros where an element has none."""
+        out = {}
+        for key in self.state_keys():
+            full = torch.zeros_like(self.units[index].grad_shard, dtype=torch.float32)
+            for piece in self.pieces[index]:
+                value = self.state.get(piece.master, {}).get(key)
+                if value is not None:
+                    _unpack_into(full, value, piece.runs)
+            out[key] = full
+        return out
+
+    def scalar_state(self) -> dict[str, float]:
+        """Per-tensor scalars (Adam's step, ...): the same for every piece that has state."""
+        for pieces in self.pieces:
+            for piece in pieces:
+                state = self.state.get(piece.master, {})
+                scalars = {key: float(value) for key, value in state.items()
+                           if isinstance(value, torch.Tensor) and value.dim() == 0}
+                if state:
+                    return scalars
+        return {}
+
+    def load_shard(self, index: int, master: torch.Tensor, state: dict | None = None,
+                   scalars: dict | None = None) -> None:
+        """Set unit ``index``'s fp32 weights (and optimizer state) from shard-shaped tensors."""
         with torch.no_grad():
-            self.masters[index].copy_(_pack(master, runs))
             self.units[index].shard.copy_(master)
-        if moments is None or self.masters[index].numel() == 0:
+            for piece in self.pieces[index]:
+                piece.master.copy_(_pack(master.float(), piece.runs))
+        if state is None:
             return
-        exp_avg, exp_avg_sq = moments
-        self._adam.state[self.masters[index]] = {
-            "step": torch.tensor(step),
-            "exp_avg": _pack(exp_avg, runs).clone(),
-            "exp_avg_sq": _pack(exp_avg_sq, runs).clone(),
-        }
+        for piece in self.pieces[index]:
+            restored = {key: _pack(value, piece.runs).clone() for key, value in state.items()}
+            for key, value in (scalars or {}).items():
+                restored[key] = torch.tensor(value, dtype=torch.float32)
+            self.state[piece.master] = restored
 
     def moment_tensors(self) -> list[torch.Tensor]:
-        """Every Adam moment this rank holds (none for frozen or untouched shards)."""
-        return [value for state in self._adam.state.values()
-                for key, value in state.items() if key in ("exp_avg", "exp_avg_sq")]
+        """Every element-wise state tensor this rank holds."""
+        return [value for master in self.masters for value in self.state.get(master, {}).values()
+                if _elementwise(value, master)]
 
     @property
     def step_count(self) -> float:
-        """Adam's step counter (the same for every shard that has state)."""
-        for master in self.masters:
-            state = self._adam.state.get(master, {})
-            if "step" in state:
-                return float(state["step"])
-        return 0.0
-
-    def state_dict(self) -> dict:
-        return self._adam.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self._adam.load_state_dict(state)
+        return self.scalar_state().get("step", 0.0)
 
 
-def _trainable_runs(unit: ShardedUnit) -> list[tuple[int, int]] | None:
-    """Shard offsets of the trainable elements (padding included); None when all are."""
-    frozen_names = {slot.name for slot, param in zip(unit.layout.slots, unit.params, strict=True)
-                    if not param.requires_grad}
-    frozen = unit.layout.shard_runs(unit.comm.world.rank, lambda slot: slot.name in frozen_names)
-    if not frozen:
-        return None
-    runs, cursor = [], 0
-    for start, end in sorted(frozen):
-        if start > cursor:
-            runs.append((cursor, start))
-        cursor = max(cursor, end)
-    if cursor < unit.layout.shard_numel:
-        runs.append((cursor, unit.layout.shard_numel))
-    return runs
+# The name the engine grew up with; the class now runs any element-wise torch optimizer.
+PartitionedAdamW = PartitionedOptimizer
+
+
+def _elementwise(value, master: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == master.shape
+
+
+def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, end in runs:
+        if out and out[-1][1] == start:
+            out[-1] = (out[-1][0], end)
+        else:
+            out.append((start, end))
+    return out
 
 
 def _pack(shard: torch.Tensor, runs: list[tuple[int, int]] | None) -> torch.Tensor:
@@ -201,24 +316,6 @@ def _unpack_into(shard: torch.Tensor, packed: torch.Tensor,
     for start, end in runs:
         shard[start:end].copy_(packed[position : position + end - start])
         position += end - start
-
-
-def _packed_runs(shard_runs: list[tuple[int, int]],
-                 runs: list[tuple[int, int]] | None) -> list[tuple[int, int]]:
-    """Shard-offset runs (each inside one trainable run, or frozen) -> packed offsets."""
-    if runs is None:
-        return shard_runs
-    packed, base = [], []
-    position = 0
-    for start, end in runs:
-        base.append((start, end, position))
-        position += end - start
-    for lo, hi in shard_runs:
-        for start, end, offset in base:
-            if start <= lo and hi <= end:
-                packed.append((offset + lo - start, offset + hi - start))
-                break
-    return packed
 
 
 def clip_coefficient(grad_norm: float, max_norm: float) -> float:
