@@ -208,10 +208,12 @@ def train_all(rank: int, world: int, jobs: list[tuple[str, dict[str, Any]]]) -> 
         micro, steps = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
         data = toy_batches(MAX_STEPS, steps, micro * world, vocab=VOCAB)
         losses = []
-        # Two optimizer steps applied. fp16 starts at a loss scale of 2**initial_scale_power
+        # Three optimizer steps applied: DeepSpeed's warmup schedules run the first two at their
+        # floor (warmup_min_lr, often 0), so the third is the first that must move weights.
+        # fp16 starts at a loss scale of 2**initial_scale_power
         # (2**32 in axolotl's files): as in DeepSpeed, the first steps overflow and are skipped
-        # while the scale comes down, so fp16 runs take a few more steps to apply two.
-        while engine.global_steps - engine.skipped_steps < 2 and engine.global_steps < MAX_STEPS:
+        # while the scale comes down, so fp16 runs take a few more steps to apply three.
+        while engine.global_steps - engine.skipped_steps < 3 and engine.global_steps < MAX_STEPS:
             for index in range(steps):
                 tokens = data[engine.global_steps, index, rank * micro:(rank + 1) * micro]
                 loss = toy_loss(engine(tokens), tokens)
@@ -240,7 +242,7 @@ def test_accepted_configs_train(tmp_path):
         assert out["precision"] == (config.fp16.enabled, config.bf16.enabled), name
         assert out["stage"] == config.zero_optimization.stage, name
         steps, skipped = out["steps"]
-        assert steps - skipped == 2 and out["changed"], (name, out)
+        assert steps - skipped == 3 and out["changed"], (name, out)
         assert out["losses_finite"] and out["weights_finite"], (name, out)
         if not config.fp16.enabled:
             assert skipped == 0, (name, out)  # only fp16 overflows

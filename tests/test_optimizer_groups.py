@@ -165,15 +165,29 @@ def test_training_data_gives_each_rank_its_share():
     assert seen == set(range(21))
 
 
-def test_refusals():
+def refusals_run(rank, world):
     import zeropp
 
     model = toy_model()
-    with pytest.raises(ValueError, match="mpu"):
-        zeropp.initialize(model=model, mpu=object(), config={})
-    with pytest.raises(ValueError, match="LBFGS cannot be partitioned"):
-        zeropp.initialize(model=model, optimizer=torch.optim.LBFGS(model.parameters()),
-                          config={"train_micro_batch_size_per_gpu": 1})
-    with pytest.raises(ValueError, match="keep one"):
-        zeropp.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                          config={"optimizer": {"type": "AdamW", "params": {"lr": 1.0}}})
+    messages = []
+    attempts = [
+        dict(mpu=object(), config={}),
+        dict(optimizer=torch.optim.LBFGS(model.parameters()),
+             config={"train_micro_batch_size_per_gpu": 1}),
+        dict(optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+             config={"optimizer": {"type": "AdamW", "params": {"lr": 1.0}}}),
+    ]
+    for kwargs in attempts:
+        try:
+            zeropp.initialize(model=model, **kwargs)
+            messages.append(None)
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_refusals():
+    (mpu, lbfgs, both), = run_ranks(refusals_run, 1)
+    assert "mpu" in mpu and "data parallel only" in mpu
+    assert "LBFGS cannot be partitioned" in lbfgs
+    assert "keep one" in both

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from dataclasses import dataclass
@@ -123,6 +124,10 @@ def build_engine(
         torch.optim.AdamW, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
         megatron_groups(model, weight_decay))
     group_by_name = recipe.group_by_name(model)  # before sharding replaces any parameter
+    # From here on groups are known by name: holding the parameter objects would keep their
+    # whole-model storage alive once sharding releases it.
+    recipe = dataclasses.replace(recipe, groups=[
+        {key: value for key, value in group.items() if key != "params"} for group in recipe.groups])
     execution = execution_for(device, sharding.overlap_comm)
     sharded = ShardedModel(
         model, topology, sharding, dtype, device,

@@ -154,15 +154,21 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         for unit, initial in zip(units, initial_masters, strict=True):
             slot_group = {slot.name: group_by_name.get(slot.name) if param.requires_grad else None
                           for slot, param in zip(unit.layout.slots, unit.params, strict=True)}
-            everything = _merged(unit.layout.shard_runs(unit.comm.world.rank, lambda slot: True))
+            rank = unit.comm.world.rank
+            group_runs = [_merged(unit.layout.shard_runs(
+                rank, lambda slot, n=number, of=slot_group: of[slot.name] == n))
+                for number in range(len(recipe.groups))]
+            # The shard's padding rides with the first group holding elements here, so a shard
+            # that one group holds entirely is that group's master whole (no packing copies)
+            # and master sizes are the shard sizes the memory plan counts. Its gradient is zero.
+            padding = _complement(
+                _merged(unit.layout.shard_runs(rank, lambda slot: True)), unit.layout.shard_numel)
+            first = next((n for n, runs in enumerate(group_runs) if runs), 0)
+            group_runs[first] = _merged(sorted(group_runs[first] + padding))
             pieces = []
-            for number in range(len(recipe.groups)):
-                runs = _merged(unit.layout.shard_runs(
-                    unit.comm.world.rank, lambda slot, n=number, of=slot_group: of[slot.name] == n))
-                # A group holding every element of the shard keeps the shard itself, padding
-                # included: no packing copies, and the padding's gradient is zero.
-                if runs and runs == everything:
-                    runs = None
+            for number, runs in enumerate(group_runs):
+                whole = runs == [(0, unit.layout.shard_numel)]
+                runs = None if whole else runs
                 pieces.append(_Piece(number, runs, nn.Parameter(_pack(initial.float(), runs))))
             self.pieces.append(pieces)
         torch_groups = []
@@ -196,11 +202,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         if closure is not None or grad_multiplier is None:
             raise RuntimeError("call engine.step(), not optimizer.step(): the engine averages, "
                                "clips and unscales the sharded gradients before this update")
+        # One unit at a time: the packed gradients of one shard exist at once, not of all
+        # (torch skips parameters without a gradient, and their step counts stay put).
         for unit, pieces in zip(self.units, self.pieces, strict=True):
             for piece in pieces:
                 piece.master.grad = _pack(unit.grad_shard, piece.runs).mul_(grad_multiplier)
-        self.inner.step()
-        for unit, pieces in zip(self.units, self.pieces, strict=True):
+            self.inner.step()
             for piece in pieces:
                 piece.master.grad = None
                 _unpack_into(unit.shard, piece.master.detach(), piece.runs)
@@ -286,6 +293,18 @@ PartitionedAdamW = PartitionedOptimizer
 
 def _elementwise(value, master: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == master.shape
+
+
+def _complement(runs: list[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
+    """The offsets of [0, numel) outside ``runs`` (sorted, disjoint)."""
+    out, cursor = [], 0
+    for start, end in runs:
+        if start > cursor:
+            out.append((cursor, start))
+        cursor = max(cursor, end)
+    if cursor < numel:
+        out.append((cursor, numel))
+    return out
 
 
 def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
