@@ -240,7 +240,9 @@ def engine_from_config(
             optimizer = optimizer(OptimizerRecipe.groups_of(groups_given))
         recipe = OptimizerRecipe.from_optimizer(optimizer)
     else:
-        params = dict(cfg.optimizer.params) if cfg.optimizer is not None else {}
+        # No optimizer block: AdamW with the block's defaults (decay 0, not torch's 0.01).
+        params = (dict(cfg.optimizer.params) if cfg.optimizer is not None
+                  else {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
         params.update(optimizer_params or {})
         if "lr" not in params:
             raise ConfigError("no learning rate: add an optimizer block or pass optimizer_params")
