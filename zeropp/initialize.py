@@ -231,13 +231,13 @@ def engine_from_config(
     from zeropp.config import ConfigError
 
     zero = cfg.zero_optimization
-    groups_given = model_parameters if model_parameters is not None else model.parameters()
     if optimizer is not None:
         if cfg.optimizer is not None:  # DeepSpeed refuses the pair too
             raise ConfigError("an optimizer was passed to initialize and the config has an "
                               "optimizer block: keep one")
         if not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
-            optimizer = optimizer(OptimizerRecipe.groups_of(groups_given))
+            given = model_parameters if model_parameters is not None else model.parameters()
+            optimizer = optimizer(OptimizerRecipe.groups_of(given))
         recipe = OptimizerRecipe.from_optimizer(optimizer)
     else:
         # No optimizer block: AdamW with the block's defaults (decay 0, not torch's 0.01).
@@ -294,12 +294,6 @@ def add_config_arguments(parser):
     return parser
 
 
-def _any_auto(value) -> bool:
-    if isinstance(value, dict):
-        return any(_any_auto(item) for item in value.values())
-    return isinstance(value, str) and value == "auto"
-
-
 def _hidden_size(model: nn.Module) -> int | None:
     """The model's width, where a Hugging Face config or the model itself names it."""
     for owner in (getattr(model, "config", None), model):
@@ -348,7 +342,7 @@ def initialize(
     ``distributed_port``, ``dist_init_required`` and ``mesh_param`` are accepted and unused:
     the launcher's environment says where the process group is.
     """
-    from zeropp.config import ConfigError, EngineConfig, read_json_config, resolve_auto
+    from zeropp.config import ConfigError, EngineConfig, resolve_auto
 
     if isinstance(args, nn.Module) and model is None:  # initialize(model, ...) positionally
         args, model = None, args
@@ -363,9 +357,9 @@ def initialize(
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     init_distributed()
-    raw = read_json_config(config if config is not None else {})
-    if _any_auto(raw):
-        raw = resolve_auto(raw, world_size=dist.get_world_size(), hidden_size=_hidden_size(model))
+    # Hugging Face's "auto" placeholders filled (a config without them comes back equal).
+    raw = resolve_auto(config if config is not None else {}, world_size=dist.get_world_size(),
+                       hidden_size=_hidden_size(model))
     cfg = EngineConfig.from_mapping(raw)  # parsed once
     if cfg.train_batch_size is not None or cfg.train_micro_batch_size_per_gpu is not None:
         cfg = cfg.with_batch_resolved(dist.get_world_size())

@@ -34,14 +34,7 @@ import torch
 from torch import nn
 
 from zeropp.comm import all_reduce_sum
-from zeropp.flat_layout import ParamSlot
 from zeropp.unit import ShardedUnit
-
-
-def default_decay_rule(slot: ParamSlot) -> bool:
-    """Megatron's rule: weight decay on matrices, none on biases and LayerNorm parameters."""
-    return len(slot.shape) >= 2
-
 
 # Torch optimizers whose update of an element reads only that element's gradient and state:
 # stepping each rank's shard is then exactly stepping the whole model.
@@ -285,10 +278,6 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     @property
     def step_count(self) -> float:
         return self.scalar_state().get("step", 0.0)
-
-
-# The name the engine grew up with; the class now runs any element-wise torch optimizer.
-PartitionedAdamW = PartitionedOptimizer
 
 
 def _elementwise(value, master: torch.Tensor) -> bool:

@@ -23,7 +23,7 @@ order. The fp32 shard accumulates the results.
 With hpZ, a training forward keeps each block's secondary shard even when the block ran
 under ``no_grad`` (reentrant activation checkpointing), so its recompute gathers inside the
 node too.
-Step (``ZeroEngine.step``): at the accumulation boundary, ``PartitionedAdamW`` averages once,
+Step (``ZeroEngine.step``): at the accumulation boundary, ``PartitionedOptimizer`` averages once,
 clips, checks overflow, updates the fp32 shards and casts them into the working shards; then
 ``refresh_after_update`` drops every derived copy (gathered buffers, secondary shards) and
 re-gathers the units that stay whole.
