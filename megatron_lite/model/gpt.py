@@ -1,19 +1,29 @@
-"""Megatron-LM's GPT-2: pre-LayerNorm transformer with learned positions and a tied LM head.
+"""Megatron-LM's GPT: a pre-norm decoder-only transformer, GPT-2 or Llama style.
 
 Module tree (the sharding engine attaches its hooks to these modules, so the names are part
 of the interface):
 
     GPTModel
-      embedding: Embedding            word_embeddings (padded_vocab, h), position_embeddings
+      embedding: Embedding            word_embeddings (padded_vocab, h)
+                                      [position_embeddings (max_pos, h): learned positions]
       layers: ModuleList[TransformerLayer]
-        input_layernorm -> attention (query_key_value, dense) -> + residual
-        post_attention_layernorm -> mlp (dense_h_to_4h, gelu, dense_4h_to_h) -> + residual
+        input_layernorm -> attention (query_key_value, [rotary], sdpa, dense) -> + residual
+        post_attention_layernorm -> mlp (dense_h_to_4h, gelu | swiglu, dense_4h_to_h)
+                                                                          -> + residual
       final_layernorm
-    logits = final_layernorm(x) @ embedding.word_embeddings.weight.T
+      [output_layer (padded_vocab, h): untied LM head]
+    logits = final_layernorm(x) @ (output_layer or embedding.word_embeddings).weight.T
 
-The fused query_key_value projection produces [q | k | v], each h wide with the heads
-contiguous inside it: the layout of Hugging Face GPT-2's c_attn, so converting between the
-two is a transpose of the Conv1D weight and nothing else.
+GPTConfig's switches choose each part: learned positions or rotary (RoPE) applied to queries
+and keys; LayerNorm or RMSNorm (the modules keep Megatron's "layernorm" names either way);
+a GELU MLP or SwiGLU; multi-head or grouped-query attention; a tied or untied LM head; linears
+with or without biases. The defaults are GPT-2.
+
+The fused query_key_value projection produces [q | k | v]: nh*d query channels, then
+groups*d key and groups*d value channels, heads contiguous inside each. With GPT-2 shapes
+that is Hugging Face GPT-2's c_attn (the Conv1D weight transposed); with grouped queries it
+is Llama's q_proj, k_proj and v_proj stacked. SwiGLU's dense_h_to_4h is [gate | up], as in
+Megatron, so Llama's gate_proj and up_proj stack into it.
 
 Initial values are a pure function of (config.seed, parameter name): `initial_value` is what
 lets a sharded engine materialize only its own slice of a meta-device model and still get
@@ -38,78 +48,152 @@ from megatron_lite.model.config import GPTConfig
 # Output projections write into the residual stream once per layer, so Megatron (after GPT-2)
 # scales their init by 1/sqrt(2L) to keep the residual's variance independent of depth.
 SCALED_INIT_MODULES = ("attention.dense", "mlp.dense_4h_to_h")
+NORM_MODULES = (nn.LayerNorm, nn.RMSNorm)
+
+
+def build_norm(config: GPTConfig) -> nn.Module:
+    """LayerNorm (scale and bias) or RMSNorm (scale only), as config.normalization says."""
+    if config.normalization == "RMSNorm":
+        return nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
+    return nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+
+
+@dataclass(frozen=True)
+class RotaryTables:
+    """cos and sin of every (position, frequency) pair, each (B or 1, 1, T, rotary_dim)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def rotary_tables(position_ids: torch.Tensor, config: GPTConfig,
+                  dtype: torch.dtype) -> RotaryTables:
+    """RoPE's tables for `position_ids` (B or 1, T), computed in fp32 then cast to `dtype`.
+
+    Frequencies base^(-2i/rotary_dim) for i < rotary_dim/2, each used twice ([f | f], the
+    "rotate half" layout of Megatron-LM and Hugging Face Llama, not the interleaved one).
+    Positions beyond a few thousand lose precision in 16-bit angles, hence fp32 here.
+    """
+    rotary_dim = config.rotary_dim
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64,
+                             device=position_ids.device).float() / rotary_dim
+    inverse_frequencies = 1.0 / (config.rotary_base ** exponents)  # (rotary_dim/2,)
+    angles = position_ids.float()[..., None] * inverse_frequencies  # (B or 1, T, rotary_dim/2)
+    angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # (B or 1, 1, T, rotary_dim)
+    return RotaryTables(angles.cos().to(dtype), angles.sin().to(dtype))
+
+
+def apply_rotary(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
+    """Rotate the first rotary_dim channels of every head of x (B, heads, T, d)."""
+    rotary_dim = tables.cos.shape[-1]
+    rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+    first, second = rotated.chunk(2, dim=-1)
+    rotated_half = torch.cat((-second, first), dim=-1)
+    rotated = rotated * tables.cos + rotated_half * tables.sin
+    return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
 
 
 class Embedding(nn.Module):
-    """Token plus learned position embeddings, followed by dropout."""
+    """Token embeddings, plus learned position embeddings for GPT-2, then dropout."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings,
-                                                config.hidden_size)
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings,
+                                                    config.hidden_size)
         self.dropout_p = config.hidden_dropout
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        tokens = self.word_embeddings(input_ids)  # (B, T, C)
-        positions = self.position_embeddings(position_ids)  # (B or 1, T, C)
-        return F.dropout(tokens + positions, self.dropout_p, self.training)  # (B, T, C)
+        x = self.word_embeddings(input_ids)  # (B, T, C)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids)  # + (B or 1, T, C)
+        return F.dropout(x, self.dropout_p, self.training)  # (B, T, C)
 
 
 class SelfAttention(nn.Module):
-    """Causal multi-head self-attention with one fused QKV projection."""
+    """Causal self-attention with one fused QKV projection, multi-head or grouped-query.
+
+    nh query heads share groups = num_key_value_heads key/value heads, nh/groups each (query
+    head i reads group i // (nh/groups)). Scores go through scaled_dot_product_attention,
+    which runs flash attention on the GPU.
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
+        self.num_groups = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.dropout_p = config.attention_dropout
-        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.recompute_core = config.recompute_attention
+        self.query_key_value = nn.Linear(config.hidden_size, config.qkv_size,
+                                         bias=config.add_bias_linear)
+        self.dense = nn.Linear(self.num_heads * self.head_dim, config.hidden_size,
+                               bias=config.add_bias_linear)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        qkv = self.query_key_value(x)  # (B, T, 3*C)
-        q, k, v = qkv.split(C, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        dropout_p = self.dropout_p if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+    def forward(self, x: torch.Tensor, rotary: RotaryTables | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        nh, ng, d = self.num_heads, self.num_groups, self.head_dim
+        qkv = self.query_key_value(x)  # (B, T, (nh + 2*ng)*d)
+        q, k, v = qkv.split((nh * d, ng * d, ng * d), dim=2)
+        q = q.view(B, T, nh, d).transpose(1, 2)  # (B, nh, T, d)
+        k = k.view(B, T, ng, d).transpose(1, 2)  # (B, ng, T, d)
+        v = v.view(B, T, ng, d).transpose(1, 2)  # (B, ng, T, d)
+        if rotary is not None:
+            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            # Selective recomputation: the s x s scores, softmax and dropout mask are the
+            # largest activations of a layer and the cheapest to redo (Korthikanti et al.).
+            y = checkpoint(self._core_attention, q, k, v, use_reentrant=False)
+        else:
+            y = self._core_attention(q, k, v)  # (B, nh, T, d)
+        y = y.transpose(1, 2).reshape(B, T, nh * d)  # (B, T, nh*d)
         return self.dense(y)  # (B, T, C)
+
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor) -> torch.Tensor:
+        dropout_p = self.dropout_p if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                              enable_gqa=self.num_groups != self.num_heads)
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward block with GPT-2's tanh-approximated GELU."""
+    """Position-wise feed-forward block: GPT-2's tanh-approximated GELU, or SwiGLU."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         assert config.ffn_hidden_size is not None  # filled in by GPTConfig.__post_init__
-        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.ffn_hidden_size)
-        self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size)
+        self.swiglu = config.swiglu
+        inner = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
+        self.dense_h_to_4h = nn.Linear(config.hidden_size, inner, bias=config.add_bias_linear)
+        self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size,
+                                       bias=config.add_bias_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.dense_h_to_4h(x)  # (B, T, F)
-        # tanh approximation: bit-compatible with HF GPT-2's "gelu_new" checkpoints
-        x = F.gelu(x, approximate="tanh")
+        x = self.dense_h_to_4h(x)  # (B, T, F) or, for SwiGLU, (B, T, 2F)
+        if self.swiglu:
+            gate, up = x.chunk(2, dim=-1)  # 2 x (B, T, F)
+            x = F.silu(gate) * up
+        else:
+            # tanh approximation: bit-compatible with HF GPT-2's "gelu_new" checkpoints
+            x = F.gelu(x, approximate="tanh")
         return self.dense_4h_to_h(x)  # (B, T, C)
 
 
 class TransformerLayer(nn.Module):
-    """Pre-LN block: x + drop(attn(ln(x))), then x + drop(mlp(ln(x)))."""
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.input_layernorm = build_norm(config)
         self.attention = SelfAttention(config)
-        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size,
-                                                     eps=config.layernorm_epsilon)
+        self.post_attention_layernorm = build_norm(config)
         self.mlp = MLP(config)
         self.dropout_p = config.hidden_dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        attention_out = self.attention(self.input_layernorm(x))  # (B, T, C)
+    def forward(self, x: torch.Tensor, rotary: RotaryTables | None = None) -> torch.Tensor:
+        attention_out = self.attention(self.input_layernorm(x), rotary)  # (B, T, C)
         x = x + F.dropout(attention_out, self.dropout_p, self.training)
         mlp_out = self.mlp(self.post_attention_layernorm(x))  # (B, T, C)
         return x + F.dropout(mlp_out, self.dropout_p, self.training)  # (B, T, C)
@@ -125,7 +209,7 @@ class _InitRule:
 
 
 class GPTModel(nn.Module):
-    """GPT-2 language model; forward maps token ids (B, T) to logits (B, T, padded_vocab).
+    """GPT language model; forward maps token ids (B, T) to logits (B, T, padded_vocab).
 
     Built on a real device it is initialized at once; built under `torch.device("meta")`
     it allocates nothing, and `to_empty(device=...)` followed by `init_weights()` gives the
@@ -137,7 +221,11 @@ class GPTModel(nn.Module):
         self.config = config
         self.embedding = Embedding(config)
         self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(config.num_layers))
-        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.final_layernorm = build_norm(config)
+        self.output_layer = None
+        if config.untie_embeddings_and_output_weights:
+            self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size,
+                                          bias=False)
         # Recorded now, while every parameter still has its full shape: a sharding engine may
         # later swap parameters for flat shards, and initial values must not change with it.
         self._init_rules = {name: self._init_rule(name, param)
@@ -152,8 +240,13 @@ class GPTModel(nn.Module):
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         position_ids = self._checked_positions(input_ids, position_ids)  # (B or 1, T)
         x = self.embedding(input_ids, position_ids)  # (B, T, C)
-        x = self._run_layers(x)  # (B, T, C)
+        rotary = None
+        if self.config.position_embedding_type == "rope":
+            rotary = rotary_tables(position_ids, self.config, x.dtype)
+        x = self._run_layers(x, rotary)  # (B, T, C)
         x = self.final_layernorm(x)  # (B, T, C)
+        if self.output_layer is not None:
+            return self.output_layer(x)  # (B, T, padded_vocab)
         # Tied LM head: the output projection is the token embedding table itself.
         return F.linear(x, self.embedding.word_embeddings.weight)  # (B, T, padded_vocab)
 
@@ -177,20 +270,28 @@ class GPTModel(nn.Module):
                              f"(1, {seq_length}), got {tuple(position_ids.shape)}")
         return position_ids
 
-    def _run_layers(self, x: torch.Tensor) -> torch.Tensor:
+    def _run_layers(self, x: torch.Tensor, rotary: RotaryTables | None) -> torch.Tensor:
         recompute = (self.config.checkpoint_activations and self.training
                      and torch.is_grad_enabled())
         if not recompute:
-            return _forward_layers(self.layers, x)
+            return _forward_layers(self.layers, x, rotary)
         chunk_size = self.config.checkpoint_num_layers
-        for start in range(0, len(self.layers), chunk_size):
-            chunk = self.layers[start:start + chunk_size]
+        if self.config.recompute_method == "block":
+            # Megatron's "block": each of the first N layers is checkpointed on its own, the
+            # rest keep their activations (use the memory that is left, recompute no more).
+            chunks = [self.layers[i:i + 1] for i in range(min(chunk_size, len(self.layers)))]
+            rest = self.layers[len(chunks):]
+        else:
+            chunks = [self.layers[start:start + chunk_size]
+                      for start in range(0, len(self.layers), chunk_size)]
+            rest = self.layers[:0]
+        for chunk in chunks:
             # early_stop=False: the recompute must run every layer of the chunk to its end so
             # that each layer's forward hooks fire again (the sharding engine re-gathers and
             # releases weights from them); early stopping would cut the last layer short.
-            x = checkpoint(functools.partial(_forward_layers, chunk), x,
+            x = checkpoint(functools.partial(_forward_layers, chunk), x, rotary,
                            use_reentrant=False, early_stop=False)
-        return x
+        return _forward_layers(rest, x, rotary)
 
     # ----------------------------------------------------------------------------------
     # initialization
@@ -234,7 +335,7 @@ class GPTModel(nn.Module):
         module = self.get_submodule(module_name)
         shape = tuple(param.shape)
         std = self.config.init_method_std
-        if isinstance(module, nn.LayerNorm):
+        if isinstance(module, NORM_MODULES):
             return _InitRule(shape, constant=1.0 if kind == "weight" else 0.0)
         if isinstance(module, nn.Embedding):
             return _InitRule(shape, std=std)
@@ -274,10 +375,11 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor)
     return (token_losses * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def _forward_layers(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+def _forward_layers(layers: Sequence[nn.Module], x: torch.Tensor,
+                    rotary: RotaryTables | None = None) -> torch.Tensor:
     # layer(x), not layer.forward(x): module hooks must fire, also when recomputing.
     for layer in layers:
-        x = layer(x)
+        x = layer(x, rotary)
     return x
 
 
