@@ -15,7 +15,13 @@ configured ZeRO++ side by side.
 
 [Note: activation memory]
 Megatron's estimate (Korthikanti et al., 2022) for one layer without recomputation is
-s*b*h*(34 + 5*a*s/h) bytes with 16-bit activations. With ``--checkpoint-activations`` only
+s*b*h*(34 + 5*a*s/h) bytes with 16-bit activations: 11sbh + 5as^2b in attention, 19sbh in the
+MLP, 4sbh in the two norms. ``layer_activation_bytes`` keeps that accounting term by term
+for any shape (grouped-query keys and values are narrower, SwiGLU keeps its gate, its up
+projection and their product, the MLP's width is F rather than 4h), so for GPT-2 shapes it
+is exactly Megatron's formula. Selective recomputation (``--recompute-granularity
+selective``) drops the 5as^2b of scores, softmax and dropout mask. With full recomputation
+(``--checkpoint-activations``) only
 each checkpointed chunk's input (2*s*b*h bytes) stays for the whole backward, plus one
 chunk's full activations while it is recomputed. The logits add s*b*V*(d + 8) bytes: the
 d-byte logits, their fp32 copy and the fp32 log-softmax kept by the fp32 loss. With fp32
@@ -161,9 +167,28 @@ def tokenizer_vocab_size(args: argparse.Namespace) -> int:
 
 
 def layer_activation_bytes(config: GPTConfig, seq_length: int, micro_batch: int) -> int:
-    """Megatron's s*b*h*(34 + 5*a*s/h) bytes for one layer, 16-bit, no recomputation."""
+    """One layer's activations kept for backward, 16-bit, without full recomputation:
+    Megatron's s*b*h*(34 + 5*a*s/h) for GPT-2 shapes (see [Note: activation memory])."""
     s, b, h, a = seq_length, micro_batch, config.hidden_size, config.num_attention_heads
-    return s * b * (34 * h + 5 * a * s)
+    queries = a * config.head_dim  # channels of the queries, and of the attention's output
+    keys = config.num_key_value_heads * config.head_dim  # of the keys, and of the values
+    f = config.ffn_hidden_size
+    assert f is not None  # filled in by GPTConfig.__post_init__
+    norms = 2 * 2 * h  # each norm's input
+    # QKV input, queries and keys (for the scores), values, the output projection's input,
+    # the residual dropout mask (1 byte per element)
+    attention = 2 * h + 2 * (queries + keys) + 2 * keys + 2 * queries + h
+    if not config.recompute_attention:
+        attention_scores = 5 * a * s  # softmax output, dropout mask, dropout output
+    else:
+        attention_scores = 0
+    if config.swiglu:
+        # input, gate and up (2F wide), silu(gate), their product (the down projection's input),
+        # the residual dropout mask
+        mlp = 2 * h + 2 * 2 * f + 2 * f + 2 * f + h
+    else:
+        mlp = 2 * h + 2 * f + 2 * f + h  # input, GELU input, GELU output, dropout mask
+    return s * b * (norms + attention + mlp + attention_scores)
 
 
 def plan_activations(config: GPTConfig, seq_length: int, micro_batch: int,
@@ -173,11 +198,17 @@ def plan_activations(config: GPTConfig, seq_length: int, micro_batch: int,
     logits = seq_length * micro_batch * config.padded_vocab_size * (dtype_bytes + 8)
     if not config.checkpoint_activations:
         return ActivationPlan(int(config.num_layers * per_layer * scale), 0, logits)
+    layer_input = ACTIVATION_REFERENCE_BYTES * seq_length * micro_batch * config.hidden_size
+    if config.recompute_method == "block":
+        # the first N layers keep only their inputs, one at a time recomputed; the rest all
+        recomputed_layers = min(config.checkpoint_num_layers, config.num_layers)
+        kept = (recomputed_layers * layer_input
+                + (config.num_layers - recomputed_layers) * per_layer)
+        return ActivationPlan(int(kept * scale), int(per_layer * scale), logits)
     chunk = min(config.checkpoint_num_layers, config.num_layers)
     chunks = math.ceil(config.num_layers / chunk)
-    tokens = seq_length * micro_batch
-    chunk_inputs = chunks * ACTIVATION_REFERENCE_BYTES * tokens * config.hidden_size
-    return ActivationPlan(int(chunk_inputs * scale), int(chunk * per_layer * scale), logits)
+    return ActivationPlan(int(chunks * layer_input * scale), int(chunk * per_layer * scale),
+                          logits)
 
 
 def build_report(args: argparse.Namespace) -> DryRunReport:

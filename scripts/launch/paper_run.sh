@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# One of the ZeRO++ paper's runs on DGX-2 style nodes (16 GPUs each), ZeRO-3 or ZeRO++:
+# One of the ZeRO++ paper's runs on DGX-2 style nodes (16 GPUs each), ZeRO-3 or ZeRO++, or
+# the same run for a Llama-style model:
 #
 #   scripts/launch/paper_run.sh MODEL NODES SYSTEM TOKENS_PER_GPU [extra flags...]
 #
 #   MODEL           18b | 49b | 91b | 138b    -> configs/models/gpt_MODEL.args
+#                   llama2_7b | llama3_8b | llama2_70b | llama_cpu_small
+#                                             -> configs/models/MODEL.args
 #   NODES           1 | 2 | 4 | 8 | 16 | 24   -> configs/hostfiles/dgx2_NODESnodes
 #   SYSTEM          zero3 | zeropp            -> configs/ds_zero3_config.json | ds_zeropp_config.json
-#   TOKENS_PER_GPU  1K | 2K (or 1024, 2048)   -> micro batch = tokens / seq length (2 or 4 at 512)
+#   TOKENS_PER_GPU  1K | 2K (or 1024, 2048)   -> micro batch = tokens / seq length (2 or 4 at 512;
+#                   a multiple of the model's seq length: 4K or 8K for the Llama shapes)
 #   extra flags     appended last, so they override the configs (e.g. --train-iters 1000)
 #
 # Environment:
@@ -17,6 +21,8 @@
 #   GPUS_PER_NODE    default 16; with another value give a DS_CONFIG whose
 #                    zero_hpz_partition_size divides it
 #   DS_CONFIG        another DeepSpeed config for SYSTEM
+#   TRAINING_ARGS    the shared training flags (default configs/models/paper_training.args,
+#                    configs/models/llama_training.args for the llama* models)
 #   DATA_PATH        indexed dataset prefix (default cache/data/pile_text_document)
 #   RUN_DIR          where metrics files go (default cache/runs/paper)
 #   DEEPSPEED, PYTHON  the launcher and the interpreter (default: .venv's when present)
@@ -25,7 +31,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
 usage() {
   echo "usage: $0 MODEL NODES SYSTEM TOKENS_PER_GPU [extra flags...]" >&2
-  echo "  MODEL 18b|49b|91b|138b, NODES 1|2|4|8|16|24, SYSTEM zero3|zeropp, TOKENS_PER_GPU 1K|2K" >&2
+  echo "  MODEL 18b|49b|91b|138b|llama2_7b|llama3_8b|llama2_70b, NODES 1|2|4|8|16|24," >&2
+  echo "  SYSTEM zero3|zeropp, TOKENS_PER_GPU 1K|2K (a multiple of the model's seq length)" >&2
   exit 2
 }
 die() {
@@ -56,8 +63,15 @@ flag_value() {  # the value after FLAG in the FLAGS collected so far (the last o
   echo "$value"
 }
 
-MODEL_FILE="$ROOT/configs/models/gpt_${MODEL}.args"
-[ -f "$MODEL_FILE" ] || die "unknown MODEL '$MODEL': no $MODEL_FILE (try 18b, 49b, 91b, 138b)"
+case "$MODEL" in
+  llama*) MODEL_NAME="$MODEL"
+          TRAINING_ARGS="${TRAINING_ARGS:-$ROOT/configs/models/llama_training.args}" ;;
+  *) MODEL_NAME="gpt_$MODEL"
+     TRAINING_ARGS="${TRAINING_ARGS:-$ROOT/configs/models/paper_training.args}" ;;
+esac
+MODEL_FILE="$ROOT/configs/models/${MODEL_NAME}.args"
+[ -f "$MODEL_FILE" ] \
+  || die "unknown MODEL '$MODEL': no $MODEL_FILE (try 18b, 49b, 91b, 138b, llama2_7b, llama3_8b, llama2_70b)"
 [[ "$NODES" =~ ^[1-9][0-9]*$ ]] || die "NODES must be a positive integer, got '$NODES'"
 HOSTFILE="${HOSTFILE:-$ROOT/configs/hostfiles/dgx2_${NODES}nodes}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-16}"
@@ -79,10 +93,10 @@ read_args_file "$MODEL_FILE"
 SEQ_LENGTH="$(flag_value --seq-length)"
 (( TOKENS_NUMBER % SEQ_LENGTH == 0 )) \
   || die "TOKENS_PER_GPU $TOKENS_NUMBER is not a multiple of the seq length $SEQ_LENGTH of $MODEL_FILE"
-read_args_file "$ROOT/configs/models/paper_training.args"
+read_args_file "$TRAINING_ARGS"
 DATA_PATH="${DATA_PATH:-$ROOT/cache/data/pile_text_document}"
 RUN_DIR="${RUN_DIR:-$ROOT/cache/runs/paper}"
-RUN_NAME="gpt_${MODEL}_${NODES}x${GPUS_PER_NODE}_${SYSTEM}_${TOKENS_NUMBER}tokens"
+RUN_NAME="${MODEL_NAME}_${NODES}x${GPUS_PER_NODE}_${SYSTEM}_${TOKENS_NUMBER}tokens"
 FLAGS+=(--micro-batch-size "$((TOKENS_NUMBER / SEQ_LENGTH))"
         --deepspeed --deepspeed_config "$DS_CONFIG"
         --data-path "$DATA_PATH"
