@@ -166,3 +166,63 @@ def test_cpu_cluster_script_explains_how_to_build_missing_data(tmp_path):
                         DATA_PATH=str(tmp_path / "missing"))
     assert result.returncode == 1
     assert "scripts/quickstart.sh" in result.stderr and "data.preprocess" in result.stderr
+
+
+# ---- Llama-style models ------------------------------------------------------------------
+
+LLAMA_MODELS = {  # file: (parameters with GPT-2's vocabulary, with the model's own, its vocab)
+    "llama2_7b": (6_888_361_984, 6_738_415_616, 32000),
+    "llama3_8b": (7_391_678_464, 8_030_261_248, 128256),
+    "llama2_70b": (69_276_540_928, 68_976_648_192, 32000),
+    "llama_cpu_small": (13_567_104, None, None),
+}
+
+
+@pytest.mark.parametrize("model", LLAMA_MODELS)
+def test_llama_model_files_give_the_documented_shape_and_counts(model):
+    from megatron_lite.arguments import gpt_config_from_args
+
+    path = ROOT / "configs" / "models" / f"{model}.args"
+    args = parse_args(args_file_flags(path) + ["--micro-batch-size", "1", "--dry-run"])
+    validate_args(args, 1)
+    with_gpt2_vocab, with_own_vocab, own_vocab = LLAMA_MODELS[model]
+    config = gpt_config_from_args(args, GPT2_VOCAB)
+    assert (config.position_embedding_type, config.normalization) == ("rope", "RMSNorm")
+    assert config.swiglu and config.untie_embeddings_and_output_weights
+    assert not config.add_bias_linear
+    text = path.read_text()
+    counts = [int(n.replace(",", "")) for n in re.findall(r"\d{1,3}(?:,\d{3})+", text)]
+    assert config.num_parameters() == with_gpt2_vocab and with_gpt2_vocab in counts
+    if own_vocab is not None:
+        # Hugging Face's published sizes: Llama 2 7B 6.74B, Llama 3 8B 8.03B, Llama 2 70B 68.98B
+        assert gpt_config_from_args(args, own_vocab).num_parameters() == with_own_vocab
+        assert with_own_vocab in counts
+
+
+@pytest.mark.parametrize("model,nodes,system,tokens", [
+    ("llama2_7b", 2, "zero3", "4K"), ("llama3_8b", 4, "zeropp", "8K"),
+    ("llama2_70b", 16, "zeropp", "4K")])
+def test_llama_wrappers_produce_an_accepted_command_line(model, nodes, system, tokens):
+    entry = str(ROOT / "pretrain_zeropp_gpt.py")
+    argv = shlex.split(run_script(LAUNCH / f"{model}.sh", str(nodes), system, tokens,
+                                  PRINT_ONLY="1").stdout)
+    program = argv[argv.index(entry) + 1:]
+    model_flags = args_file_flags(ROOT / "configs" / "models" / f"{model}.args")
+    common = args_file_flags(ROOT / "configs" / "models" / "llama_training.args")
+    assert program[:len(model_flags) + len(common)] == model_flags + common
+    args = parse_args(program)
+    reconcile_with_ds_config(args, read_json_config(args.deepspeed_config))
+    validate_args(args, nodes * 16)
+    assert args.micro_batch_size * args.seq_length == 1024 * int(tokens[0])
+    assert args.bf16 and args.recompute_attention and not args.checkpoint_activations
+    assert flag_value(program, "--metrics-file").endswith(
+        f"{model}_{nodes}x16_{system}_{1024 * int(tokens[0])}tokens.jsonl")
+
+
+def test_llama_dry_run_plans_the_cluster():
+    out = run_script(LAUNCH / "llama3_8b.sh", "4", "zeropp", "8K", "--no-dry-run-simulate",
+                     DRY_RUN="1").stdout
+    assert "number of parameters: 7,391,678,464 (7.39B)" in out  # GPT-2's vocabulary
+    assert "4 node(s) x 16 GPUs = 64 GPUs" in out
+    assert "micro batch 1 x seq 8192" in out and "bfloat16 compute" in out
+    assert "ZeRO++: qwZ int8, hpZ 16, qgZ int4" in out

@@ -71,6 +71,33 @@ def test_1p3b_on_2x8_follows_nccl_rules_and_the_plan(tmp_path, system):
     assert abs(planned / cluster.peak_bytes - 1) < 0.10
 
 
+# A Llama-style 0.93B (TinyLlama's width and groups, 16 layers): rotary positions, RMSNorm,
+# SwiGLU, 16 query heads over 4 key/value groups, untied output layer, no biases; bf16.
+LLAMA_1B = ("--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --group-query-attention "
+            "--num-query-groups 4 --ffn-hidden-size 5632 --seq-length 2048 "
+            "--max-position-embeddings 2048 --position-embedding-type rope --normalization RMSNorm "
+            "--swiglu --untie-embeddings-and-output-weights --disable-bias-linear "
+            "--micro-batch-size 1 --global-batch-size 16 --lr 1e-4 --bf16 "
+            "--recompute-granularity full --recompute-method uniform").split()
+
+
+def test_llama_style_on_2x8_follows_nccl_rules_and_the_plan(tmp_path):
+    argv = LLAMA_1B + ["--deepspeed_config", ds_config(tmp_path, zero_hpz_partition_size=8)]
+    cluster = simulate_cluster(argv, nodes=2, gpus_per_node=8)
+    for rank in (cluster.first, cluster.last):
+        assert rank.violations == []
+        assert functions(rank.host_syncs_per_iteration) == dict.fromkeys(ALLOWED_SYNCS, 1)
+    assert cluster.order_mismatches == []
+    world = tuple(range(16))
+    node_ops = {record.op for key, records in cluster.first.order.items() if key != world
+                for record in records}
+    assert node_ops == {"all_gather_single", "all_to_all_single"}
+    report = build_report(parse_args(argv + ["--dry-run", "--dry-run-nodes", "2",
+                                              "--dry-run-gpus-per-node", "8"]))
+    assert report.num_parameters == 927_533_056
+    assert abs(report.total_bytes(report.plans[1]) / cluster.peak_bytes - 1) < 0.10
+
+
 def test_memory_of_gradients_in_flight_does_not_grow_with_depth():
     def gradients_in_flight(layers: int) -> int:
         argv = [a.format(layers=layers) for a in SMALL] + [
