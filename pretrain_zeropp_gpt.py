@@ -47,7 +47,7 @@ from megatron_lite.checkpointing import (
     plain_arguments,
 )
 from megatron_lite.dry_run import describe_count, run_dry_run
-from megatron_lite.ds_config import engine_config, read_ds_config
+from megatron_lite.ds_config import engine_config, optimizer_params, read_ds_config
 from megatron_lite.metrics import MetricsWriter
 from megatron_lite.model import GPTModel, lm_loss
 from megatron_lite.training import (
@@ -73,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         # A process group that exists already (an embedding program, the simulated GPU
         # cluster) belongs to the caller: used, not destroyed.
         owns_process_group = not dist.is_initialized()
-        zeropp.init_distributed(timeout_s=args.distributed_timeout_minutes * 60)
+        backend, why = choose_backend(args.distributed_backend)
+        zeropp.init_distributed(backend=backend, timeout_s=args.distributed_timeout_minutes * 60)
+        if why and owns_process_group:
+            print_rank_0(f"> distributed backend: {backend} ({why})")
         training = build_training(args)
         print_run_description(args, training.model, training.engine.topology.describe())
     except USAGE_ERRORS as error:
@@ -132,7 +135,8 @@ def build_training(args: argparse.Namespace) -> Training:
     # One seed for every rank, as Megatron seeds its data-parallel ranks.
     torch.manual_seed(args.seed)
     tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
-                                merge_file=args.merge_file, tokenizer_model=args.tokenizer_model)
+                                merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                                vocab_size=args.vocab_size)
     train_loader, valid_loader = build_loader_factories(args, rank, world_size,
                                                         tokenizer.vocab_size)
     model = build_meta_model(args, tokenizer.vocab_size)
@@ -143,6 +147,27 @@ def build_training(args: argparse.Namespace) -> Training:
     return Training(args, model, engine, scheduler, train_loader, valid_loader,
                     RunControl(CheckpointConfig.from_args(args), engine, scheduler, model.config,
                                run_arguments=plain_arguments(args)))
+
+
+def choose_backend(requested: str | None) -> tuple[str | None, str | None]:
+    """(backend to use, why it is not the one asked for, or None).
+
+    ``None`` asked: the engine's choice (NCCL with CUDA, else gloo). A backend this machine
+    cannot use gives way to one that works, so a launch script written for GPUs runs
+    unchanged on a CPU machine; gloo asked on a GPU machine is honoured (this engine then
+    trains on the CPU, as gloo collectives are CPU collectives here).
+    """
+    if requested is None:
+        return None, None
+    fallback = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if requested == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return fallback, "--distributed-backend nccl needs CUDA, which this machine lacks"
+    if requested == "ccl" and not dist.is_backend_available("ccl"):
+        return fallback, ("--distributed-backend ccl needs oneCCL's torch bindings "
+                          "(oneccl_bindings_for_pytorch), which are not loaded")
+    if requested == "gloo" and torch.cuda.is_available():
+        return "gloo", "as --distributed-backend asks: this engine then trains on the CPU"
+    return requested, None
 
 
 def fail(error: Exception, status: int, destroy: bool) -> int:
@@ -215,14 +240,37 @@ def build_loader_factories(
 
 def build_engine(args: argparse.Namespace, model: GPTModel,
                  ds_config: EngineConfig) -> zeropp.ZeroEngine:
+    config = engine_config(args, ds_config)
     return zeropp.engine_from_config(
         model,
-        engine_config(args, ds_config),
+        config,
         ranks_per_node=args.ranks_per_node,
         param_init_fn=model.initial_value,
-        optimizer_params={"lr": args.lr, "betas": (args.adam_beta1, args.adam_beta2),
-                          "eps": args.adam_eps, "weight_decay": args.weight_decay},
+        optimizer_params=optimizer_params(args, config.optimizer.type),
+        model_parameters=parameter_groups(args, model),
     )
+
+
+def parameter_groups(args: argparse.Namespace, model: GPTModel) -> list[dict] | None:
+    """None (the engine's Megatron groups: weight decay on matrices only), or with
+    --decoupled-lr those groups plus Megatron-LM's third: the input embedding and output layer
+    weights, decayed, with their own peak and final lr (the schedule reads max_lr/min_lr)."""
+    if args.decoupled_lr is None:
+        return None
+    own_lr = {id(model.embedding.word_embeddings.weight)}
+    if model.output_layer is not None:
+        own_lr.add(id(model.output_layer.weight))
+    decay, no_decay, embedding_and_output = [], [], []
+    for param in model.parameters():
+        if id(param) in own_lr:
+            embedding_and_output.append(param)
+        else:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    floor = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+    return [{"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+            {"params": embedding_and_output, "weight_decay": args.weight_decay,
+             "lr": args.decoupled_lr, "max_lr": args.decoupled_lr, "min_lr": floor}]
 
 
 def print_run_description(args: argparse.Namespace, model: GPTModel, topology: str) -> None:
@@ -231,6 +279,7 @@ def print_run_description(args: argparse.Namespace, model: GPTModel, topology: s
                  f"{args.num_layers} layers, hidden {args.hidden_size}, "
                  f"{args.num_attention_heads} heads, seq {args.seq_length}, vocab "
                  f"{config.vocab_size} (padded {config.padded_vocab_size})")
+    print_rank_0(f"> architecture: {describe_architecture(config)}")
     print_rank_0(f"> topology: {topology}")
     dtype = str(args.params_dtype).removeprefix("torch.")
     print_rank_0(f"> dtype {dtype} | micro batch {args.micro_batch_size} | global batch "
@@ -239,13 +288,32 @@ def print_run_description(args: argparse.Namespace, model: GPTModel, topology: s
                  f"train iters {args.train_iters}")
 
 
+def describe_architecture(config) -> str:
+    """The switches the command line resolved, so a launch script's flags can be checked:
+    'rope (base 10000), RMSNorm, SwiGLU MLP 128, 2 key/value groups, ...'."""
+    positions = config.position_embedding_type
+    if positions == "rope":
+        positions = f"rope (base {config.rotary_base:g}, {config.rotary_percent:.0%} of channels)"
+    mlp = f"{'SwiGLU' if config.swiglu else 'GELU'} MLP {config.ffn_hidden_size}"
+    attention = f"{config.num_key_value_heads} key/value heads of {config.head_dim} channels"
+    head = "untied output layer" if config.untie_embeddings_and_output_weights \
+        else "output layer tied to the embedding"
+    bias = "linear biases" if config.add_bias_linear else "no linear biases"
+    recompute = "full recomputation " + (f"({config.recompute_method}, "
+                                         f"{config.checkpoint_num_layers} layers)") \
+        if config.checkpoint_activations else \
+        "selective recomputation" if config.recompute_attention else "no recomputation"
+    return (f"positions {positions}, {config.normalization}, {mlp}, {attention}, {head}, "
+            f"{bias}, {recompute}")
+
+
 def report(summary: TrainingSummary) -> None:
     # The last rank prints the training log; printing here too keeps the lines in order.
     if dist.get_rank() != dist.get_world_size() - 1:
         return
     if summary.final_valid_loss is None:
-        print("no validation loss: --split gives validation no weight or --eval-iters is 0",
-              flush=True)
+        why = summary.stop_reason or "--split gives validation no weight or --eval-iters is 0"
+        print(f"no validation loss: {why}", flush=True)
         return
     loss = summary.final_valid_loss
     print(f"final validation loss: {loss:.4f} | ppl: {perplexity(loss):.1f}", flush=True)

@@ -293,7 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="skip and count unreadable lines instead of stopping at the first")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", default=DEFAULT_TOKENIZER_TYPE,
-                       help="GPT2BPETokenizer, SentencePieceTokenizer or HFTokenizer")
+                       help="GPT2BPETokenizer, SentencePieceTokenizer, "
+                       "GPTSentencePieceTokenizer, Llama2Tokenizer (BOS before every document) "
+                       "or HFTokenizer")
     group.add_argument("--vocab-file", help="GPT-2 encoder.json (default: the built-in GPT-2)")
     group.add_argument("--merge-file", help="GPT-2 vocab.bpe (default: the built-in GPT-2)")
     group.add_argument("--tokenizer-model",

@@ -1,19 +1,25 @@
 """Tokenizers with Megatron's names and contract: text in, token ids out, one end-of-document id.
 
-Three families, selected by ``build_tokenizer(tokenizer_type, ...)`` exactly as Megatron's
+Selected by ``build_tokenizer(tokenizer_type, ...)`` exactly as Megatron's
 ``--tokenizer-type`` selects them:
 
 - ``GPT2BPETokenizer``: OpenAI's byte-level BPE read from Megatron's ``--vocab-file``
   (encoder.json / vocab.json) and ``--merge-file`` (vocab.bpe / merges.txt). Encoding runs in
   tiktoken's Rust BPE, built from those two files, so preprocessing the Pile is fast.
-- ``SentencePieceTokenizer``: a SentencePiece model file (``--tokenizer-model``).
+- ``SentencePieceTokenizer`` and Megatron's ``GPTSentencePieceTokenizer``: a SentencePiece
+  model file (``--tokenizer-model``); eod is the model's EOS.
+- ``Llama2Tokenizer``: the same model file, and BOS before every tokenized text, as
+  Megatron's ``_Llama2Tokenizer.tokenize`` does by default (Llama's data layout: each
+  document reads ``<s> ... </s>`` once preprocessing appends eod).
 - ``HFTokenizer`` (alias ``HuggingFaceTokenizer``): a tokenizer directory saved by
   ``transformers``; read offline only.
+- ``NullTokenizer``: Megatron-LM's tokenizer for mock data and benchmarks: the text is
+  whitespace-separated integer ids; ``--vocab-size`` ids, the last one eod.
 
 Contract shared by all of them (the preprocessing step relies on it):
 
-- ``tokenize(text)`` returns only the ids of the text. It never adds BOS/EOS; the
-  preprocessing step appends ``eod`` after each document.
+- ``tokenize(text)`` returns only the ids of the text (``Llama2Tokenizer``: BOS, then those
+  ids). It never adds EOS; the preprocessing step appends ``eod`` after each document.
 - Special-token strings that occur inside document text (``<|endoftext|>``, ``</s>``) are
   encoded as ordinary text, never as the special id. Web text quotes these strings; mapping
   them to the control id would split one document into two and let any author of a training
@@ -52,6 +58,9 @@ TOKENIZER_TYPE_ALIASES = {
     "SentencePieceTokenizer": "SentencePieceTokenizer",
     "HFTokenizer": "HFTokenizer",
     "HuggingFaceTokenizer": "HFTokenizer",
+    "GPTSentencePieceTokenizer": "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer": "Llama2Tokenizer",
+    "NullTokenizer": "NullTokenizer",
 }
 
 
@@ -343,6 +352,70 @@ class SentencePieceTokenizer(Tokenizer):
         return self._processor.decode(list(ids))
 
 
+class GPTSentencePieceTokenizer(SentencePieceTokenizer):
+    """Megatron's GPTSentencePieceTokenizer: SentencePiece ids only, eod = the model's EOS."""
+
+    def __init__(self, model_file: str | Path) -> None:
+        super().__init__(model_file)
+        self.name = "GPTSentencePieceTokenizer"
+        if self._processor.eos_id() < 0:  # Megatron reads eod from eos_id() alone
+            raise ValueError(f"SentencePiece model {model_file} defines no EOS id to use as eod")
+
+
+class Llama2Tokenizer(GPTSentencePieceTokenizer):
+    """Megatron's Llama2Tokenizer: BOS, then the SentencePiece ids of the text (Megatron's
+    ``tokenize(s, bos=True, eos=False)``); eod = the model's EOS, appended by preprocessing."""
+
+    def __init__(self, model_file: str | Path) -> None:
+        super().__init__(model_file)
+        self.name = "Llama2Tokenizer"
+        self.bos = self._processor.bos_id()
+        if self.bos < 0:
+            raise ValueError(f"SentencePiece model {model_file} defines no BOS id, which "
+                             "Llama2Tokenizer puts before every text")
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self.bos, *super().tokenize(text)]
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return [[self.bos, *ids] for ids in super().tokenize_batch(texts)]
+
+
+class NullTokenizer(Tokenizer):
+    """Megatron-LM's NullTokenizer: ids 0..vocab_size-1 written as whitespace-separated
+    integers, eod = vocab_size - 1 (Megatron-LM's current tokenizer; its older _NullTokenizer
+    added one id for eod). Lets --mock-data runs name a vocabulary without any file."""
+
+    def __init__(self, vocab_size: int) -> None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"NullTokenizer needs a positive --vocab-size, got {vocab_size!r}")
+        self.name = "NullTokenizer"
+        self._vocab_size = vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._vocab_size - 1
+
+    def tokenize(self, text: str) -> list[int]:
+        try:
+            ids = [int(word) for word in text.split()]
+        except ValueError as error:
+            raise ValueError(f"NullTokenizer reads whitespace-separated integers: {error}") \
+                from None
+        bad = next((i for i in ids if not 0 <= i < self._vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the NullTokenizer vocabulary "
+                             f"[0, {self._vocab_size})")
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
 class HFTokenizer(Tokenizer):
     """A tokenizer directory written by ``transformers`` ``save_pretrained``; never downloads."""
 
@@ -396,8 +469,10 @@ def build_tokenizer(
     vocab_file: str | None = None,
     merge_file: str | None = None,
     tokenizer_model: str | None = None,
+    vocab_size: int | None = None,
 ) -> Tokenizer:
-    """Tokenizer named by Megatron's ``--tokenizer-type`` and its file arguments."""
+    """Tokenizer named by Megatron's ``--tokenizer-type`` and its file arguments
+    (``vocab_size``: ``--vocab-size``, which sizes NullTokenizer only, as in Megatron-LM)."""
     canonical_type = TOKENIZER_TYPE_ALIASES.get(tokenizer_type)
     if canonical_type is None:
         raise ValueError(
@@ -411,8 +486,16 @@ def build_tokenizer(
         if vocab_file is None or merge_file is None:
             vocab_file, merge_file = default_gpt2_files()
         return GPT2BPETokenizer(vocab_file, merge_file)
+    if canonical_type == "NullTokenizer":
+        if vocab_size is None:
+            raise ValueError("NullTokenizer needs --vocab-size")
+        return NullTokenizer(vocab_size)
     if tokenizer_model is None:
         raise ValueError(f"{tokenizer_type} needs --tokenizer-model")
     if canonical_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(tokenizer_model)
+    if canonical_type == "GPTSentencePieceTokenizer":
+        return GPTSentencePieceTokenizer(tokenizer_model)
+    if canonical_type == "Llama2Tokenizer":
+        return Llama2Tokenizer(tokenizer_model)
     return HFTokenizer(tokenizer_model)

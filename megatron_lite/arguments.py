@@ -26,6 +26,22 @@ from typing import Any
 
 import torch
 
+from megatron_lite.arguments_model import (
+    ArgumentError,
+    add_kernel_args,
+    add_model_args,
+    add_recompute_args,
+    check_model_shape,
+    gpt_config_from_args,
+)
+from megatron_lite.arguments_model import derive as _derive
+from megatron_lite.arguments_model import describe as _describe
+from megatron_lite.arguments_model import flag as _flag
+
+__all__ = [
+    "ArgumentError", "build_parser", "gpt_config_from_args", "parse_args", "parse_data_blend",
+    "parse_split", "reconcile_with_ds_config", "validate_args",
+]
 SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
 # zeropp.lr_schedules.AnnealingLR's styles, named here so that parsing the command line
 # imports no engine (tests/test_arguments.py checks the two agree).
@@ -43,16 +59,17 @@ _POSITIVE_IF_SET = (
     "save_interval", "exit_interval", "ranks_per_node", "tensor_model_parallel_size",
     "pipeline_model_parallel_size", "adam_eps", "init_method_std", "layernorm_epsilon",
     "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis",
-    "dry_run_nodes", "dry_run_gpus_per_node", "dry_run_gpu_memory_gb",
+    "dry_run_nodes", "dry_run_gpus_per_node", "dry_run_gpu_memory_gb", "train_samples",
+    "lr_decay_samples", "kv_channels", "recompute_num_layers", "rotary_base", "rotary_percent",
+    "exit_duration_in_mins", "vocab_size", "decoupled_lr", "context_parallel_size",
 )
 _NON_NEGATIVE_IF_SET = (
     "lr", "min_lr", "weight_decay", "clip_grad", "eval_iters", "num_workers", "lr_warmup_iters",
+    "lr_warmup_samples", "sgd_momentum", "decoupled_min_lr",
 )
+_FP8_FLAGS = ("fp8_format", "fp8_recipe", "fp8_margin", "fp8_amax_history_len",
+              "fp8_amax_compute_algo", "fp8_param_gather")
 _PROBABILITIES = ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2")
-
-
-class ArgumentError(ValueError):
-    """A command-line or DeepSpeed-config problem, described in one line."""
 
 
 # -------------------- Parser -------------------------------------------------------------------
@@ -66,7 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
         # Prefix matching would let "--deepspeed" swallow "--deepspeed_c"; accept exact names only.
         allow_abbrev=False,
     )
-    _add_model_args(parser.add_argument_group("model"))
+    add_model_args(parser.add_argument_group("model"))
+    add_recompute_args(parser.add_argument_group("activation recomputation"))
+    add_kernel_args(parser.add_argument_group(
+        "kernel choices", "Accepted from Megatron scripts; no effect on what is computed."))
     _add_training_args(parser.add_argument_group("training"))
     _add_learning_rate_args(parser.add_argument_group("learning rate"))
     _add_data_args(parser.add_argument_group("data"))
@@ -78,27 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_model_args(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--num-layers", type=int, default=None, help="Transformer blocks.")
-    group.add_argument("--hidden-size", type=int, default=None, help="Model width.")
-    group.add_argument("--num-attention-heads", type=int, default=None, help="Attention heads.")
-    group.add_argument("--seq-length", type=int, default=None, help="Tokens per sample.")
-    group.add_argument("--max-position-embeddings", type=int, default=None,
-                       help="Position table size (default: --seq-length).")
-    group.add_argument("--ffn-hidden-size", type=int, default=None,
-                       help="MLP inner width (default: 4 x --hidden-size).")
-    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                       help="Pad the vocabulary to a multiple of this (default: 128).")
-    group.add_argument("--hidden-dropout", type=float, default=0.1,
-                       help="Dropout after attention and MLP (default: 0.1).")
-    group.add_argument("--attention-dropout", type=float, default=0.1,
-                       help="Dropout on attention probabilities (default: 0.1).")
-    group.add_argument("--init-method-std", type=float, default=0.02,
-                       help="Std of the normal weight init (default: 0.02).")
-    group.add_argument("--layernorm-epsilon", type=float, default=1e-5,
-                       help="LayerNorm epsilon (default: 1e-5).")
-
-
 def _add_training_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--micro-batch-size", "--batch-size", dest="micro_batch_size", type=int,
                        default=None, help="Samples per rank per forward pass "
@@ -107,24 +106,45 @@ def _add_training_args(group: argparse._ArgumentGroup) -> None:
                        help="Samples per optimizer step over all ranks "
                        "(default: micro batch x data-parallel size).")
     group.add_argument("--train-iters", type=int, default=None, help="Optimizer steps to run.")
+    group.add_argument("--train-samples", type=int, default=None,
+                       help="Megatron-LM: train on this many samples instead of --train-iters; "
+                       "runs train_samples // global batch iterations (a partial last batch "
+                       "is dropped).")
+    group.add_argument("--rampup-batch-size", nargs=3, default=None,
+                       metavar=("START", "INCREMENT", "SAMPLES"),
+                       help="Refused: the global batch is fixed for the whole run.")
+    group.add_argument("--step-batch-size-schedule", nargs="+", default=None,
+                       help="Refused: the global batch is fixed for the whole run.")
+    group.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                       help="adam: AdamW (decoupled weight decay, as Megatron's adam); sgd: "
+                       "torch SGD with --sgd-momentum (default: adam; a DeepSpeed JSON "
+                       "optimizer block must name the same).")
     group.add_argument("--weight-decay", type=float, default=0.01,
-                       help="AdamW weight decay (default: 0.01).")
+                       help="Weight decay of the matrices; biases and norms get none "
+                       "(default: 0.01).")
     group.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1 (default: 0.9).")
     group.add_argument("--adam-beta2", type=float, default=0.999,
                        help="Adam beta2 (default: 0.999).")
     group.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon (default: 1e-8).")
+    group.add_argument("--sgd-momentum", type=float, default=0.9,
+                       help="Momentum of --optimizer sgd (default: 0.9).")
     group.add_argument("--clip-grad", type=float, default=1.0,
                        help="Global gradient-norm clip; 0 disables (default: 1.0).")
     group.add_argument("--seed", type=int, default=1234, help="Random seed.")
-    group.add_argument("--checkpoint-activations", action="store_true",
-                       help="Recompute each block's activations in backward.")
-    group.add_argument("--deepspeed-activation-checkpointing", action="store_true",
-                       help="Accepted for Megatron-DeepSpeed compatibility; recomputation is "
-                       "turned on by --checkpoint-activations.")
-    group.add_argument("--checkpoint-num-layers", type=int, default=1,
-                       help="Blocks per activation-checkpoint segment (default: 1).")
     group.add_argument("--exit-interval", type=int, default=None,
                        help="Stop after the iteration that is a multiple of this.")
+    group.add_argument("--exit-duration-in-mins", type=float, default=None,
+                       help="After the first iteration that ends this many minutes after "
+                       "training started, save a checkpoint (with --save) and exit cleanly; "
+                       "all ranks decide together.")
+    group.add_argument("--calculate-per-token-loss", action="store_true",
+                       help="Accepted; the same loss here: every position is trained on, so "
+                       "each micro-batch holds as many loss tokens and the mean of "
+                       "micro-batch means is the mean over tokens.")
+    group.add_argument("--manual-gc", action="store_true",
+                       help="Accepted, no effect: Python's garbage collector runs on its own.")
+    group.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
+                       help="Accepted, no effect: the CUDA caching allocator keeps its blocks.")
     group.add_argument("--exit-on-nan", type=int, default=10, metavar="N",
                        help="Stop with an error after N consecutive iterations whose loss is "
                        "not finite (default: 10; 0 disables the guard).")
@@ -144,6 +164,20 @@ def _add_learning_rate_args(group: argparse._ArgumentGroup) -> None:
                        help="Warmup as a fraction of --lr-decay-iters.")
     group.add_argument("--lr-decay-iters", type=int, default=None,
                        help="Iteration at which the lr reaches --min-lr (default: --train-iters).")
+    group.add_argument("--lr-decay-samples", type=int, default=None,
+                       help="Megatron-LM, with --train-samples: decay over this many samples; "
+                       "becomes lr_decay_samples // global batch iterations (rounded down; "
+                       "Megatron's schedule counts samples, and the two agree when the count "
+                       "is a multiple of the global batch).")
+    group.add_argument("--lr-warmup-samples", type=int, default=None,
+                       help="Megatron-LM, with --train-samples: warm up over this many "
+                       "samples; becomes lr_warmup_samples // global batch iterations "
+                       "(rounded down, as --lr-decay-samples).")
+    group.add_argument("--decoupled-lr", type=float, default=None,
+                       help="Megatron-LM: peak lr of the input embedding and output layer "
+                       "weights (their own param group; same warmup and decay).")
+    group.add_argument("--decoupled-min-lr", type=float, default=None,
+                       help="Final lr of those weights with --decoupled-lr (default: --min-lr).")
 
 
 def _add_data_args(group: argparse._ArgumentGroup) -> None:
@@ -154,15 +188,34 @@ def _add_data_args(group: argparse._ArgumentGroup) -> None:
                             "for trying a configuration, e.g. on the simulated GPU cluster).")
     group.add_argument("--split", default="969,30,1",
                        help="Train,validation,test weights (default: 969,30,1).")
+    group.add_argument("--data-impl", choices=("mmap", "infer", "lazy", "cached"),
+                       default="infer", help="Accepted as mmap or infer: the indexed dataset "
+                       "here is Megatron's mmap format; lazy and cached (the older formats) are "
+                       "refused.")
     group.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
-                       help="Tokenizer name (default: GPT2BPETokenizer).")
+                       help="GPT2BPETokenizer (default), SentencePieceTokenizer, "
+                       "GPTSentencePieceTokenizer (SentencePiece, no BOS), Llama2Tokenizer "
+                       "(SentencePiece with BOS before every text), HuggingFaceTokenizer "
+                       "(alias HFTokenizer), NullTokenizer (ids written as integers; "
+                       "needs --vocab-size).")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="NullTokenizer's vocabulary: ids 0..N-1, eod N-1 (Megatron-LM); "
+                       "other tokenizers know their own size.")
+    group.add_argument("--tiktoken-pattern", default=None,
+                       help="Accepted, no effect: used by Megatron's TikTokenizer only.")
     group.add_argument("--vocab-file", default=None, help="BPE vocabulary (vocab.json).")
     group.add_argument("--merge-file", default=None, help="BPE merges (merges.txt).")
     group.add_argument("--tokenizer-model", default=None, help="SentencePiece or HF tokenizer.")
     group.add_argument("--num-workers", type=int, default=2,
                        help="DataLoader worker processes (default: 2).")
-    group.add_argument("--data-cache-dir", default=None,
+    group.add_argument("--data-cache-dir", "--data-cache-path", dest="data_cache_dir",
+                       default=None,
                        help="Where sample-index caches are written (default: next to the data).")
+    group.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                       help="Accepted, no effect: the .bin files are always memory-mapped.")
+    group.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                       dest="create_attention_mask_in_dataloader",
+                       help="Accepted, no effect: the causal mask is never materialized.")
 
 
 def _add_mixed_precision_args(group: argparse._ArgumentGroup) -> None:
@@ -178,6 +231,12 @@ def _add_mixed_precision_args(group: argparse._ArgumentGroup) -> None:
                        help="Overflow-free steps before the scale doubles (default: 1000).")
     group.add_argument("--hysteresis", type=int, default=2,
                        help="Overflows tolerated before the scale halves (default: 2).")
+    for name, kind in (("--fp8-format", str), ("--fp8-recipe", str), ("--fp8-margin", int),
+                       ("--fp8-amax-history-len", int), ("--fp8-amax-compute-algo", str)):
+        group.add_argument(name, type=kind, default=None,
+                           help="Refused: there is no FP8 path here (use --bf16).")
+    group.add_argument("--fp8-param-gather", action="store_true",
+                       help="Refused: there is no FP8 path here (use --bf16).")
 
 
 def _add_checkpointing_args(group: argparse._ArgumentGroup) -> None:
@@ -195,6 +254,10 @@ def _add_checkpointing_args(group: argparse._ArgumentGroup) -> None:
                        "exit cleanly (what schedulers send before killing a job).")
     group.add_argument("--no-load-optim", action="store_true",
                        help="Load only the weights from --load, not optimizer states.")
+    group.add_argument("--ckpt-format", default="torch",
+                       choices=("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"),
+                       help="Accepted, no effect: checkpoints are always this engine's "
+                       "sharded files (one per rank, a 'latest' tag), not Megatron's formats.")
 
 
 def _add_distributed_args(group: argparse._ArgumentGroup) -> None:
@@ -205,6 +268,28 @@ def _add_distributed_args(group: argparse._ArgumentGroup) -> None:
                        help="Must be 1: this engine is data-parallel ZeRO only.")
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                        help="Must be 1: this engine is data-parallel ZeRO only.")
+    group.add_argument("--context-parallel-size", type=int, default=1,
+                       help="Must be 1: this engine is data-parallel ZeRO only.")
+    group.add_argument("--sequence-parallel", action="store_true",
+                       help="Accepted, no effect: it splits activations across tensor-parallel "
+                       "ranks, and Megatron-LM too turns it off at tensor-parallel size 1.")
+    group.add_argument("--distributed-backend", choices=("nccl", "gloo", "ccl"), default=None,
+                       help="torch.distributed backend (default: nccl with CUDA, else gloo). "
+                       "One this machine cannot use (nccl without CUDA) gives way to the one "
+                       "that works, and rank 0 says so.")
+    group.add_argument("--DDP-impl", choices=("local", "torch"), default="local",
+                       help="Accepted, no effect: the ZeRO engine replaces DDP.")
+    group.add_argument("--use-distributed-optimizer", action="store_true",
+                       help="Accepted: optimizer states are partitioned across data-parallel "
+                       "ranks at ZeRO stage 1 and above (refused with --zero-stage 0).")
+    group.add_argument("--overlap-grad-reduce", action="store_true",
+                       help="Accepted: gradient reduction overlaps backward "
+                       "(zero_optimization.overlap_comm, on unless the JSON turns it off).")
+    group.add_argument("--overlap-param-gather", action="store_true",
+                       help="Accepted: weight gathers overlap compute (likewise overlap_comm).")
+    group.add_argument("--grad-reduce-in-bf16", action="store_true",
+                       help="Reduce gradients in bf16 (DeepSpeed's communication_data_type "
+                       "bf16).")
     group.add_argument("--zero-stage", type=int, default=3,
                        help="0 = plain data parallel, 3 = ZeRO-3 with the ZeRO++ options of the "
                        "DeepSpeed config (default: 3).")
@@ -229,6 +314,15 @@ def _add_logging_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--tensorboard-dir", default=None, help="Enables TensorBoard scalars.")
     group.add_argument("--metrics-file", default=None,
                        help="Append one JSON object per log interval to this file.")
+    group.add_argument("--log-throughput", action="store_true",
+                       help="Accepted: every log line shows tokens/s and TFLOPs per GPU.")
+    group.add_argument("--profile", action="store_true",
+                       help="Accepted, no effect: attach a profiler (nsys, torch.profiler) "
+                       "from outside.")
+    group.add_argument("--profile-step-start", type=int, default=10,
+                       help="Accepted, no effect (see --profile).")
+    group.add_argument("--profile-step-end", type=int, default=12,
+                       help="Accepted, no effect (see --profile).")
 
 
 def _add_dry_run_args(group: argparse._ArgumentGroup) -> None:
@@ -309,6 +403,7 @@ def reconcile_with_ds_config(args: argparse.Namespace, ds: dict[str, Any]) -> No
     _reconcile_loss_scaling(args, ds, source)
     _take_or_compare(args, ds, "zero_stage", ("zero_optimization", "stage"), source)
     _reconcile_optimizer(args, ds, source)
+    _reconcile_communication(args, ds, source)
     if getattr(args, "world_size", None) is not None:
         validate_args(args, args.world_size)
 
@@ -338,6 +433,9 @@ def _reconcile_loss_scaling(args: argparse.Namespace, ds: dict[str, Any], source
 
 def _reconcile_optimizer(args: argparse.Namespace, ds: dict[str, Any], source: str) -> None:
     params = ("optimizer", "params")
+    _reconcile_optimizer_type(args, ds, source)
+    if args.optimizer == "sgd":
+        _take_or_compare(args, ds, "sgd_momentum", (*params, "momentum"), source)
     _take_or_compare(args, ds, "lr", (*params, "lr"), source)
     _take_or_compare(args, ds, "weight_decay", (*params, "weight_decay"), source)
     _take_or_compare(args, ds, "adam_eps", (*params, "eps"), source)
@@ -350,6 +448,38 @@ def _reconcile_optimizer(args: argparse.Namespace, ds: dict[str, Any], source: s
     for index, dest in enumerate(("adam_beta1", "adam_beta2")):
         _take_or_compare(args, {"betas": betas[index]}, dest, ("betas",), source,
                          key_name=f"optimizer.params.betas[{index}]")
+
+
+def _reconcile_optimizer_type(args: argparse.Namespace, ds: dict[str, Any],
+                              source: str) -> None:
+    kind = _json_value(ds, ("optimizer", "type"), source)
+    if not isinstance(kind, str):
+        return  # absent (the command line decides), or wrong: the engine config says why
+    # DeepSpeed's Adam is decoupled (AdamW) unless adam_w_mode is false: Megatron's adam is
+    # decoupled too.
+    decoupled = _json_value(ds, ("optimizer", "params", "adam_w_mode"), source) is not False
+    ours = {"adamw": "adam", "adam": "adam" if decoupled else None, "sgd": "sgd"}.get(
+        kind.lower())
+    if "optimizer" in args.explicit_args and args.optimizer != ours:
+        shown = json.dumps(kind) + ("" if decoupled else " with adam_w_mode false")
+        raise ArgumentError(f"--optimizer {args.optimizer} disagrees with optimizer.type "
+                            f"{shown} in {source}")
+    if ours is not None:  # else the JSON's own class (Adagrad, L2 Adam) runs
+        args.optimizer = ours
+        args.ds_config_sources["optimizer"] = ("optimizer.type", source)
+
+
+def _reconcile_communication(args: argparse.Namespace, ds: dict[str, Any],
+                             source: str) -> None:
+    if _json_value(ds, ("zero_optimization", "overlap_comm"), source) is False:
+        for dest in ("overlap_grad_reduce", "overlap_param_gather"):
+            if getattr(args, dest):
+                raise ArgumentError(f"{_flag(dest)} disagrees with zero_optimization."
+                                    f"overlap_comm false in {source}")
+    dtype = _json_value(ds, ("communication_data_type",), source)
+    if args.grad_reduce_in_bf16 and dtype is not None and dtype != "bf16":
+        raise ArgumentError(f"--grad-reduce-in-bf16 disagrees with communication_data_type "
+                            f"{json.dumps(dtype)} in {source}")
 
 
 def _take_or_compare(
@@ -409,8 +539,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
 
     Derived: ``data_parallel_size``, ``global_batch_size`` (default micro x dp),
     ``gradient_accumulation_steps``, ``params_dtype``, ``ffn_hidden_size``,
-    ``max_position_embeddings``, ``lr_warmup_iters`` (from ``--lr-warmup-fraction``),
-    ``lr_decay_iters`` (default ``--train-iters``), ``local_rank``, ``data_blend`` (list of
+    ``max_position_embeddings``, the resolved architecture and recomputation switches
+    (``arguments_model.check_model_shape``), ``train_iters`` / ``lr_decay_iters`` /
+    ``lr_warmup_iters`` (from the ``-samples`` flags, or ``--lr-warmup-fraction``, or
+    ``lr_decay_iters`` = ``--train-iters``), ``local_rank``, ``data_blend`` (list of
     (normalised weight, prefix) or None) and ``split_fractions`` (train, valid, test).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -420,9 +552,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check_required_model_shape(args)
     _check_ranges(args)
     _check_parallelism(args, world_size)
-    _derive_model_shape(args)
+    check_model_shape(args)
     _check_precision(args)
     _derive_batch_sizes(args, world_size)
+    _derive_iterations_from_samples(args)
     _derive_lr_schedule(args)
     _derive_data(args)
     _check_run_control(args)
@@ -439,28 +572,9 @@ def _forget_derived_values(args: argparse.Namespace) -> None:
     args.derived_values = {}
 
 
-def _derive(args: argparse.Namespace, dest: str, value: Any) -> None:
-    setattr(args, dest, value)
-    args.derived_values[dest] = value
-
-
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
-def _describe(args: argparse.Namespace, dest: str) -> str:
-    """Where a value came from, for error messages: '--flag 4' or 'key 4 in ds.json'."""
-    value = getattr(args, dest)
-    if dest in args.ds_config_sources:
-        key, source = args.ds_config_sources[dest]
-        return f"{key} in {source}" if isinstance(value, bool) else f"{key} {value} in {source}"
-    if dest in args.derived_values:
-        return f"derived {dest.replace('_', ' ')} {value}"
-    return _flag(dest) if isinstance(value, bool) else f"{_flag(dest)} {value}"
-
-
 def _check_parallelism(args: argparse.Namespace, world_size: int) -> None:
-    for dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+    for dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "context_parallel_size"):
         if getattr(args, dest) != 1:
             raise ArgumentError(f"this engine is data-parallel ZeRO only; {_flag(dest)} must be 1, "
                                 f"got {getattr(args, dest)}")
@@ -468,6 +582,10 @@ def _check_parallelism(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError(f"{_describe(args, 'zero_stage')} is not a ZeRO stage: use 0 (plain "
                             "data parallel), 1, 2 or 3 (ZeRO-3, with the ZeRO++ options of the "
                             "DeepSpeed config)")
+    if args.use_distributed_optimizer and args.zero_stage == 0:
+        raise ArgumentError(f"--use-distributed-optimizer partitions optimizer states, which "
+                            f"ZeRO stage 1 and above do; {_describe(args, 'zero_stage')} "
+                            "replicates them: use stage 1 or higher")
     if args.ranks_per_node is not None and world_size % args.ranks_per_node:
         raise ArgumentError(f"--ranks-per-node {args.ranks_per_node} does not divide the world "
                             f"size {world_size}")
@@ -499,22 +617,15 @@ def _check_ranges(args: argparse.Namespace) -> None:
             raise ArgumentError(f"{_describe(args, dest)} must lie in [0, 1)")
 
 
-def _derive_model_shape(args: argparse.Namespace) -> None:
-    if args.hidden_size % args.num_attention_heads:
-        raise ArgumentError(f"--hidden-size {args.hidden_size} is not divisible by "
-                            f"--num-attention-heads {args.num_attention_heads}")
-    if args.ffn_hidden_size is None:
-        _derive(args, "ffn_hidden_size", 4 * args.hidden_size)
-    if args.max_position_embeddings is None:
-        _derive(args, "max_position_embeddings", args.seq_length)
-    if args.seq_length > args.max_position_embeddings:
-        raise ArgumentError(f"--seq-length {args.seq_length} exceeds "
-                            f"--max-position-embeddings {args.max_position_embeddings}")
-
-
 def _check_precision(args: argparse.Namespace) -> None:
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 are mutually exclusive; choose one")
+    for dest in _FP8_FLAGS:
+        value = getattr(args, dest)
+        if value not in (None, False):
+            shown = _flag(dest) if value is True else f"{_flag(dest)} {value}"
+            raise ArgumentError(f"{shown}: there is no FP8 path here (FP8 GEMMs need "
+                                "Transformer Engine); train in --bf16 instead")
     args.params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 \
         else torch.float32
 
@@ -560,6 +671,42 @@ def _derive_micro_batch_size(args: argparse.Namespace, world_size: int,
     _derive(args, "micro_batch_size", args.global_batch_size // samples_per_micro_batch)
 
 
+def _derive_iterations_from_samples(args: argparse.Namespace) -> None:
+    """Megatron-LM's sample-based flags -> iterations (// global batch, rounded down)."""
+    for dest in ("rampup_batch_size", "step_batch_size_schedule"):
+        if getattr(args, dest) is not None:
+            raise ArgumentError(f"{_flag(dest)} {' '.join(getattr(args, dest))}: the global "
+                                "batch is fixed for the whole run here; give "
+                                "--global-batch-size only")
+    pairs = (("train_samples", "train_iters"), ("lr_decay_samples", "lr_decay_iters"),
+             ("lr_warmup_samples", "lr_warmup_iters"), ("lr_warmup_samples",
+                                                         "lr_warmup_fraction"))
+    for samples, other in pairs:
+        if getattr(args, samples) is not None and getattr(args, other) is not None:
+            raise ArgumentError(f"{_describe(args, samples)} and {_describe(args, other)} are "
+                                "mutually exclusive; give one")
+    if args.train_samples is None:
+        for dest in ("lr_decay_samples", "lr_warmup_samples"):
+            if getattr(args, dest) is not None:  # Megatron-LM asserts the same
+                raise ArgumentError(f"{_describe(args, dest)} is for sample-based training: "
+                                    f"give --train-samples, or use {_flag(dest[:-7] + 'iters')}"
+                                    " with --train-iters")
+        return
+    for dest in ("lr_decay_iters", "lr_warmup_iters"):
+        if getattr(args, dest) is not None:
+            raise ArgumentError(f"{_describe(args, dest)} with --train-samples: use "
+                                f"{_flag(dest[:-5] + 'samples')}")
+    batch = args.global_batch_size
+    for samples, iterations in pairs[:3]:
+        count = getattr(args, samples)
+        if count is None:
+            continue
+        if count // batch == 0 and samples != "lr_warmup_samples":
+            raise ArgumentError(f"{_describe(args, samples)} is less than one "
+                                f"{_describe(args, 'global_batch_size')}")
+        _derive(args, iterations, count // batch)
+
+
 def _derive_lr_schedule(args: argparse.Namespace) -> None:
     training = not args.dry_run
     if training and args.train_iters is None:
@@ -586,6 +733,15 @@ def _derive_lr_schedule(args: argparse.Namespace) -> None:
             and args.lr_warmup_iters > args.lr_decay_iters:
         raise ArgumentError(f"{_describe(args, 'lr_warmup_iters')} exceeds "
                             f"{_describe(args, 'lr_decay_iters')}")
+    if args.decoupled_lr is None:
+        if args.decoupled_min_lr is not None:
+            raise ArgumentError(f"--decoupled-min-lr {args.decoupled_min_lr} needs "
+                                "--decoupled-lr")
+    elif (args.decoupled_min_lr if args.decoupled_min_lr is not None else args.min_lr) \
+            > args.decoupled_lr:
+        floor = "decoupled_min_lr" if args.decoupled_min_lr is not None else "min_lr"
+        raise ArgumentError(f"{_describe(args, floor)} exceeds --decoupled-lr "
+                            f"{args.decoupled_lr}")
 
 
 def _derive_data(args: argparse.Namespace) -> None:
@@ -620,7 +776,12 @@ def parse_data_blend(data_path: list[str] | None) -> list[tuple[float, str]] | N
 
 def parse_split(split: str) -> tuple[float, float, float]:
     """``"969,30,1"`` (or ``"969/30/1"``) -> normalised (train, valid, test) fractions."""
-    parts = split.replace("/", ",").split(",")
+    text = split.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        # Megatron-LM's Llama example passes "--split '99,1,0'" from a bash array, which hands
+        # the quotes to the program; Megatron-LM reads only the numbers, so does this.
+        text = text[1:-1]
+    parts = text.replace("/", ",").split(",")
     if len(parts) > 3:
         raise ArgumentError(f"--split {split!r} has more than three parts (train,valid,test)")
     try:
@@ -635,29 +796,13 @@ def parse_split(split: str) -> tuple[float, float, float]:
 
 
 def _check_run_control(args: argparse.Namespace) -> None:
+    if args.data_impl in ("lazy", "cached"):
+        raise ArgumentError(f"--data-impl {args.data_impl}: only Megatron's mmap indexed "
+                            "dataset is read here (the lazy and cached formats predate it); "
+                            "use --data-impl mmap")
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        raise ArgumentError("--tokenizer-type NullTokenizer needs --vocab-size")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError(f"--save-interval {args.save_interval} needs --save DIR")
     if args.deepspeed_config is not None and not os.path.isfile(args.deepspeed_config):
         raise ArgumentError(f"--deepspeed_config {args.deepspeed_config}: no such file")
-
-
-def gpt_config_from_args(args: argparse.Namespace, vocab_size: int):
-    """The GPT the command line describes (``validate_args`` must have run)."""
-    from megatron_lite.model import GPTConfig
-
-    return GPTConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        vocab_size=vocab_size,
-        max_position_embeddings=args.max_position_embeddings,
-        ffn_hidden_size=args.ffn_hidden_size,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        layernorm_epsilon=args.layernorm_epsilon,
-        checkpoint_activations=args.checkpoint_activations,
-        checkpoint_num_layers=args.checkpoint_num_layers,
-        seed=args.seed,
-    )

@@ -7,8 +7,9 @@ skipped iterations, the lr schedule, the model shape and the arguments of the ru
 Megatron's ``iter_0000100``.
 
 It also owns the run's stop conditions that involve every rank: SIGTERM from a scheduler
-(``--exit-signal-handler``) and a loss that stays non-finite (``--exit-on-nan``). Both are
-agreed with one small all-reduce per iteration, so all ranks stop at the same boundary.
+(``--exit-signal-handler``), a time budget (``--exit-duration-in-mins``) and a loss that
+stays non-finite (``--exit-on-nan``). They are agreed with one small all-reduce per
+iteration (MAX of the flags, as Megatron does), so all ranks stop at the same boundary.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import dataclasses
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeropp.checkpoint import CheckpointError, CheckpointStorageError
+from zeropp.checkpoint import CheckpointError, CheckpointStorageError, client_state
 
 
 class SaveFailed(RuntimeError):
@@ -59,6 +61,7 @@ class CheckpointConfig:
     no_load_optim: bool = False  # resume the weights only
     exit_signal_handler: bool = False  # save and stop on SIGTERM
     exit_on_nan: int = 0  # stop after this many consecutive non-finite losses; 0 = never
+    exit_duration_in_mins: float | None = None  # save and stop once training ran this long
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CheckpointConfig:
@@ -82,6 +85,10 @@ class RunControl:
         self.last_saved_iteration: int | None = None
         self.nonfinite_streak = 0
         self._signal_received = False
+        # The clock of --exit-duration-in-mins starts here, once the model and engine are set
+        # up and before the checkpoint is loaded.
+        self.started = time.monotonic()
+        self.out_of_time: str | None = None  # why the run stopped with no time to evaluate
         if config.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -98,24 +105,36 @@ class RunControl:
             trainer.log(f"no checkpoint in {self.config.load} yet: starting from scratch "
                            f"(--load {self.config.load} is also --save)")
             return
+        # Before the load, on every rank alike: a model of another architecture would fail in
+        # it on some tensor's shape, on some ranks only, while the others wait in a gather.
+        # The client state is memory-mapped, so this reads no weights.
+        try:
+            saved = client_state(self.config.load)
+        except (CheckpointError, OSError, RuntimeError, KeyError):
+            saved = None  # no readable checkpoint there: the load below says why
+        if saved is not None:
+            self._check_architecture(self.config.load, saved)
         path, client = self.engine.load_checkpoint(
             self.config.load, load_optimizer_states=not self.config.no_load_optim
         )
-        saved_model = client.get("model_config", {})
-        ours = dataclasses.asdict(self.model_config)
-        for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                    "vocab_size", "max_position_embeddings"):
-            if key in saved_model and saved_model[key] != ours[key]:
-                raise ValueError(
-                    f"checkpoint {path} was written for {key}={saved_model[key]}, "
-                    f"this run has {key}={ours[key]}"
-                )
         trainer.load_state_dict(client)
         if not self.config.no_load_optim and client.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(client["lr_scheduler"], strict=False)
         self.last_saved_iteration = trainer.iteration
         trainer.log(f"resumed from {path} at iteration {trainer.iteration} "
                        f"({trainer.consumed_samples} consumed samples)")
+
+    def _check_architecture(self, path: str, client: dict[str, Any]) -> None:
+        """One line naming every architecture field (``GPTConfig.architecture_differences``)
+        where the checkpoint's model is not this run's."""
+        saved_model = client.get("model_config") or {}
+        # Fields the checkpoint predates read as their defaults; one without any model
+        # config (this program always writes it) is not compared.
+        differences = self.model_config.architecture_differences(saved_model) \
+            if saved_model else []
+        if differences:
+            raise ValueError(f"checkpoint {path} was written for another model: "
+                             f"{'; '.join(differences)}")
 
     def _first_run_of_a_restartable_job(self) -> bool:
         """``--save X --load X`` (Megatron's habit for jobs that may be restarted) with nothing
@@ -165,23 +184,29 @@ class RunControl:
 
     # ---- stop conditions -----------------------------------------------------------------
     def should_stop(self, trainer, loss: torch.Tensor, applied: bool) -> bool:
-        """Agree across ranks on SIGTERM and on a loss that stays non-finite.
+        """Agree across ranks on SIGTERM, on the time budget and on a loss that stays
+        non-finite.
 
         Reading the loss is a host sync, so it is read only when the update was skipped:
         a non-finite loss gives a non-finite gradient norm, which every rank's engine
         agrees to skip. The flags cross ranks only when there is something to agree on.
         """
         check_loss = bool(self.config.exit_on_nan) and not applied
-        if not (self.config.exit_signal_handler or check_loss):
+        limit_minutes = self.config.exit_duration_in_mins
+        if not (self.config.exit_signal_handler or check_loss or limit_minutes):
             self.nonfinite_streak = 0
             return False
         nonfinite = (~torch.isfinite(loss.detach().float())).float() if check_loss \
             else torch.zeros((), device=loss.device)
+        minutes = (time.monotonic() - self.started) / 60.0
+        # Each rank reads its own clock; MAX makes the first rank past the budget decide.
+        late = bool(limit_minutes) and minutes > limit_minutes
         flags = torch.stack([torch.tensor(float(self._signal_received), device=loss.device),
-                             nonfinite.to(loss.device)])
+                             nonfinite.to(loss.device),
+                             torch.tensor(float(late), device=loss.device)])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        signalled, nonfinite = flags.tolist()
+        signalled, nonfinite, late = flags.tolist()
         self.nonfinite_streak = self.nonfinite_streak + 1 if nonfinite else 0
         limit = self.config.exit_on_nan
         if limit and self.nonfinite_streak >= limit:
@@ -198,4 +223,10 @@ class RunControl:
                 print("warning: no --save directory; exiting without a checkpoint",
                       file=sys.stderr, flush=True)
             return True
+        if late:
+            self.out_of_time = f"stopped by --exit-duration-in-mins {limit_minutes:g}"
+            where = "saving and exiting" if self.config.save else "exiting (no --save)"
+            trainer.log(f"{minutes:.2f} minutes of training passed --exit-duration-in-mins "
+                        f"{limit_minutes:g}: {where} after iteration {trainer.iteration}")
+            return True  # the loop's save_at_end writes the checkpoint
         return False

@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from megatron_lite.arguments import ArgumentError, reconcile_with_ds_config
-from zeropp.config import EngineConfig, read_json_config
+from zeropp.config import EngineConfig, OptimizerConfig, read_json_config
 
 
 def read_ds_config(args: argparse.Namespace) -> EngineConfig:
@@ -33,9 +33,19 @@ def read_ds_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def engine_config(args: argparse.Namespace, ds_config: EngineConfig) -> EngineConfig:
-    """The config the engine gets: the file's, with every value the command line resolved."""
+    """The config the engine gets: the file's, with every value the command line resolved.
+
+    Without an optimizer block in the file, ``--optimizer`` chooses the class (adam: AdamW,
+    sgd: SGD); with one, ``reconcile_with_ds_config`` has made the two agree.
+    """
+    optimizer = ds_config.optimizer
+    if optimizer is None:
+        optimizer = OptimizerConfig(type="SGD" if args.optimizer == "sgd" else "AdamW")
     return dataclasses.replace(
         ds_config,
+        optimizer=optimizer,
+        communication_data_type="bf16" if args.grad_reduce_in_bf16
+        else ds_config.communication_data_type,
         train_micro_batch_size_per_gpu=args.micro_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         train_batch_size=args.global_batch_size,
@@ -44,6 +54,17 @@ def engine_config(args: argparse.Namespace, ds_config: EngineConfig) -> EngineCo
         fp16=dataclasses.replace(ds_config.fp16, **fp16_block(args)),
         bf16=dataclasses.replace(ds_config.bf16, enabled=bool(args.bf16)),
     )
+
+
+def optimizer_params(args: argparse.Namespace, kind: str) -> dict[str, Any]:
+    """The command line's hyperparameters for the optimizer class ``kind`` (an
+    ``OptimizerConfig.type``): what each torch class takes, nothing it would refuse."""
+    params: dict[str, Any] = {"lr": args.lr, "weight_decay": args.weight_decay}
+    if kind in ("Adam", "AdamW"):
+        params.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+    elif kind == "SGD":
+        params["momentum"] = args.sgd_momentum
+    return params
 
 
 def fp16_block(args: argparse.Namespace) -> dict[str, Any]:

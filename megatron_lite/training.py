@@ -83,6 +83,7 @@ class TrainingSummary:
     consumed_samples: int
     skipped_iterations: int
     final_valid_loss: float | None
+    stop_reason: str | None = None  # set when the run stopped with no time left to evaluate
 
 
 @dataclass
@@ -441,14 +442,17 @@ def pretrain(
     """Train, then measure the validation loss (reused when the last iteration just did).
 
     An ``--exit-interval`` stop still gets the final evaluation: the stop is planned, and
-    the number tells where the run stands.
+    the number tells where the run stands. An ``--exit-duration-in-mins`` stop does not, as
+    in Megatron: the time is up.
     """
     trainer = Trainer(config, engine, lr_scheduler, model_config, train_loader_factory,
                       valid_loader_factory, metrics_writer, device, loss_fn, run_control)
     trainer.train()
+    out_of_time = run_control.out_of_time if run_control is not None else None
     return TrainingSummary(
         iterations=trainer.iteration,
         consumed_samples=trainer.consumed_samples,
         skipped_iterations=trainer.skipped_iterations,
-        final_valid_loss=trainer.evaluate_validation(),
+        final_valid_loss=None if out_of_time else trainer.evaluate_validation(),
+        stop_reason=out_of_time,
     )

@@ -107,6 +107,10 @@ class AnnealingLR(ParamGroupSchedule):
     iterations: as in Megatron, the loop calls ``step(0)`` before training and ``step(i)``
     after iteration ``i``, so the optimizer step of iteration ``i + 1`` uses ``lr(i)`` (the
     first warmup step runs at lr 0).
+
+    A param group holding its own ``"max_lr"`` (and perhaps ``"min_lr"``) follows the same
+    curve between its own bounds, as in Megatron's scheduler (its ``--decoupled-lr`` group
+    of embedding and output weights); every other group gets ``lr(i)``.
     """
 
     checked_fields = ("max_lr", "min_lr", "warmup_iters", "decay_iters", "decay_style")
@@ -130,24 +134,34 @@ class AnnealingLR(ParamGroupSchedule):
         self.decay_style = decay_style
         self.num_iters = 0
 
-    def get_lr(self, iteration: int) -> float:
-        """The learning rate after ``iteration`` completed iterations; no side effects."""
+    def get_lr(self, iteration: int, max_lr: float | None = None,
+               min_lr: float | None = None) -> float:
+        """The learning rate after ``iteration`` completed iterations (between ``max_lr`` and
+        ``min_lr`` if given, else the schedule's); no side effects."""
         if iteration < 0:
             raise ValueError(f"iteration must not be negative, got {iteration}")
+        max_lr = self.max_lr if max_lr is None else max_lr
+        min_lr = self.min_lr if min_lr is None else min_lr
         if self.warmup_iters > 0 and iteration <= self.warmup_iters:
-            return self.max_lr * iteration / self.warmup_iters
+            return max_lr * iteration / self.warmup_iters
         if self.decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if iteration > self.decay_iters:
-            return self.min_lr
+            return min_lr
         decay_ratio = (iteration - self.warmup_iters) / (self.decay_iters - self.warmup_iters)
         coefficient = 1.0 - decay_ratio if self.decay_style == "linear" else _cosine(decay_ratio)
-        return self.min_lr + coefficient * (self.max_lr - self.min_lr)
+        return min_lr + coefficient * (max_lr - min_lr)
 
     def step(self, iteration: int) -> float:
-        """Set every param group's lr to ``get_lr(iteration)``; returns that lr."""
+        """Set every param group's lr for ``iteration`` (``get_lr(iteration)``, or the curve
+        between the group's own ``max_lr`` and ``min_lr``); returns ``get_lr(iteration)``."""
         self.num_iters = iteration
-        return self._set_lr(self.get_lr(iteration))
+        lr = self._set_lr(self.get_lr(iteration))
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                if "max_lr" in group:
+                    group["lr"] = self.get_lr(iteration, group["max_lr"], group.get("min_lr"))
+        return lr
 
     def _resume(self, state: dict[str, Any]) -> None:
         self.step(int(state["num_iters"]))
