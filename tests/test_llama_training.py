@@ -255,3 +255,34 @@ def test_flops_formula_generalizes_the_gpt2_one():
     head = 4.5 * llama.padded_vocab_size * 4096
     assert flops_per_token(llama, 4096, False) == pytest.approx(dense + attention + head,
                                                                 rel=1e-3)
+
+
+def _bytes_kept_for_backward(config: GPTConfig, ids: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves during one training forward."""
+    model = GPTModel(config).train()
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(ids)
+    return sum(storages.values())
+
+
+def test_selective_recompute_keeps_no_sequence_squared_activation():
+    # With attention dropout the CPU attention takes its math path, which keeps the
+    # (batch, heads, T, T) probabilities and dropout output; selective recomputation keeps
+    # only the core's inputs, like a run whose attention keeps nothing of size T^2.
+    T, batch, heads, layers = 256, 2, 4, 2
+    shape = dict(num_layers=layers, hidden_size=64, num_attention_heads=heads, vocab_size=100,
+                 max_position_embeddings=T, hidden_dropout=0.0, position_embedding_type="rope")
+    ids = torch.randint(0, 100, (batch, T), generator=torch.Generator().manual_seed(0))
+    plain = _bytes_kept_for_backward(GPTConfig(**shape, attention_dropout=0.1), ids)
+    selective = _bytes_kept_for_backward(
+        GPTConfig(**shape, attention_dropout=0.1, recompute_attention=True), ids)
+    fused = _bytes_kept_for_backward(GPTConfig(**shape, attention_dropout=0.0), ids)
+    one_square_per_layer = layers * batch * heads * T * T * 4
+    assert plain - selective >= 2 * one_square_per_layer
+    assert selective <= fused
