@@ -114,12 +114,19 @@ class RunControl:
             saved = None  # no readable checkpoint there: the load below says why
         if saved is not None:
             self._check_architecture(self.config.load, saved)
+        # A checkpoint made by megatron_lite.import_hf holds Hugging Face weights and only
+        # placeholder optimizer state: the run's own optimizer flags and schedule apply.
+        imported = bool(saved and saved.get("imported_from_hf"))
+        weights_only = self.config.no_load_optim or imported
         path, client = self.engine.load_checkpoint(
-            self.config.load, load_optimizer_states=not self.config.no_load_optim
+            self.config.load, load_optimizer_states=not weights_only
         )
         trainer.load_state_dict(client)
-        if not self.config.no_load_optim and client.get("lr_scheduler"):
+        if not weights_only and client.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(client["lr_scheduler"], strict=False)
+        if imported:
+            trainer.log(f"{path} was imported from {saved['imported_from_hf']}: its weights "
+                        "are loaded, the optimizer starts fresh with this run's settings")
         self.last_saved_iteration = trainer.iteration
         trainer.log(f"resumed from {path} at iteration {trainer.iteration} "
                        f"({trainer.consumed_samples} consumed samples)")

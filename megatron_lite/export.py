@@ -1,12 +1,19 @@
-"""Consolidate a sharded checkpoint into a Hugging Face GPT-2 directory and an fp32 state dict.
+"""Consolidate a sharded checkpoint into a Hugging Face directory and an fp32 state dict.
 
     python -m megatron_lite.export --load CKPT_DIR --out HF_DIR [--tag iter_0001000]
-        [--fp32-state-dict model_fp32.safetensors]
+        [--fp32-state-dict model_fp32.safetensors] [--bos-token-id N] [--eos-token-id N]
 
 Runs in one process with no process group: the shards are memory-mapped and read parameter
-by parameter, whatever world size wrote them. The HF directory (config.json +
-model.safetensors, the padded vocabulary rows dropped) loads with
-``GPT2LMHeadModel.from_pretrained``.
+by parameter, whatever world size wrote them. The architecture is the one the checkpoint's
+``model_config`` describes (checkpoints written before a switch existed read it as its
+default, GPT-2's): GPT-2 (learned positions, LayerNorm, GELU) loads with
+``GPT2LMHeadModel.from_pretrained``, Llama (rope, RMSNorm, SwiGLU, with or without grouped
+queries, an untied head, biases) with ``LlamaForCausalLM.from_pretrained``; any other mix is
+refused with the reason. The padded vocabulary rows are dropped.
+
+The checkpoint does not know its tokenizer: give its bos/eos ids to have ``generate`` stop
+at the end of a text; without them GPT-2 gets <|endoftext|> (50256) when the vocabulary is
+GPT-2's size, Llama gets none.
 """
 
 from __future__ import annotations
@@ -49,14 +56,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_lite.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, help="checkpoint directory (with 'latest')")
-    parser.add_argument("--out", required=True, help="Hugging Face GPT-2 directory to write")
+    parser.add_argument("--out", required=True,
+                        help="Hugging Face directory to write (GPT-2 or Llama, as the "
+                             "checkpoint's model_config says)")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
     parser.add_argument("--fp32-state-dict", default=None,
                         help="also write the consolidated fp32 parameters (safetensors)")
+    parser.add_argument("--bos-token-id", type=int, default=None,
+                        help="the tokenizer's beginning-of-text id, for the HF config")
+    parser.add_argument("--eos-token-id", type=int, default=None,
+                        help="the tokenizer's end-of-text id, for the HF config")
     args = parser.parse_args(argv)
     try:
         model = load_consolidated_model(args.load, args.tag)
-        to_hf(model, args.out)
+        to_hf(model, args.out, bos_token_id=args.bos_token_id,
+              eos_token_id=args.eos_token_id)
         if args.fp32_state_dict:
             save_file({n: p.detach().contiguous() for n, p in model.named_parameters()},
                       args.fp32_state_dict)

@@ -1,7 +1,12 @@
-"""Conversion between `GPTModel` and Hugging Face `GPT2LMHeadModel` checkpoints.
+"""Conversion between `GPTModel` and Hugging Face checkpoints: GPT-2 and Llama.
 
-The two architectures are the same network under different names, with three differences in
-storage that the converter handles:
+`from_hf` reads either architecture (dispatching on `config.model_type`); `to_hf` writes the
+one a `GPTConfig` describes: GPT-2 for learned positions, LayerNorm, GELU, biases and a tied
+head; Llama (`megatron_lite.hf_llama`) for rotary positions, RMSNorm and SwiGLU. Any other
+mix of Megatron's switches has no Hugging Face counterpart here and is refused.
+
+GPT-2 is the same network as GPTModel's defaults under different names, with three
+differences in storage that the converter handles:
 
 - HF GPT-2 keeps its projections in `Conv1D` modules whose weight is (in, out), the
   transpose of `nn.Linear`'s (out, in).
@@ -21,14 +26,36 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel
+from transformers import (
+    AutoConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaForCausalLM,
+    PreTrainedConfig,
+    PreTrainedModel,
+)
 
+from megatron_lite.hf_llama import (
+    LLAMA_NEEDS,
+    check_loading_info,
+    gpt_config_from_llama,
+    llama_config_from_gpt,
+    llama_from_hf,
+    llama_problems,
+    llama_to_hf,
+    load_llama,
+)
 from megatron_lite.model import GPTConfig, GPTModel
 
 # Activations numerically identical to F.gelu(approximate="tanh"), the one GPTModel uses.
 TANH_GELU_NAMES = ("gelu_new", "gelu_pytorch_tanh")
 # GPT-2's tokenizer puts <|endoftext|> (its BOS and EOS) at the last of its 50257 ids.
 GPT2_END_OF_TEXT_ID = 50256
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
+HF_MODEL_CLASSES = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM}
+# What each Hugging Face architecture needs, for the error that names a mix neither has.
+REQUIREMENTS = ("GPT-2 needs learned positions, LayerNorm, GELU, biases, a tied head and "
+                f"one key/value head per query head; {LLAMA_NEEDS}")
 
 
 @dataclass(frozen=True)
@@ -40,15 +67,19 @@ class _TensorPair:
     transpose: bool = False
 
 
-def from_hf(path_or_model: str | os.PathLike | GPT2LMHeadModel, *,
+def from_hf(path_or_model: str | os.PathLike | PreTrainedModel, *,
             make_vocab_size_divisible_by: int = 128, seed: int = 1234) -> GPTModel:
-    """Build an fp32 CPU `GPTModel` holding the weights of a Hugging Face GPT-2.
+    """Build an fp32 CPU `GPTModel` holding the weights of a Hugging Face GPT-2 or Llama.
 
     `path_or_model` is a local checkpoint directory (config.json + weights) or a
-    `GPT2LMHeadModel` instance. `seed` only decides the padded vocabulary rows, which HF
-    does not have, and becomes the seed of the returned model's config.
+    `GPT2LMHeadModel` / `LlamaForCausalLM` instance. `seed` only decides the padded
+    vocabulary rows, which HF does not have, and becomes the seed of the returned model's
+    config.
     """
     hf_model = _load_hf_model(path_or_model)
+    if hf_model.config.model_type == "llama":
+        return llama_from_hf(hf_model, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                             seed=seed)
     config = gpt_config_from_hf(hf_model.config,
                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                 seed=seed)
@@ -71,13 +102,21 @@ def from_hf(path_or_model: str | os.PathLike | GPT2LMHeadModel, *,
     return model
 
 
-def to_hf(model: GPTModel, out_dir: str | os.PathLike) -> None:
-    """Write `model` as a GPT-2 checkpoint directory (config.json + model.safetensors)
-    that `GPT2LMHeadModel.from_pretrained(out_dir)` loads.
+def to_hf(model: GPTModel, out_dir: str | os.PathLike, *, bos_token_id: int | None = None,
+          eos_token_id: int | None = None) -> None:
+    """Write `model` as the Hugging Face checkpoint directory its config describes (see
+    `hf_architecture`): GPT-2 (config.json + model.safetensors, `GPT2LMHeadModel`) or Llama
+    (plus generation_config.json, `LlamaForCausalLM`).
 
     The model must hold full parameters (not sharded, not on the meta device); tensors are
-    written in the parameters' own dtype.
+    written in the parameters' own dtype. bos/eos ids belong to the tokenizer: written when
+    given; otherwise GPT-2 gets its <|endoftext|> when the vocabulary is as large as GPT-2's
+    and Llama gets none. HF Llama has no hidden dropout: a Llama-shaped model trained with
+    hidden_dropout > 0 exports without it (dropout only acts in training).
     """
+    if hf_architecture(model.config) == "llama":
+        llama_to_hf(model, out_dir, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+        return
     config = model.config
     params = dict(model.named_parameters())
     tensors: dict[str, torch.Tensor] = {}
@@ -94,15 +133,62 @@ def to_hf(model: GPTModel, out_dir: str | os.PathLike) -> None:
         tensors[pair.theirs] = tensor.contiguous()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hf_config = hf_config_from_gpt(config)
+    hf_config = hf_config_from_gpt(config, bos_token_id=bos_token_id,
+                                   eos_token_id=eos_token_id)
     hf_config.dtype = next(iter(params.values())).dtype
     hf_config.save_pretrained(out)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def gpt_config_from_hf(hf_config: GPT2Config, *, make_vocab_size_divisible_by: int = 128,
+def hf_architecture(config: GPTConfig) -> str:
+    """"gpt2" or "llama": the Hugging Face architecture that represents `GPTModel(config)`;
+    ValueError (one line) naming the mix of switches that neither represents."""
+    gpt2, llama = gpt2_problems(config), llama_problems(config)
+    if not llama:
+        return "llama"
+    if not gpt2:
+        return "gpt2"
+    # Positions decide which architecture the model was meant to be; name what breaks it.
+    if config.position_embedding_type == "rope":
+        mix = "rope with " + ", ".join(llama)
+    elif config.position_embedding_type == "learned_absolute":
+        mix = "learned positions with " + ", ".join(gpt2)
+    else:
+        mix = f"position_embedding_type {config.position_embedding_type!r}"
+    raise ValueError(f"no Hugging Face architecture here can represent {mix} ({REQUIREMENTS})")
+
+
+def gpt2_problems(config: GPTConfig) -> list[str]:
+    """What keeps `config` from being an HF GPT-2, each as a short phrase; [] when it is one."""
+    problems = []
+    if config.position_embedding_type != "learned_absolute":
+        problems.append(f"{config.position_embedding_type} positions")
+    if config.normalization != "LayerNorm":
+        problems.append(config.normalization)
+    if config.swiglu:
+        problems.append("SwiGLU")
+    if config.num_key_value_heads != config.num_attention_heads:
+        problems.append(f"grouped-query attention ({config.num_key_value_heads} key/value "
+                        f"heads)")
+    if config.head_dim * config.num_attention_heads != config.hidden_size:
+        problems.append(f"kv_channels {config.head_dim} (hidden_size / heads is "
+                        f"{config.hidden_size / config.num_attention_heads:g})")
+    if config.untie_embeddings_and_output_weights:
+        problems.append("an untied output layer")
+    if not config.add_bias_linear:
+        problems.append("linears without biases")
+    return problems
+
+
+def gpt_config_from_hf(hf_config: PreTrainedConfig, *, make_vocab_size_divisible_by: int = 128,
                        seed: int = 1234) -> GPTConfig:
-    """The `GPTConfig` of an HF GPT-2 config; ValueError for features GPTModel lacks."""
+    """The `GPTConfig` of an HF GPT-2 or Llama config; ValueError for features GPTModel
+    lacks."""
+    model_type = _supported_model_type(hf_config)
+    if model_type == "llama":
+        return gpt_config_from_llama(hf_config,
+                                     make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                                     seed=seed)
     _check_representable(hf_config)
     return GPTConfig(
         num_layers=hf_config.n_layer,
@@ -120,8 +206,13 @@ def gpt_config_from_hf(hf_config: GPT2Config, *, make_vocab_size_divisible_by: i
     )
 
 
-def hf_config_from_gpt(config: GPTConfig) -> GPT2Config:
-    """The HF `GPT2Config` describing `GPTModel(config)` (real vocabulary, no padding)."""
+def hf_config_from_gpt(config: GPTConfig, *, bos_token_id: int | None = None,
+                       eos_token_id: int | None = None) -> PreTrainedConfig:
+    """The HF `GPT2Config` or `LlamaConfig` describing `GPTModel(config)` (real vocabulary,
+    no padding); ValueError when neither can (`hf_architecture`)."""
+    if hf_architecture(config) == "llama":
+        return llama_config_from_gpt(config, bos_token_id=bos_token_id,
+                                     eos_token_id=eos_token_id)
     # GPT-2's end-of-text id only exists in vocabularies as large as GPT-2's own.
     special_id = GPT2_END_OF_TEXT_ID if config.vocab_size > GPT2_END_OF_TEXT_ID else None
     return GPT2Config(
@@ -137,26 +228,46 @@ def hf_config_from_gpt(config: GPTConfig) -> GPT2Config:
         attn_pdrop=config.attention_dropout,
         layer_norm_epsilon=config.layernorm_epsilon,
         initializer_range=config.init_method_std,
-        bos_token_id=special_id,
-        eos_token_id=special_id,
+        bos_token_id=special_id if bos_token_id is None else bos_token_id,
+        eos_token_id=special_id if eos_token_id is None else eos_token_id,
         tie_word_embeddings=True,
         architectures=["GPT2LMHeadModel"],
     )
 
 
-def _load_hf_model(path_or_model: str | os.PathLike | GPT2LMHeadModel) -> GPT2LMHeadModel:
-    if isinstance(path_or_model, GPT2LMHeadModel):
+def _load_hf_model(path_or_model: str | os.PathLike | PreTrainedModel) -> PreTrainedModel:
+    """The HF model itself, or loaded (fp32) from a local directory after its config has
+    been checked, so an unsupported checkpoint fails before gigabytes of weights are read."""
+    if isinstance(path_or_model, PreTrainedModel):
+        model_type = _supported_model_type(path_or_model.config)
+        expected = HF_MODEL_CLASSES[model_type]
+        if not isinstance(path_or_model, expected):
+            raise TypeError(f"expected a {expected.__name__} for model_type {model_type!r}, "
+                            f"got {type(path_or_model).__name__}")
         return path_or_model
     if not isinstance(path_or_model, (str, os.PathLike)):
-        raise TypeError(f"expected a checkpoint directory or a GPT2LMHeadModel, got "
-                        f"{type(path_or_model).__name__}")
+        raise TypeError(f"expected a checkpoint directory, a GPT2LMHeadModel or a "
+                        f"LlamaForCausalLM, got {type(path_or_model).__name__}")
     path = Path(path_or_model)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint directory "
                                 f"(no config.json)")
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
-    _check_representable(hf_config)  # fail before reading gigabytes of weights
-    return GPT2LMHeadModel.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    if _supported_model_type(hf_config) == "llama":
+        return load_llama(path)
+    _check_representable(hf_config)
+    model, info = GPT2LMHeadModel.from_pretrained(path, local_files_only=True,
+                                                  dtype=torch.float32, output_loading_info=True)
+    check_loading_info(path, info)
+    return model
+
+
+def _supported_model_type(hf_config: object) -> str:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported: expected "
+                         f"{' or '.join(repr(t) for t in SUPPORTED_MODEL_TYPES)}")
+    return model_type
 
 
 def _check_representable(hf_config: object) -> None:

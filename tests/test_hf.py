@@ -162,11 +162,12 @@ def test_unrepresentable_hf_configs_are_rejected(overrides: dict, message: str) 
         from_hf(hf_model)
 
 
-def test_non_gpt2_checkpoint_directory_is_rejected(tmp_path: Path) -> None:
+def test_unsupported_model_type_is_rejected(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
+        "model_type": "mistral", "hidden_size": 16, "intermediate_size": 32,
         "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 100}))
-    with pytest.raises(ValueError, match="model_type is 'llama', expected 'gpt2'"):
+    with pytest.raises(ValueError,
+                       match="model_type 'mistral' is not supported: expected 'gpt2' or 'llama'"):
         from_hf(tmp_path)
 
 
