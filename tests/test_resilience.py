@@ -9,6 +9,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from tests.test_pretrain_cli import ENTRY_POINT, ROOT, TINY_RUN, data_prefix, read_metrics, run
 
@@ -25,16 +26,26 @@ def train_args(data_prefix, tmp_path, iters, *extra):
             "--data-cache-dir", str(tmp_path / "cache"), *extra]
 
 
-def test_resume_continues_bit_for_bit(data_prefix, tmp_path):
+# The Llama-style switches, with selective recomputation (its dropout mask is replayed).
+LLAMA_STYLE = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+               "--group-query-attention", "--num-query-groups", "2",
+               "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+               "--recompute-granularity", "selective"]
+
+
+@pytest.mark.parametrize("architecture", [[], LLAMA_STYLE], ids=["gpt2", "llama"])
+def test_resume_continues_bit_for_bit(data_prefix, tmp_path, architecture):
     full, first, resumed = (tmp_path / n for n in ("full.jsonl", "first.jsonl", "resumed.jsonl"))
     ckpt = tmp_path / "ckpt"
-    assert run(train_args(data_prefix, tmp_path, 6, "--metrics-file", str(full))).returncode == 0
+    assert run(train_args(data_prefix, tmp_path, 6, "--metrics-file", str(full),
+                          *architecture)).returncode == 0
     result = run(train_args(data_prefix, tmp_path, 6, "--metrics-file", str(first),
-                            "--save", str(ckpt), "--save-interval", "3", "--exit-interval", "3"))
+                            "--save", str(ckpt), "--save-interval", "3", "--exit-interval", "3",
+                            *architecture))
     assert result.returncode == 0, result.stderr
     assert (ckpt / "latest").read_text() == "iter_0000003"
     result = run(train_args(data_prefix, tmp_path, 6, "--metrics-file", str(resumed),
-                            "--load", str(ckpt)))
+                            "--load", str(ckpt), *architecture))
     assert result.returncode == 0, result.stderr
     assert "resumed from" in result.stdout
     expected = {r["iteration"]: r["lm_loss"] for r in read_metrics(full)[0]}
