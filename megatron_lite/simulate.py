@@ -58,6 +58,11 @@ class RankMeasurement:
     order: dict  # communicator (global ranks) -> operations, in issue order
     collectives: dict = field(default_factory=dict)
     seconds: float = 0.0
+    # With ``trace=True``: iteration 2 as an IterationTrace (zeropp.simulation.trace), and
+    # the engine's own byte accounting (``engine.comm_bytes()``'s {phase: {locality: bytes}})
+    # over the same window, for checking one against the other.
+    trace: object | None = None
+    trace_comm_bytes: dict = field(default_factory=dict)
 
 
 # Flags the simulation sets itself (the value follows in the argv).
@@ -155,17 +160,22 @@ def _stand_in_for_rank_0(save_dir: Path, rank: int, iterations: int, before: boo
 
 def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
                   save_dir: str | os.PathLike | None, quiet: bool = True,
-                  ds_config: dict | None = None) -> RankMeasurement:
+                  ds_config: dict | None = None, trace: bool = False) -> RankMeasurement:
     """Run the program as ``rank`` of ``nodes x gpus_per_node`` simulated GPUs and measure.
 
     ``save_dir`` receives the checkpoints (simulate rank 0 into it before any other rank);
     None measures three iterations without the save and the resume. ``ds_config`` replaces
-    the DeepSpeed JSON of ``argv`` (the dry run's ZeRO-3 baseline).
+    the DeepSpeed JSON of ``argv`` (the dry run's ZeRO-3 baseline). ``trace`` also records
+    iteration 2 of the first run (from the start of its ``train_step`` to the start of the
+    next, like the host syncs: the loss logging is in it) as ``RankMeasurement.trace``.
     """
     import pretrain_zeropp_gpt
     from megatron_lite.training import Trainer
+    from zeropp.comm.accounting import CommStats
     from zeropp.engine import ZeroEngine
     from zeropp.simulation import HostSyncCounter, MemoryTracker, simulated_process_group
+    from zeropp.simulation.trace import IterationTrace
+    from zeropp.simulation.tracing import TraceRecorder
 
     world_size = nodes * gpus_per_node
     if not 0 <= rank < world_size:
@@ -173,7 +183,27 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
     tracker = MemoryTracker(torch.device("meta"))
     syncs = HostSyncCounter()
     iteration_syncs: list[dict[str, int]] = []
-    measuring = {"on": False}
+    measuring = {"on": False, "steps": 0, "run": 0}
+    tracing: dict = {"recorder": None, "trace": None, "comm": None, "stats": None}
+
+    def stop_tracing() -> None:
+        recorder = tracing["recorder"]
+        if recorder is not None:
+            tracing["recorder"] = None
+            recorder.__exit__(None, None, None)
+            tracing["trace"].events = recorder.events
+
+    def start_tracing(trainer) -> None:
+        config, world = trainer.config, trainer.engine.topology.world_size
+        tokens = config.global_batch_size * config.seq_length // world  # data parallel
+        tracing["trace"] = IterationTrace(
+            rank=rank, world_size=world_size, ranks_per_node=gpus_per_node,
+            tokens_per_iteration=tokens,
+            model_flops_per_iteration=trainer.flops_per_token * tokens,
+            dtype_bytes=trainer.engine.sharded.dtype.itemsize)
+        tracing["comm"] = {}
+        tracing["stats"] = trainer.engine.comm_stats  # not qgZ's private, untracked ones
+        tracing["recorder"] = TraceRecorder(torch.device("meta"), phase="forward").__enter__()
 
     def iteration(step):
         # Host syncs are counted from the start of one iteration to the start of the next,
@@ -185,16 +215,32 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
             else:
                 iteration_syncs.append(dict(syncs.counts))
             syncs.reset()
+            measuring["steps"] += 1
+            stop_tracing()  # the traced iteration ends where the next one starts
+            if trace and measuring["run"] == 0 and measuring["steps"] == 2:
+                start_tracing(self)
             return step(self, batches)
         return run
 
     def in_phase(label):
         def wrap(method):
             def run(self, *args, **kwargs):
+                if tracing["recorder"] is not None:
+                    tracing["recorder"].set_phase(label.split()[0])  # "optimizer step"
                 with tracker.phase(label):
                     return method(self, *args, **kwargs)
             return run
         return wrap
+
+    def accounted(record):
+        def run(self, phase, spans_nodes, nbytes):
+            if tracing["recorder"] is not None and self is tracing["stats"] and self.enabled \
+                    and nbytes:
+                by_locality = tracing["comm"].setdefault(phase, {})
+                where = "inter_node" if spans_nodes else "intra_node"
+                by_locality[where] = by_locality.get(where, 0) + int(nbytes)
+            return record(self, phase, spans_nodes, nbytes)
+        return run
 
     started = time.perf_counter()
     statuses, run_peaks = [], []
@@ -216,16 +262,21 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
             _patched(ZeroEngine, "__call__", in_phase("forward")), \
             _patched(ZeroEngine, "backward", in_phase("backward")), \
             _patched(ZeroEngine, "step", in_phase("optimizer step")), \
+            _patched(CommStats, "record", accounted), \
             _quiet(quiet), tracker, syncs:
-        for iterations, save_to, load_from in runs:
+        for run_index, (iterations, save_to, load_from) in enumerate(runs):
+            measuring["run"], measuring["steps"] = run_index, 0
             if rank != 0 and save_to is not None:
                 _stand_in_for_rank_0(save_to, rank, iterations, before=True)
             gc.collect()  # the previous run's engine is garbage: not this run's memory
             measuring["on"] = False
-            statuses.append(pretrain_zeropp_gpt.main(training_argv(
-                argv, gpus_per_node, iterations, config_path,
-                save_dir=None if save_to is None else str(save_to),
-                load_dir=None if load_from is None else str(load_from))))
+            try:
+                statuses.append(pretrain_zeropp_gpt.main(training_argv(
+                    argv, gpus_per_node, iterations, config_path,
+                    save_dir=None if save_to is None else str(save_to),
+                    load_dir=None if load_from is None else str(load_from))))
+            finally:
+                stop_tracing()  # only if the run ended inside the traced iteration
             if statuses[-1] != 0:
                 break
             if rank != 0 and save_to is not None:
@@ -245,6 +296,7 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
         host_syncs_per_iteration=iteration_syncs[1],  # from iteration 2 to 3: steady state
         violations=violations, order=order, collectives=collectives,
         seconds=time.perf_counter() - started,
+        trace=tracing["trace"], trace_comm_bytes=tracing["comm"] or {},
     )
 
 
@@ -271,12 +323,13 @@ class ClusterMeasurement:
 
 
 def simulate_cluster(argv: list[str], nodes: int, gpus_per_node: int,
-                     quiet: bool = True) -> ClusterMeasurement:
+                     quiet: bool = True, trace: bool = False) -> ClusterMeasurement:
+    """Ranks 0 and N-1; ``trace``: rank 0 also records a steady iteration's trace."""
     from zeropp.simulation import compare_orders
 
     world_size = nodes * gpus_per_node
     with tempfile.TemporaryDirectory(prefix="zeropp-sim-") as save_dir:
-        first = simulate_rank(argv, 0, nodes, gpus_per_node, save_dir, quiet)
+        first = simulate_rank(argv, 0, nodes, gpus_per_node, save_dir, quiet, trace=trace)
         last = simulate_rank(argv, world_size - 1, nodes, gpus_per_node, save_dir, quiet) \
             if world_size > 1 else first
     return ClusterMeasurement(first, last, compare_orders(first.order, last.order))
@@ -310,10 +363,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sim-nodes", type=int, default=1)
     parser.add_argument("--sim-gpus-per-node", type=int, default=8)
     parser.add_argument("--verbose", action="store_true", help="Show the program's own output.")
+    parser.add_argument("--trace", metavar="FILE.json", default=None,
+                        help="Write rank 0's steady-state iteration (iteration 2) as an "
+                        "IterationTrace (zeropp.simulation.trace) to this JSON file.")
     options = parser.parse_args(own)
     measurement = simulate_cluster(program, options.sim_nodes, options.sim_gpus_per_node,
-                                   quiet=not options.verbose)
+                                   quiet=not options.verbose, trace=options.trace is not None)
     print(render(measurement), flush=True)
+    if options.trace is not None:
+        measurement.first.trace.to_json(options.trace)
+        print(f"trace of rank 0's iteration 2: {options.trace} "
+              f"({len(measurement.first.trace.events)} events)", flush=True)
     clean = not measurement.order_mismatches and not measurement.first.violations \
         and not measurement.last.violations
     return 0 if clean else 1

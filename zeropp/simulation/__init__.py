@@ -4,6 +4,8 @@
   enforces what NCCL requires (tensors on the engine's device, collectives from the training
   thread, async tensors held until ``wait()``) and records each communicator's issue order.
 - ``MemoryTracker``: live and peak bytes of the simulated device, by category.
+- ``TraceRecorder``: one iteration as an ``IterationTrace`` (kernels with FLOPs and bytes,
+  launches of collectives on lanes, waits), for the step-time model.
 - ``HostSyncCounter``: host reads of device values (``item``, ``bool``, ``tolist``, ``cpu``),
   by call site.
 
@@ -14,5 +16,7 @@ model (streams become no-ops), so what is measured is the GPU path, not the CPU 
 
 from zeropp.simulation.backend import compare_orders, simulated_process_group
 from zeropp.simulation.measure import HostSyncCounter, MemoryTracker
+from zeropp.simulation.tracing import TraceRecorder
 
-__all__ = ["HostSyncCounter", "MemoryTracker", "compare_orders", "simulated_process_group"]
+__all__ = ["HostSyncCounter", "MemoryTracker", "TraceRecorder", "compare_orders",
+           "simulated_process_group"]

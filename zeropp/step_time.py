@@ -1,0 +1,379 @@
+"""A step-time model: seconds per iteration of one rank's trace on a described cluster.
+
+``predict(trace, cluster)`` replays an ``IterationTrace`` (zeropp/simulation/trace.py) with
+roofline costs for kernels and alpha-beta costs for collectives, under the CUDA execution
+model of zeropp/comm/streams.py: one compute stream, two side lanes ("gather", "reduce").
+
+[Note: collective cost model]
+Notation: a collective's group has n ranks on k nodes, m of them on this rank's node (rank r
+is on node r // ranks_per_node; groups are assumed symmetric, as ZeRO's are: every node holds
+the same number of the group's ranks). S is the full buffer: the all_gather's output, the
+reduce_scatter's and all_reduce's input, the broadcast's output, the all_to_all's input.
+Bandwidths are bytes/s, latencies seconds. The model is the alpha-beta (Hockney) model with
+NCCL's conventions: nccl-tests' "bus bandwidth" (doc/PERFORMANCE.md: busbw = algbw *
+(n-1)/n for all_gather/reduce_scatter, * 2(n-1)/n for all_reduce) and NCCL's own tuning
+model (src/graph/tuning.cc, ncclTopoTuneModel: ring latency = (nsteps - nInterSteps) *
+intraLat + nInterSteps * interLat, nInterSteps = nNodes - 1 for all_gather/reduce_scatter).
+
+Ring all_gather / reduce_scatter ("ring", NCCL's only algorithm for them):
+    t = (n-1)/n * S / B  +  (n-k) * alpha_intra + (k-1) * alpha_inter
+  k == 1: B = B_intra (NVLink/NVSwitch per GPU, one direction).
+  k > 1:  B = min(B_intra if m > 1, B_nic_node * m / ranks_per_node), B_nic_node = nics *
+  bw_per_nic. Why m / ranks_per_node: a ring ordered by node crosses each node boundary once
+  per direction (per channel; NCCL spreads its channels over the node's NICs, so one ring
+  can use all of them: nccl-tests busbw across DGX nodes approaches the node's NIC total).
+  Every rank runs the same collective on its own group (SPMD), so ranks_per_node / m
+  disjoint groups cross the same NICs at once and share them. For ZeRO-3's world group
+  (m = ranks_per_node) the ring gets the whole node's NICs; for ZeRO++ qgZ's inter-node
+  groups (m = 1) each of the node's ranks gets 1/ranks_per_node of them.
+  (The brief that asked for this module proposed B = nics * bw_per_nic / m. For the world
+  group that is m times below NCCL's measured bus bandwidth, because only one ring edge per
+  node crosses the network, so it is not used; the rule above agrees with it when m = 1 and
+  ranks_per_node = 1, and in the NIC-count scaling: 4 NICs make the inter-node term 4x
+  faster either way.)
+all_reduce = reduce_scatter(S) + all_gather(S) for "ring" and "direct" (Rabenseifner; NCCL's
+  ring all_reduce is exactly these two passes: 2(n-1) steps, 2(n-1)/n * S bytes per rank).
+  "tree" (NCCL's double binary tree, all_reduce only): t = 2 * S / B + 2 * ((m-1) *
+  alpha_intra + ceil(log2 k) * alpha_inter) (tuning.cc: tree algbw = busbw / 2, tree latency).
+broadcast (pipelined ring/chain): t = S / B + (n-k) * alpha_intra + (k-1) * alpha_inter
+  ("tree": latency 2 * ((m-1) * alpha_intra + ceil(log2 k) * alpha_inter)).
+all_to_all, and all_gather/reduce_scatter under "direct" (every rank exchanges with every
+  peer at once, e.g. gloo or NCCL's grouped send/recv): each rank sends (n-1)/n * S, of
+  which (m-1)/n * S stays in the node and (n-m)/n * S crosses it. All ranks_per_node ranks of
+  the node do so at once, so each gets B_nic_node / ranks_per_node of the NICs:
+    t = max((m-1)/n * S / B_intra, (n-m)/n * S / (B_nic_node / ranks_per_node)) + alpha
+  with alpha = alpha_inter if k > 1 else alpha_intra (one round of concurrent messages).
+A group of one rank costs nothing.
+
+[Note: replay and link contention]
+Events are issued in order. A ComputeOp advances the compute stream by its roofline time
+``max(flops / (peak * gemm_fraction), bytes / (hbm * hbm_fraction))`` (ops with flops == 0
+are memory-bound by the same formula). A side-lane Launch starts at max(compute stream time at
+its issue point, the lane's free time) (the lane first waits for the compute stream, as
+CudaExecution does) and runs its ``compute_ops`` (if the trace has them: quantize/dequantize
+kernels) and then its collectives in order; side-lane kernels are not charged against the
+compute stream's SMs. A Wait sets compute = max(compute, launch end); the gap is the launch's
+*exposed* time. A Launch on lane "compute" runs in place: all of it is exposed.
+Contention rule: the node's NICs are one timeline. Any collective that crosses nodes (k > 1),
+from either lane or in place, starts no earlier than the previous cross-node collective
+ended, in issue order, and holds the timeline for its whole duration (its intra-node part
+included, so this slightly over-serializes). Intra-node traffic of the two lanes is not
+contended (NVSwitch is non-blocking; two rings on one GPU's links would share them, which
+this ignores). The iteration ends when the compute stream and both lanes are done.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from zeropp.simulation.trace import Collective, ComputeOp, IterationTrace, Launch, Wait
+
+ALGORITHMS = ("ring", "tree", "direct")
+SIDE_LANES = ("gather", "reduce")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A homogeneous GPU (or CPU) cluster; all rates are achievable-peak inputs, SI units."""
+
+    name: str
+    peak_flops: float  # FLOP/s of the 16-bit working dtype (fp16/bf16 tensor cores), dense
+    peak_flops_fp32: float  # FLOP/s for an fp32 working dtype
+    gemm_fraction: float  # achievable fraction of peak for ops with flops > 0
+    memory_bandwidth: float  # HBM bytes/s
+    memory_fraction: float  # achievable fraction of HBM bandwidth for memory-bound ops
+    ranks_per_node: int
+    intra_node_bandwidth: float  # bytes/s per GPU, one direction (NVLink/NVSwitch)
+    intra_node_latency: float  # seconds per ring step inside a node
+    nics_per_node: int
+    nic_bandwidth: float  # bytes/s per NIC, one direction
+    inter_node_latency: float  # seconds per ring step across nodes
+    algorithm: str = "ring"
+    nodes: int | None = None  # None: as many as the trace's world size needs
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm {self.algorithm!r} not in {ALGORITHMS}")
+        if self.ranks_per_node < 1 or self.nics_per_node < 1:
+            raise ValueError("ranks_per_node and nics_per_node must be at least 1")
+
+    @property
+    def node_nic_bandwidth(self) -> float:
+        """All of one node's NICs together, bytes/s one direction."""
+        return self.nics_per_node * self.nic_bandwidth
+
+    def peak_for(self, dtype_bytes: int) -> float:
+        """Peak FLOP/s for the working dtype: 16-bit types use the tensor-core figure."""
+        return self.peak_flops if dtype_bytes <= 2 else self.peak_flops_fp32
+
+
+def _gbit(gbps: float) -> float:
+    """Network rates are quoted in decimal Gbit/s; the model works in bytes/s."""
+    return gbps * 1e9 / 8
+
+
+# Achievable fractions are *assumptions*, not datasheet figures: large cuBLAS GEMMs reach
+# roughly 70-85% of tensor-core peak and STREAM-like kernels 80-90% of HBM bandwidth on
+# V100/A100/H100; calibrate with measured kernels before trusting absolute numbers.
+_GEMM_FRACTION = 0.7
+_MEMORY_FRACTION = 0.8
+# Per-step latencies from NCCL's tuning model (src/graph/tuning.cc, hwLat, Ring/Simple):
+# NVLink 3.4 us, network 9.6 us (baseLat's per-call constant is left out).
+_NVLINK_LATENCY = 3.4e-6
+_NET_LATENCY = 9.6e-6
+
+
+def _dgx2(gbps_per_node: int) -> ClusterSpec:
+    # NVIDIA DGX-2 datasheet: 16x Tesla V100 32GB, 2 PFLOPS tensor (= 125 TFLOP/s per GPU,
+    # also the V100 datasheet's fp16 tensor-core peak), V100 fp32 15.7 TFLOP/s (SXM2
+    # datasheet), HBM2 900 GB/s, NVSwitch 300 GB/s bidirectional per GPU = 150 GB/s each
+    # way. The datasheet ships 8x 100 Gb/s InfiniBand; the variants model nodes with fewer
+    # of them in use (100, 200, 400, 800 Gb/s per node = 1, 2, 4, 8 NICs of 100 Gb/s), the
+    # low-bandwidth settings the ZeRO++ paper targets.
+    nics = gbps_per_node // 100
+    return ClusterSpec(
+        name=f"dgx2_{gbps_per_node}g", peak_flops=125e12, peak_flops_fp32=15.7e12,
+        gemm_fraction=_GEMM_FRACTION, memory_bandwidth=900e9,
+        memory_fraction=_MEMORY_FRACTION, ranks_per_node=16, intra_node_bandwidth=150e9,
+        intra_node_latency=_NVLINK_LATENCY, nics_per_node=nics, nic_bandwidth=_gbit(100),
+        inter_node_latency=_NET_LATENCY)
+
+
+CLUSTERS: dict[str, ClusterSpec] = {
+    **{c.name: c for c in (_dgx2(g) for g in (100, 200, 400, 800))},
+    # NVIDIA DGX A100 datasheet / A100 datasheet: 8x A100-SXM4-80GB, 312 TFLOP/s bf16 dense,
+    # 19.5 TFLOP/s fp32 (non-tensor), 2,039 GB/s HBM2e (~2.0 TB/s), NVLink3 600 GB/s
+    # bidirectional = 300 GB/s each way, 8x single-port ConnectX-6 200 Gb/s HDR InfiniBand.
+    "dgx_a100": ClusterSpec(
+        name="dgx_a100", peak_flops=312e12, peak_flops_fp32=19.5e12,
+        gemm_fraction=_GEMM_FRACTION, memory_bandwidth=2.0e12,
+        memory_fraction=_MEMORY_FRACTION, ranks_per_node=8, intra_node_bandwidth=300e9,
+        intra_node_latency=_NVLINK_LATENCY, nics_per_node=8, nic_bandwidth=_gbit(200),
+        inter_node_latency=_NET_LATENCY),
+    # NVIDIA DGX H100 datasheet / H100 SXM5 datasheet: 8x H100 80GB, 989 TFLOP/s bf16 dense
+    # (1,979 with sparsity), 67 TFLOP/s fp32, 3.35 TB/s HBM3, NVLink4 900 GB/s bidirectional
+    # = 450 GB/s each way, 8x single-port ConnectX-7 400 Gb/s NDR InfiniBand.
+    "dgx_h100": ClusterSpec(
+        name="dgx_h100", peak_flops=989e12, peak_flops_fp32=67e12,
+        gemm_fraction=_GEMM_FRACTION, memory_bandwidth=3.35e12,
+        memory_fraction=_MEMORY_FRACTION, ranks_per_node=8, intra_node_bandwidth=450e9,
+        intra_node_latency=_NVLINK_LATENCY, nics_per_node=8, nic_bandwidth=_gbit(400),
+        inter_node_latency=_NET_LATENCY),
+}
+
+# The lab's inter-node link rates, TCP goodput measured node 0 -> node 1 by
+# scripts/bench/check_links.py (docs/lab.md, "Link 100mbit" / "Link 1gbit").
+LAB_LINK_BITS_PER_SECOND = {"100mbit": 96e6, "1gbit": 975e6}
+# Loopback inside a lab node: docs/lab.md measured 7-18 Gbit/s; the low end is the default.
+LAB_LOOPBACK_BITS_PER_SECOND = 7e9
+
+
+def lab_cluster(compute_flops: float, memory_bandwidth: float, link_bits_per_second: float,
+                ranks_per_node: int = 2, nodes: int = 2, *,
+                intra_node_bits_per_second: float = LAB_LOOPBACK_BITS_PER_SECOND,
+                intra_node_latency: float = 0.0, inter_node_latency: float = 0.0,
+                algorithm: str = "ring") -> ClusterSpec:
+    """This machine's CPU lab (README "A low-bandwidth cluster on one machine", docs/lab.md).
+
+    ``nodes`` network namespaces of ``ranks_per_node`` CPU ranks; each node has one veth
+    shaped by tbf to ``link_bits_per_second`` each way (one "NIC"), ranks of a node talk over
+    loopback. All inputs are measured rates (``compute_flops`` and ``memory_bandwidth`` of
+    one rank as measured, hence fractions of 1.0 and one peak for every dtype), nothing is
+    fitted. The latencies default to 0 because the lab has not measured them.
+    """
+    return ClusterSpec(
+        name=f"lab_{nodes}x{ranks_per_node}_{link_bits_per_second / 1e6:g}mbit",
+        peak_flops=compute_flops, peak_flops_fp32=compute_flops, gemm_fraction=1.0,
+        memory_bandwidth=memory_bandwidth, memory_fraction=1.0,
+        ranks_per_node=ranks_per_node, intra_node_bandwidth=intra_node_bits_per_second / 8,
+        intra_node_latency=intra_node_latency, nics_per_node=1,
+        nic_bandwidth=link_bits_per_second / 8, inter_node_latency=inter_node_latency,
+        algorithm=algorithm, nodes=nodes)
+
+
+# -- costs ---------------------------------------------------------------------------------
+
+def compute_seconds(op: ComputeOp, cluster: ClusterSpec, dtype_bytes: int = 2) -> float:
+    """Roofline: max(flops / (peak * gemm_fraction), bytes / (hbm * memory_fraction))."""
+    flop_time = op.flops / (cluster.peak_for(dtype_bytes) * cluster.gemm_fraction)
+    byte_time = op.bytes / (cluster.memory_bandwidth * cluster.memory_fraction)
+    return max(flop_time, byte_time)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    n: int  # ranks in the group
+    k: int  # nodes it spans
+    m: int  # its ranks on this rank's node
+
+
+def _shape(collective: Collective, cluster: ClusterSpec, rank: int) -> _Shape:
+    group = collective.group
+    if rank not in group:
+        raise ValueError(f"rank {rank} is not in {collective.name}'s group {group}")
+    nodes = {r // cluster.ranks_per_node for r in group}
+    here = rank // cluster.ranks_per_node
+    return _Shape(len(group), len(nodes),
+                  sum(1 for r in group if r // cluster.ranks_per_node == here))
+
+
+def _full_bytes(collective: Collective) -> int:
+    if collective.name in ("all_gather", "broadcast"):
+        return collective.output_bytes
+    return collective.input_bytes  # reduce_scatter, all_reduce, all_to_all
+
+
+def _ring_bandwidth(s: _Shape, cluster: ClusterSpec) -> float:
+    """The slowest link a ring crosses (see [Note: collective cost model])."""
+    if s.k == 1:
+        return cluster.intra_node_bandwidth
+    share = cluster.node_nic_bandwidth * s.m / cluster.ranks_per_node
+    return min(cluster.intra_node_bandwidth, share) if s.m > 1 else share
+
+
+def _ring_latency(s: _Shape, cluster: ClusterSpec) -> float:
+    # NCCL: (nsteps - nInterSteps) * intraLat + nInterSteps * interLat, per pass.
+    return (s.n - s.k) * cluster.intra_node_latency + (s.k - 1) * cluster.inter_node_latency
+
+
+def _tree_latency(s: _Shape, cluster: ClusterSpec) -> float:
+    return 2 * ((s.m - 1) * cluster.intra_node_latency
+                + math.ceil(math.log2(s.k)) * cluster.inter_node_latency)
+
+
+def _direct_seconds(s: _Shape, size: float, cluster: ClusterSpec) -> float:
+    intra = (s.m - 1) / s.n * size / cluster.intra_node_bandwidth
+    inter = 0.0
+    if s.k > 1:
+        inter = (s.n - s.m) / s.n * size / (cluster.node_nic_bandwidth / cluster.ranks_per_node)
+    alpha = cluster.inter_node_latency if s.k > 1 else cluster.intra_node_latency
+    return max(intra, inter) + alpha
+
+
+def _gather_or_scatter_seconds(s: _Shape, size: float, cluster: ClusterSpec) -> float:
+    if cluster.algorithm == "direct":
+        return _direct_seconds(s, size, cluster)
+    # "tree" has no all_gather/reduce_scatter in NCCL: they stay rings.
+    return (s.n - 1) / s.n * size / _ring_bandwidth(s, cluster) + _ring_latency(s, cluster)
+
+
+def collective_seconds(collective: Collective, cluster: ClusterSpec, rank: int) -> float:
+    """Seconds one collective takes for ``rank`` (see [Note: collective cost model])."""
+    s = _shape(collective, cluster, rank)
+    if s.n == 1:
+        return 0.0
+    size = float(_full_bytes(collective))
+    name = collective.name
+    if name in ("all_gather", "reduce_scatter"):
+        return _gather_or_scatter_seconds(s, size, cluster)
+    if name == "all_reduce":
+        if cluster.algorithm == "tree":
+            return 2 * size / _ring_bandwidth(s, cluster) + _tree_latency(s, cluster)
+        return 2 * _gather_or_scatter_seconds(s, size, cluster)
+    if name == "all_to_all":
+        return _direct_seconds(s, size, cluster)
+    if name == "broadcast":
+        latency = (_tree_latency(s, cluster) if cluster.algorithm == "tree"
+                   else _ring_latency(s, cluster))
+        return size / _ring_bandwidth(s, cluster) + latency
+    raise ValueError(f"unknown collective {name!r}")
+
+
+def _crosses_nodes(collective: Collective, cluster: ClusterSpec) -> bool:
+    return len({r // cluster.ranks_per_node for r in collective.group}) > 1
+
+
+# -- replay --------------------------------------------------------------------------------
+
+@dataclass
+class StepPrediction:
+    """What one iteration costs; per-(phase, lane) dicts are keyed ``(phase, lane)``."""
+
+    cluster: str
+    seconds: float  # per iteration: the compute stream and every lane done
+    tflops_per_gpu: float  # model_flops_per_iteration / seconds / 1e12 (Megatron's basis)
+    compute_busy_seconds: float  # sum of the compute stream's kernels
+    comm_seconds: dict[tuple[str, str], float] = field(default_factory=dict)
+    exposed_comm_seconds: dict[tuple[str, str], float] = field(default_factory=dict)
+    lane_compute_seconds: dict[str, float] = field(default_factory=dict)  # side-lane kernels
+
+    @property
+    def total_comm_seconds(self) -> float:
+        return sum(self.comm_seconds.values())
+
+    @property
+    def total_exposed_seconds(self) -> float:
+        return sum(self.exposed_comm_seconds.values())
+
+
+def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
+    """Replay ``trace`` on ``cluster`` (see [Note: replay and link contention])."""
+    if trace.ranks_per_node != cluster.ranks_per_node:
+        # The trace's groups (hpZ's, qgZ's) were built for its own placement.
+        raise ValueError(f"trace has {trace.ranks_per_node} ranks per node, cluster "
+                         f"{cluster.name} {cluster.ranks_per_node}")
+    if cluster.nodes is not None and trace.world_size > cluster.nodes * cluster.ranks_per_node:
+        raise ValueError(f"world size {trace.world_size} does not fit {cluster.name}")
+
+    compute = 0.0  # the compute stream's clock
+    busy = 0.0
+    lane_free = dict.fromkeys(SIDE_LANES, 0.0)
+    nic_free = 0.0  # the node's NICs: one timeline (the contention rule)
+    ends: dict[int, tuple[float, str, str]] = {}  # launch id -> (end, phase, lane)
+    comm: dict[tuple[str, str], float] = {}
+    exposed: dict[tuple[str, str], float] = {}
+    lane_kernels: dict[str, float] = {}
+
+    def run_launch(launch: Launch, start: float) -> float:
+        nonlocal nic_free
+        t = start
+        for op in getattr(launch, "compute_ops", ()) or ():
+            dt = compute_seconds(op, cluster, trace.dtype_bytes)
+            lane_kernels[launch.lane] = lane_kernels.get(launch.lane, 0.0) + dt
+            t += dt
+        key = (launch.phase, launch.lane)
+        for c in launch.collectives:
+            dt = collective_seconds(c, cluster, trace.rank)
+            if _crosses_nodes(c, cluster):
+                t = max(t, nic_free)
+                nic_free = t + dt
+            t += dt
+            comm[key] = comm.get(key, 0.0) + dt
+        return t
+
+    for event in trace.events:
+        if isinstance(event, ComputeOp):
+            dt = compute_seconds(event, cluster, trace.dtype_bytes)
+            compute += dt
+            busy += dt
+        elif isinstance(event, Launch):
+            if event.lane == "compute":
+                end = run_launch(event, compute)
+                key = (event.phase, event.lane)
+                exposed[key] = exposed.get(key, 0.0) + (end - compute)
+                compute = end
+            elif event.lane in lane_free:
+                end = run_launch(event, max(compute, lane_free[event.lane]))
+                lane_free[event.lane] = end
+            else:
+                raise ValueError(f"unknown lane {event.lane!r}")
+            if event.id in ends:
+                raise ValueError(f"launch id {event.id} issued twice")
+            ends[event.id] = (end, event.phase, event.lane)
+        elif isinstance(event, Wait):
+            if event.launch_id not in ends:
+                raise ValueError(f"wait for launch {event.launch_id} before it was issued")
+            end, phase, lane = ends[event.launch_id]
+            if end > compute:
+                key = (phase, lane)
+                exposed[key] = exposed.get(key, 0.0) + (end - compute)
+                compute = end
+        else:
+            raise TypeError(f"unknown trace event {event!r}")
+
+    seconds = max(compute, *lane_free.values())
+    tflops = trace.model_flops_per_iteration / seconds / 1e12 if seconds > 0 else 0.0
+    return StepPrediction(cluster=cluster.name, seconds=seconds, tflops_per_gpu=tflops,
+                          compute_busy_seconds=busy, comm_seconds=comm,
+                          exposed_comm_seconds=exposed, lane_compute_seconds=lane_kernels)
