@@ -40,7 +40,12 @@ from pathlib import Path
 import torch
 
 from megatron_lite.model import GPTConfig, GPTModel, lm_loss
-from zeropp.step_time import LAB_LINK_BITS_PER_SECOND, LAB_LOOPBACK_BITS_PER_SECOND, lab_cluster, predict
+from zeropp.step_time import (
+    LAB_LINK_BITS_PER_SECOND,
+    LAB_LOOPBACK_BITS_PER_SECOND,
+    lab_cluster,
+    predict,
+)
 
 # docs/lab.md, "2 nodes x 2 ranks, median of 5 iterations after 1 warm-up" (2026-11-22):
 # seconds per iteration at the link rates unlimited, 1gbit, 100mbit.
