@@ -60,6 +60,14 @@ ended, in issue order, and holds the timeline for its whole duration (its intra-
 included, so this slightly over-serializes). Intra-node traffic of the two lanes is not
 contended (NVSwitch is non-blocking; two rings on one GPU's links would share them, which
 this ignores). The iteration ends when the compute stream and both lanes are done.
+
+[Note: host-driven transports]
+On CPU ranks (the lab) gloo moves every byte through the kernel's TCP stack with the same
+cores that run the rank's kernels, so communication is not free even when a side lane hides
+its latency: the bytes a rank sends and receives cost ``bytes / host_transport_bandwidth``
+seconds of its compute stream, taken where the launch is issued. The rate is measured (TCP
+goodput between two lab nodes over an unshaped link, shared by the ranks of a core). GPUs
+leave it None: NCCL's traffic is driven by NICs and copy engines.
 """
 
 from __future__ import annotations
@@ -91,6 +99,11 @@ class ClusterSpec:
     inter_node_latency: float  # seconds per ring step across nodes
     algorithm: str = "ring"
     nodes: int | None = None  # None: as many as the trace's world size needs
+    # CPU ranks only: bytes/s of a rank's traffic (sent plus received) that its own cores can
+    # push through the transport (gloo's TCP stack). Those cores also compute, so the cost is
+    # taken from the compute stream; see [Note: host-driven transports]. None on GPUs: NCCL
+    # moves data with the NICs and copy engines, not with the cores that run the kernels.
+    host_transport_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -171,6 +184,7 @@ LAB_LOOPBACK_BITS_PER_SECOND = 7e9
 
 def lab_cluster(compute_flops: float, memory_bandwidth: float, link_bits_per_second: float,
                 ranks_per_node: int = 2, nodes: int = 2, *,
+                host_transport_bandwidth: float | None = None,
                 intra_node_bits_per_second: float = LAB_LOOPBACK_BITS_PER_SECOND,
                 intra_node_latency: float = 0.0, inter_node_latency: float = 0.0,
                 algorithm: str = "ring") -> ClusterSpec:
@@ -189,7 +203,7 @@ def lab_cluster(compute_flops: float, memory_bandwidth: float, link_bits_per_sec
         ranks_per_node=ranks_per_node, intra_node_bandwidth=intra_node_bits_per_second / 8,
         intra_node_latency=intra_node_latency, nics_per_node=1,
         nic_bandwidth=link_bits_per_second / 8, inter_node_latency=inter_node_latency,
-        algorithm=algorithm, nodes=nodes)
+        algorithm=algorithm, nodes=nodes, host_transport_bandwidth=host_transport_bandwidth)
 
 
 # -- costs ---------------------------------------------------------------------------------
@@ -280,6 +294,20 @@ def collective_seconds(collective: Collective, cluster: ClusterSpec, rank: int) 
     raise ValueError(f"unknown collective {name!r}")
 
 
+def host_transport_bytes(collective: Collective, cluster: ClusterSpec, rank: int) -> float:
+    """Bytes a rank sends plus receives in ``collective`` (what its cores must move through
+    a host-driven transport): 2(n-1)/n of the full buffer for a gather, a scatter or an
+    all-to-all, twice that for an all-reduce, the buffer once for a broadcast."""
+    s = _shape(collective, cluster, rank)
+    if s.n == 1:
+        return 0.0
+    size = float(_full_bytes(collective))
+    if collective.name == "broadcast":
+        return size
+    moved = 2.0 * (s.n - 1) / s.n * size
+    return 2.0 * moved if collective.name == "all_reduce" else moved
+
+
 def _crosses_nodes(collective: Collective, cluster: ClusterSpec) -> bool:
     return len({r // cluster.ranks_per_node for r in collective.group}) > 1
 
@@ -297,6 +325,7 @@ class StepPrediction:
     comm_seconds: dict[tuple[str, str], float] = field(default_factory=dict)
     exposed_comm_seconds: dict[tuple[str, str], float] = field(default_factory=dict)
     lane_compute_seconds: dict[str, float] = field(default_factory=dict)  # side-lane kernels
+    host_transport_seconds: float = 0.0  # compute-stream time spent driving the transport
 
     @property
     def total_comm_seconds(self) -> float:
@@ -324,6 +353,13 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
     comm: dict[tuple[str, str], float] = {}
     exposed: dict[tuple[str, str], float] = {}
     lane_kernels: dict[str, float] = {}
+    host_seconds = 0.0
+
+    def host_cost(launch: Launch) -> float:
+        if cluster.host_transport_bandwidth is None:
+            return 0.0
+        moved = sum(host_transport_bytes(c, cluster, trace.rank) for c in launch.collectives)
+        return moved / cluster.host_transport_bandwidth
 
     def run_launch(launch: Launch, start: float) -> float:
         nonlocal nic_free
@@ -348,6 +384,11 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
             compute += dt
             busy += dt
         elif isinstance(event, Launch):
+            # A host-driven transport runs on the rank's own cores: the compute stream pays.
+            dt = host_cost(event)
+            compute += dt
+            busy += dt
+            host_seconds += dt
             if event.lane == "compute":
                 end = run_launch(event, compute)
                 key = (event.phase, event.lane)
@@ -376,4 +417,5 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
     tflops = trace.model_flops_per_iteration / seconds / 1e12 if seconds > 0 else 0.0
     return StepPrediction(cluster=cluster.name, seconds=seconds, tflops_per_gpu=tflops,
                           compute_busy_seconds=busy, comm_seconds=comm,
-                          exposed_comm_seconds=exposed, lane_compute_seconds=lane_kernels)
+                          exposed_comm_seconds=exposed, lane_compute_seconds=lane_kernels,
+                          host_transport_seconds=host_seconds)
