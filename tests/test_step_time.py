@@ -12,6 +12,7 @@ from zeropp.step_time import (
     ClusterSpec,
     collective_seconds,
     compute_seconds,
+    host_transport_bytes,
     lab_cluster,
     predict,
 )
@@ -287,3 +288,19 @@ def test_lab_cluster_uses_the_measured_link():
     expected = 3 / 4 * size / min(lab.intra_node_bandwidth, 96e6 / 8)
     assert collective_seconds(gather(range(4), size), lab, 0) == pytest.approx(expected)
     assert not math.isclose(expected, 0.0)
+
+
+def test_host_driven_transport_takes_its_bytes_from_the_compute_stream():
+    # A 2-rank gather of 2 GB moves 1 GB out and 1 GB in through the rank's own cores: at
+    # 1 GB/s that is 2 s of the compute stream, however well the lane hides the transfer.
+    gpu = toy_cluster()
+    cpu = dataclasses.replace(gpu, host_transport_bandwidth=1 * GB)
+    events = _overlap_trace(gpu, 0.2, 0.5)
+    size = events[0].collectives[0].output_bytes
+    assert host_transport_bytes(events[0].collectives[0], cpu, 0) == pytest.approx(size)
+    on_gpu, on_cpu = predict(trace_of(events, gpu), gpu), predict(trace_of(events, cpu), cpu)
+    assert on_gpu.host_transport_seconds == 0.0
+    assert on_cpu.host_transport_seconds == pytest.approx(size / GB)
+    assert on_cpu.seconds == pytest.approx(on_gpu.seconds + size / GB)
+    reduce = Collective("all_reduce", (0, 1, 2, 3), 4 * GB, 4 * GB)
+    assert host_transport_bytes(reduce, cpu, 0) == pytest.approx(2 * 2 * 3 / 4 * 4 * GB)
