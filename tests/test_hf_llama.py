@@ -333,7 +333,7 @@ def train_one_iteration_from(ckpt: Path, flags: list[str], trained: Path,
                   "--mock-data", "--train-iters", "1", "--lr-warmup-iters", "1",
                   "--eval-iters", "1", "--load", str(ckpt),
                   "--save", str(trained)], timeout=180)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
     assert f"resumed from {ckpt}/iter_0000000 at iteration 0" in result.stdout
     # weights only: the run's optimizer settings, not the import's placeholders
     assert "the optimizer starts fresh with this run's settings" in result.stdout
