@@ -21,11 +21,9 @@ Everything is local: a directory is read with `local_files_only=True`, nothing i
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers import (
     AutoConfig,
     GPT2Config,
@@ -45,6 +43,12 @@ from megatron_lite.hf_llama import (
     llama_to_hf,
     load_llama,
 )
+from megatron_lite.hf_tensors import (
+    TensorMapping,
+    hf_state_from_model,
+    model_from_hf_state,
+    write_hf_directory,
+)
 from megatron_lite.model import GPTConfig, GPTModel
 
 # Activations numerically identical to F.gelu(approximate="tanh"), the one GPTModel uses.
@@ -56,15 +60,6 @@ HF_MODEL_CLASSES = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM}
 # What each Hugging Face architecture needs, for the error that names a mix neither has.
 REQUIREMENTS = ("GPT-2 needs learned positions, LayerNorm, GELU, biases, a tied head and "
                 f"one key/value head per query head; {LLAMA_NEEDS}")
-
-
-@dataclass(frozen=True)
-class _TensorPair:
-    """One parameter under both naming schemes; `transpose` marks a Conv1D weight."""
-
-    ours: str
-    theirs: str
-    transpose: bool = False
 
 
 def from_hf(path_or_model: str | os.PathLike | PreTrainedModel, *,
@@ -83,23 +78,8 @@ def from_hf(path_or_model: str | os.PathLike | PreTrainedModel, *,
     config = gpt_config_from_hf(hf_model.config,
                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                 seed=seed)
-    with torch.device("meta"):
-        model = GPTModel(config)
-    model.to_empty(device="cpu")
-    model.init_weights()  # gives the padded vocabulary rows their values
-    hf_state = hf_model.state_dict()
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for pair in _tensor_pairs(config.num_layers):
-            source = hf_state[pair.theirs].detach().to(device="cpu", dtype=torch.float32)
-            if pair.transpose:
-                source = source.t()
-            target = params[pair.ours]
-            if pair.ours == "embedding.word_embeddings.weight":
-                target = target[: config.vocab_size]
-            _check_same_shape(pair, source, target)
-            target.copy_(source)
-    return model
+    return model_from_hf_state(config, hf_model.state_dict(), _tensor_pairs(config.num_layers),
+                               "GPT-2")
 
 
 def to_hf(model: GPTModel, out_dir: str | os.PathLike, *, bos_token_id: int | None = None,
@@ -118,26 +98,10 @@ def to_hf(model: GPTModel, out_dir: str | os.PathLike, *, bos_token_id: int | No
         llama_to_hf(model, out_dir, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
         return
     config = model.config
-    params = dict(model.named_parameters())
-    tensors: dict[str, torch.Tensor] = {}
-    for pair in _tensor_pairs(config.num_layers):
-        param = params[pair.ours]
-        if param.is_meta:
-            raise ValueError(f"{pair.ours} is on the meta device; materialize the model "
-                             f"before exporting it")
-        tensor = param.detach().to("cpu")
-        if pair.ours == "embedding.word_embeddings.weight":
-            tensor = tensor[: config.vocab_size]
-        if pair.transpose:
-            tensor = tensor.t()
-        tensors[pair.theirs] = tensor.contiguous()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     hf_config = hf_config_from_gpt(config, bos_token_id=bos_token_id,
                                    eos_token_id=eos_token_id)
-    hf_config.dtype = next(iter(params.values())).dtype
-    hf_config.save_pretrained(out)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tensors = hf_state_from_model(model, _tensor_pairs(config.num_layers))
+    write_hf_directory(out_dir, hf_config, tensors, next(model.parameters()).dtype)
 
 
 def hf_architecture(config: GPTConfig) -> str:
@@ -293,11 +257,12 @@ def _check_representable(hf_config: object) -> None:
                          f"hidden dropout for both")
 
 
-def _tensor_pairs(num_layers: int) -> list[_TensorPair]:
-    """Every stored tensor of GPT-2 with its GPTModel name, in state-dict order."""
+def _tensor_pairs(num_layers: int) -> list[TensorMapping]:
+    """Every stored tensor of GPT-2 with its GPTModel name, in state-dict order; the
+    projections' Conv1D weights are transposed."""
     pairs = [
-        _TensorPair("embedding.word_embeddings.weight", "transformer.wte.weight"),
-        _TensorPair("embedding.position_embeddings.weight", "transformer.wpe.weight"),
+        TensorMapping("embedding.word_embeddings.weight", ("transformer.wte.weight",)),
+        TensorMapping("embedding.position_embeddings.weight", ("transformer.wpe.weight",)),
     ]
     for i in range(num_layers):
         ours, theirs = f"layers.{i}.", f"transformer.h.{i}."
@@ -309,15 +274,11 @@ def _tensor_pairs(num_layers: int) -> list[_TensorPair]:
             ("mlp.dense_h_to_4h", "mlp.c_fc", True),
             ("mlp.dense_4h_to_h", "mlp.c_proj", True),
         ):
-            pairs.append(_TensorPair(f"{ours}{our_module}.weight",
-                                     f"{theirs}{their_module}.weight", has_conv1d_weight))
-            pairs.append(_TensorPair(f"{ours}{our_module}.bias", f"{theirs}{their_module}.bias"))
-    pairs.append(_TensorPair("final_layernorm.weight", "transformer.ln_f.weight"))
-    pairs.append(_TensorPair("final_layernorm.bias", "transformer.ln_f.bias"))
+            pairs.append(TensorMapping(f"{ours}{our_module}.weight",
+                                       (f"{theirs}{their_module}.weight",),
+                                       transpose=has_conv1d_weight))
+            pairs.append(TensorMapping(f"{ours}{our_module}.bias",
+                                       (f"{theirs}{their_module}.bias",)))
+    pairs.append(TensorMapping("final_layernorm.weight", ("transformer.ln_f.weight",)))
+    pairs.append(TensorMapping("final_layernorm.bias", ("transformer.ln_f.bias",)))
     return pairs
-
-
-def _check_same_shape(pair: _TensorPair, source: torch.Tensor, target: torch.Tensor) -> None:
-    if source.shape != target.shape:
-        raise ValueError(f"{pair.theirs} has shape {tuple(source.shape)} but {pair.ours} "
-                         f"expects {tuple(target.shape)}")

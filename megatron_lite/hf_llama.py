@@ -25,12 +25,16 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
+from megatron_lite.hf_tensors import (
+    TensorMapping,
+    hf_state_from_model,
+    model_from_hf_state,
+    write_hf_directory,
+)
 from megatron_lite.model import GPTConfig, GPTModel
 
-VOCAB_PARAMETERS = ("embedding.word_embeddings.weight", "output_layer.weight")
 LLAMA_NEEDS = ("Llama needs rope on every channel, RMSNorm, SwiGLU and hidden_size divisible "
                "by the heads")
 
@@ -45,28 +49,7 @@ def llama_from_hf(hf_model: LlamaForCausalLM, *, make_vocab_size_divisible_by: i
     config = gpt_config_from_llama(hf_model.config,
                                    make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                    seed=seed)
-    with torch.device("meta"):
-        model = GPTModel(config)
-    model.to_empty(device="cpu")
-    model.init_weights()  # gives the padded vocabulary rows their values
-    hf_state = hf_model.state_dict()
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for ours, theirs in _tensor_map(config):
-            missing = [name for name in theirs if name not in hf_state]
-            if missing:
-                raise ValueError(f"the Llama checkpoint lacks {missing[0]}")
-            # q|k|v and gate|up stack along the output rows, the order Megatron fuses them in
-            source = torch.cat([hf_state[name].detach().to(device="cpu", dtype=torch.float32)
-                                for name in theirs])
-            target = params[ours]
-            if ours in VOCAB_PARAMETERS:
-                target = target[: config.vocab_size]  # (V, h) of (padded V, h)
-            if source.shape != target.shape:
-                raise ValueError(f"{' + '.join(theirs)} has shape {tuple(source.shape)} but "
-                                 f"{ours} expects {tuple(target.shape)}")
-            target.copy_(source)
-    return model
+    return model_from_hf_state(config, hf_model.state_dict(), _tensor_map(config), "Llama")
 
 
 def llama_to_hf(model: GPTModel, out_dir: str | os.PathLike, *, bos_token_id: int | None = None,
@@ -81,32 +64,11 @@ def llama_to_hf(model: GPTModel, out_dir: str | os.PathLike, *, bos_token_id: in
     `config.hidden_dropout` is dropped (it only acts in training).
     """
     config = model.config
-    problems = llama_problems(config)
-    if problems:
-        raise ValueError(f"not a Llama-shaped model: {', '.join(problems)} ({LLAMA_NEEDS})")
-    params = dict(model.named_parameters())
-    tensors: dict[str, torch.Tensor] = {}
-    for ours, theirs in _tensor_map(config):
-        param = params[ours]
-        if param.is_meta:
-            raise ValueError(f"{ours} is on the meta device; materialize the model before "
-                             f"exporting it")
-        tensor = param.detach().to("cpu")
-        if ours in VOCAB_PARAMETERS:
-            tensor = tensor[: config.vocab_size]  # padded rows dropped
-        rows = _split_rows(config, ours) or (tensor.shape[0],)
-        for name, piece in zip(theirs, tensor.split(rows), strict=True):
-            tensors[name] = piece.contiguous()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     hf_config = llama_config_from_gpt(config, bos_token_id=bos_token_id,
-                                      eos_token_id=eos_token_id)
-    hf_config.dtype = next(iter(params.values())).dtype
-    hf_config.save_pretrained(out)
-    # What generate() reads its special ids from (from_pretrained falls back to the model
-    # config without it; written anyway, as HF's own save_pretrained does).
-    GenerationConfig.from_model_config(hf_config).save_pretrained(out)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+                                      eos_token_id=eos_token_id)  # refuses other shapes
+    tensors = hf_state_from_model(model, _tensor_map(config))
+    write_hf_directory(out_dir, hf_config, tensors, next(model.parameters()).dtype,
+                       generation_config=True)
 
 
 def gpt_config_from_llama(hf_config: LlamaConfig, *, make_vocab_size_divisible_by: int = 128,
@@ -221,46 +183,40 @@ def _rope_parameters(hf_config: object) -> dict:
     return parameters
 
 
-def _tensor_map(config: GPTConfig) -> list[tuple[str, tuple[str, ...]]]:
-    """(our parameter, the HF tensors stacked along dim 0 to make it), in state-dict order."""
-    bias = config.add_bias_linear
-    pairs: list[tuple[str, tuple[str, ...]]] = [
-        ("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
-    ]
+def _tensor_map(config: GPTConfig) -> list[TensorMapping]:
+    """Our parameters and the HF tensors stacked along dim 0 to make them, in state-dict
+    order; q|k|v and gate|up carry the rows of each piece."""
+    d, groups, f = config.head_dim, config.num_key_value_heads, config.ffn_hidden_size
+    assert f is not None  # filled in by GPTConfig.__post_init__
+    qkv_rows = (config.num_attention_heads * d, groups * d, groups * d)
+    kinds = ("weight", "bias") if config.add_bias_linear else ("weight",)
+    mappings = [TensorMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
     for i in range(config.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
         attn, mlp = f"{theirs}self_attn.", f"{theirs}mlp."
-        kinds = ("weight", "bias") if bias else ("weight",)
-        pairs.append((f"{ours}input_layernorm.weight", (f"{theirs}input_layernorm.weight",)))
+        mappings.append(TensorMapping(f"{ours}input_layernorm.weight",
+                                      (f"{theirs}input_layernorm.weight",)))
         for kind in kinds:
-            pairs.append((f"{ours}attention.query_key_value.{kind}",
-                          (f"{attn}q_proj.{kind}", f"{attn}k_proj.{kind}",
-                           f"{attn}v_proj.{kind}")))
+            mappings.append(TensorMapping(
+                f"{ours}attention.query_key_value.{kind}",
+                (f"{attn}q_proj.{kind}", f"{attn}k_proj.{kind}", f"{attn}v_proj.{kind}"),
+                rows=qkv_rows))
         for kind in kinds:
-            pairs.append((f"{ours}attention.dense.{kind}", (f"{attn}o_proj.{kind}",)))
-        pairs.append((f"{ours}post_attention_layernorm.weight",
-                      (f"{theirs}post_attention_layernorm.weight",)))
+            mappings.append(TensorMapping(f"{ours}attention.dense.{kind}",
+                                          (f"{attn}o_proj.{kind}",)))
+        mappings.append(TensorMapping(f"{ours}post_attention_layernorm.weight",
+                                      (f"{theirs}post_attention_layernorm.weight",)))
         for kind in kinds:
-            pairs.append((f"{ours}mlp.dense_h_to_4h.{kind}",
-                          (f"{mlp}gate_proj.{kind}", f"{mlp}up_proj.{kind}")))
+            mappings.append(TensorMapping(f"{ours}mlp.dense_h_to_4h.{kind}",
+                                          (f"{mlp}gate_proj.{kind}", f"{mlp}up_proj.{kind}"),
+                                          rows=(f, f)))
         for kind in kinds:
-            pairs.append((f"{ours}mlp.dense_4h_to_h.{kind}", (f"{mlp}down_proj.{kind}",)))
-    pairs.append(("final_layernorm.weight", ("model.norm.weight",)))
+            mappings.append(TensorMapping(f"{ours}mlp.dense_4h_to_h.{kind}",
+                                          (f"{mlp}down_proj.{kind}",)))
+    mappings.append(TensorMapping("final_layernorm.weight", ("model.norm.weight",)))
     if config.untie_embeddings_and_output_weights:
-        pairs.append(("output_layer.weight", ("lm_head.weight",)))
-    return pairs
-
-
-def _split_rows(config: GPTConfig, ours: str) -> tuple[int, ...] | None:
-    """Rows of each HF tensor inside the fused parameter `ours`; None when not fused."""
-    d = config.head_dim
-    if ".attention.query_key_value." in ours:
-        groups = config.num_key_value_heads
-        return (config.num_attention_heads * d, groups * d, groups * d)  # q | k | v
-    if ".mlp.dense_h_to_4h." in ours:
-        assert config.ffn_hidden_size is not None  # filled in by GPTConfig.__post_init__
-        return (config.ffn_hidden_size, config.ffn_hidden_size)  # gate | up
-    return None
+        mappings.append(TensorMapping("output_layer.weight", ("lm_head.weight",)))
+    return mappings
 
 
 def load_llama(path: Path) -> LlamaForCausalLM:
