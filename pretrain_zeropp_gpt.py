@@ -160,8 +160,9 @@ def choose_backend(requested: str | None) -> tuple[str | None, str | None]:
     """
     if requested is None:
         return None, None
-    fallback = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    if requested == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+    nccl_works = torch.cuda.is_available() and dist.is_nccl_available()
+    fallback = "nccl" if nccl_works else "gloo"
+    if requested == "nccl" and not nccl_works:
         return fallback, "--distributed-backend nccl needs CUDA, which this machine lacks"
     if requested == "ccl" and not dist.is_backend_available("ccl"):
         return fallback, ("--distributed-backend ccl needs oneCCL's torch bindings "

@@ -279,19 +279,19 @@ class GPTModel(nn.Module):
         if self.config.recompute_method == "block":
             # Megatron's "block": each of the first N layers is checkpointed on its own, the
             # rest keep their activations (use the memory that is left, recompute no more).
-            chunks = [self.layers[i:i + 1] for i in range(min(chunk_size, len(self.layers)))]
-            rest = self.layers[len(chunks):]
+            checkpointed = min(chunk_size, len(self.layers))
+            chunks = [self.layers[i:i + 1] for i in range(checkpointed)]
         else:
+            checkpointed = len(self.layers)
             chunks = [self.layers[start:start + chunk_size]
-                      for start in range(0, len(self.layers), chunk_size)]
-            rest = self.layers[:0]
+                      for start in range(0, checkpointed, chunk_size)]
         for chunk in chunks:
             # early_stop=False: the recompute must run every layer of the chunk to its end so
             # that each layer's forward hooks fire again (the sharding engine re-gathers and
             # releases weights from them); early stopping would cut the last layer short.
             x = checkpoint(functools.partial(_forward_layers, chunk), x, rotary,
                            use_reentrant=False, early_stop=False)
-        return _forward_layers(rest, x, rotary)
+        return _forward_layers(self.layers[checkpointed:], x, rotary)
 
     # ----------------------------------------------------------------------------------
     # initialization

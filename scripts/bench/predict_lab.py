@@ -37,6 +37,7 @@ import argparse
 import json
 import multiprocessing
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -155,15 +156,13 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="write the table as JSON here")
     args = parser.parse_args(argv)
-    import tempfile
-
     with tempfile.TemporaryDirectory() as workdir:
         traces = record_traces(Path(workdir))
     compute_seconds = measure_compute_seconds()
     # One rank's compute work of an iteration (forward, backward, optimizer): the unsharded
     # run's FLOPs are those of the ZeRO-3 trace's compute stream.
     zero3 = traces["zero3"]
-    flops = sum(op.flops for op in zero3.events if hasattr(op, "flops"))
+    flops = sum(op.flops for op in zero3.compute_ops())
     rate = flops / compute_seconds
     print(f"measured: {compute_seconds:.3f} s per unsharded iteration with {RANKS} processes "
           f"on this machine -> {rate / 1e9:.2f} GFLOP/s per rank")
