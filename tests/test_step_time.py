@@ -207,20 +207,45 @@ def test_in_place_collective_on_the_compute_stream_is_exposed():
 
 
 def test_side_lane_kernels_run_before_the_collectives():
-    # A Launch with compute_ops (a field the trace may grow): quantize on the lane.
-    @dataclasses.dataclass(frozen=True)
-    class QuantLaunch(Launch):
-        compute_ops: tuple = ()
-
     c = toy_cluster()
     size = int(0.2 * 2 * 100 * GB)
     quant = ComputeOp("quantize", 0, int(0.05 * 500 * GB), "forward")  # 0.05 s, memory-bound
-    launch = QuantLaunch(1, "gather", (gather([0, 1], size),), "forward", (quant,))
+    launch = Launch(1, "gather", (gather([0, 1], size),), "forward", (quant,))
     p = predict(trace_of([launch, Wait(1)], c), c)
     assert p.seconds == pytest.approx(0.25)
     assert p.lane_compute_seconds["gather"] == pytest.approx(0.05)
     assert p.comm_seconds[("forward", "gather")] == pytest.approx(0.2)
     assert p.compute_busy_seconds == 0.0
+
+
+def test_host_driven_ranks_run_lane_kernels_on_the_compute_stream():
+    # On CPU ranks the lane's quantize kernel takes the cores that compute: 0.05 s of compute
+    # at the issue point, then the 0.2 s transfer overlaps the 0.3 s gemm that follows.
+    gpu = toy_cluster()
+    cpu = dataclasses.replace(gpu, host_transport_bandwidth=1e30)  # transport costs nothing
+    size = int(0.2 * 2 * 100 * GB)
+    quant = ComputeOp("quantize", 0, int(0.05 * 500 * GB), "forward")
+    events = [Launch(1, "gather", (gather([0, 1], size),), "forward", (quant,)),
+              gemm(0.3, gpu), Wait(1)]
+    on_gpu, on_cpu = predict(trace_of(events, gpu), gpu), predict(trace_of(events, cpu), cpu)
+    assert on_gpu.seconds == pytest.approx(0.3)  # quantize + transfer hide under the gemm
+    assert on_gpu.compute_busy_seconds == pytest.approx(0.3)
+    assert on_cpu.seconds == pytest.approx(0.35)
+    assert on_cpu.compute_busy_seconds == pytest.approx(0.35)
+    assert on_cpu.lane_compute_seconds["gather"] == pytest.approx(0.05)
+    assert on_cpu.host_transport_seconds == pytest.approx(size / 1e30)
+
+
+def test_measured_kernel_rate_replaces_the_roofline():
+    c = toy_cluster()
+    quant = ComputeOp("zeropp.quantize_blockwise.default", 0, 10 * GB, "forward")
+    add = ComputeOp("aten.add.Tensor", 0, 10 * GB, "forward")
+    measured = dataclasses.replace(c, kernel_bandwidth={quant.name: 1 * GB})
+    assert compute_seconds(quant, c) == pytest.approx(10 * GB / (500 * GB))
+    assert compute_seconds(quant, measured) == pytest.approx(10.0)
+    assert compute_seconds(add, measured) == compute_seconds(add, c)  # others keep the roofline
+    lab = lab_cluster(1e9, 1e9, 1e8, kernel_bandwidth={quant.name: 2 * GB})
+    assert compute_seconds(quant, lab) == pytest.approx(5.0)
 
 
 def test_cross_node_collectives_of_two_lanes_share_the_nic():

@@ -170,7 +170,12 @@ def test_zeropp_collectives(runs):
         intra, inter = launch.collectives
         assert (intra.name, inter.name) == ("all_to_all", "all_to_all")
         assert not _spans_nodes(intra.group) and _spans_nodes(inter.group)
-        assert launch.compute_ops  # swizzle, quantize, requantize, dequantize on the lane
+        names = {op.name for op in launch.compute_ops}  # swizzle, quantize, requantize, ...
+        assert {"zeropp.quantize_blockwise.default", "zeropp.dequantize_reduce_quantize.default",
+                "zeropp.dequantize_reduce.default"} <= names
+    for launch in forward:
+        assert {"zeropp.quantize_blockwise.default",
+                "zeropp.dequantize_blockwise_many.default"} <= {op.name for op in launch.compute_ops}
     assert not any(op.name.startswith("zeropp") for op in trace.compute_ops())
 
 
@@ -215,3 +220,33 @@ def test_json_round_trip(runs, tmp_path):
     assert IterationTrace.load(str(path)) == trace
     assert {e["type"] for e in json.loads(path.read_text())["events"]} == {
         "compute", "launch", "wait"}
+
+
+def test_quantization_kernels_are_one_op_with_the_triton_kernels_traffic():
+    # On meta the kernels compute nothing, but each is one dispatcher op whose bytes are what
+    # the GPU kernel reads plus what it writes: values in, payload out, and back.
+    import torch
+
+    from zeropp import kernels
+    from zeropp.simulation.tracing import TraceRecorder
+
+    numel, block = 1000, 256  # not a whole number of blocks: 4 scales
+    x = torch.empty(numel, dtype=torch.float16, device="meta")
+    payload_bytes = kernels.quantized_nbytes(numel, 8, block)
+    assert payload_bytes == 4 * block + 4 * 4  # codes padded to whole blocks, fp32 scales
+    with TraceRecorder() as recorder:
+        payload = kernels.quantize_blockwise(x, 8, block)
+        values = kernels.dequantize_blockwise(payload, numel, 8, block, torch.float16)
+        out = torch.empty(numel, dtype=torch.float32, device="meta")
+        kernels.dequantize_blockwise(payload, numel, 8, block, torch.float32, out=out)
+        many = kernels.dequantize_blockwise_many(payload.expand(3, -1), numel, 8, block,
+                                                 torch.float16)
+    assert payload.shape == (payload_bytes,) and values.shape == (numel,)
+    assert many.shape == (3, numel)
+    ops = [(op.name, op.bytes, op.flops) for op in recorder.events if op.bytes]
+    assert ops == [
+        ("zeropp.quantize_blockwise.default", 2 * numel + payload_bytes, 0),
+        ("zeropp.dequantize_blockwise.default", payload_bytes + 2 * numel, 0),
+        ("zeropp.dequantize_blockwise_into.default", payload_bytes + 4 * numel, 0),
+        ("zeropp.dequantize_blockwise_many.default", 3 * payload_bytes + 3 * 2 * numel, 0),
+    ]

@@ -66,8 +66,11 @@ On CPU ranks (the lab) gloo moves every byte through the kernel's TCP stack with
 cores that run the rank's kernels, so communication is not free even when a side lane hides
 its latency: the bytes a rank sends and receives cost ``bytes / host_transport_bandwidth``
 seconds of its compute stream, taken where the launch is issued. The rate is measured (TCP
-goodput between two lab nodes over an unshaped link, shared by the ranks of a core). GPUs
-leave it None: NCCL's traffic is driven by NICs and copy engines.
+goodput between two lab nodes over an unshaped link, shared by the ranks of a core). The
+launch's kernels (qwZ's and qgZ's quantization, the copies around a collective) run on those
+same cores, so on such a cluster they are charged to the compute stream there too, not to
+the lane. GPUs leave the rate None: NCCL's traffic is driven by NICs and copy engines, and a
+side stream's kernels run beside the compute stream's (their SM share is ignored).
 """
 
 from __future__ import annotations
@@ -104,12 +107,22 @@ class ClusterSpec:
     # taken from the compute stream; see [Note: host-driven transports]. None on GPUs: NCCL
     # moves data with the NICs and copy engines, not with the cores that run the kernels.
     host_transport_bandwidth: float | None = None
+    # Measured bytes/s of particular kernels, keyed by the trace's op name (e.g.
+    # "zeropp.quantize_blockwise.default"): they replace the memory roofline for those ops.
+    # The lab's CPU ranks run the quantization kernels as chains of pure-torch ops, far from
+    # one pass over memory; GPUs leave this empty (the Triton kernels stream at HBM rate).
+    kernel_bandwidth: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm {self.algorithm!r} not in {ALGORITHMS}")
         if self.ranks_per_node < 1 or self.nics_per_node < 1:
             raise ValueError("ranks_per_node and nics_per_node must be at least 1")
+
+    @property
+    def host_driven(self) -> bool:
+        """CPU ranks: the transport and the side lanes' kernels run on the compute cores."""
+        return self.host_transport_bandwidth is not None
 
     @property
     def node_nic_bandwidth(self) -> float:
@@ -187,7 +200,8 @@ def lab_cluster(compute_flops: float, memory_bandwidth: float, link_bits_per_sec
                 host_transport_bandwidth: float | None = None,
                 intra_node_bits_per_second: float = LAB_LOOPBACK_BITS_PER_SECOND,
                 intra_node_latency: float = 0.0, inter_node_latency: float = 0.0,
-                algorithm: str = "ring") -> ClusterSpec:
+                algorithm: str = "ring",
+                kernel_bandwidth: dict[str, float] | None = None) -> ClusterSpec:
     """This machine's CPU lab (README "A low-bandwidth cluster on one machine", docs/lab.md).
 
     ``nodes`` network namespaces of ``ranks_per_node`` CPU ranks; each node has one veth
@@ -203,14 +217,19 @@ def lab_cluster(compute_flops: float, memory_bandwidth: float, link_bits_per_sec
         ranks_per_node=ranks_per_node, intra_node_bandwidth=intra_node_bits_per_second / 8,
         intra_node_latency=intra_node_latency, nics_per_node=1,
         nic_bandwidth=link_bits_per_second / 8, inter_node_latency=inter_node_latency,
-        algorithm=algorithm, nodes=nodes, host_transport_bandwidth=host_transport_bandwidth)
+        algorithm=algorithm, nodes=nodes, host_transport_bandwidth=host_transport_bandwidth,
+        kernel_bandwidth=dict(kernel_bandwidth or {}))
 
 
 # -- costs ---------------------------------------------------------------------------------
 
 def compute_seconds(op: ComputeOp, cluster: ClusterSpec, dtype_bytes: int = 2) -> float:
-    """Roofline: max(flops / (peak * gemm_fraction), bytes / (hbm * memory_fraction))."""
+    """Roofline: max(flops / (peak * gemm_fraction), bytes / (hbm * memory_fraction)), or
+    bytes at the kernel's own measured rate where ``cluster.kernel_bandwidth`` has one."""
     flop_time = op.flops / (cluster.peak_for(dtype_bytes) * cluster.gemm_fraction)
+    measured = cluster.kernel_bandwidth.get(op.name)
+    if measured is not None:
+        return max(flop_time, op.bytes / measured)
     byte_time = op.bytes / (cluster.memory_bandwidth * cluster.memory_fraction)
     return max(flop_time, byte_time)
 
@@ -355,8 +374,14 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
     lane_kernels: dict[str, float] = {}
     host_seconds = 0.0
 
+    def lane_kernel_seconds(launch: Launch) -> float:
+        dt = sum(compute_seconds(op, cluster, trace.dtype_bytes) for op in launch.compute_ops)
+        lane_kernels[launch.lane] = lane_kernels.get(launch.lane, 0.0) + dt
+        return dt
+
     def host_cost(launch: Launch) -> float:
-        if cluster.host_transport_bandwidth is None:
+        """Compute-stream seconds a host-driven rank spends moving ``launch``'s bytes."""
+        if not cluster.host_driven:
             return 0.0
         moved = sum(host_transport_bytes(c, cluster, trace.rank) for c in launch.collectives)
         return moved / cluster.host_transport_bandwidth
@@ -364,10 +389,8 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
     def run_launch(launch: Launch, start: float) -> float:
         nonlocal nic_free
         t = start
-        for op in getattr(launch, "compute_ops", ()) or ():
-            dt = compute_seconds(op, cluster, trace.dtype_bytes)
-            lane_kernels[launch.lane] = lane_kernels.get(launch.lane, 0.0) + dt
-            t += dt
+        if not cluster.host_driven:  # a GPU's side stream runs its own kernels first
+            t += lane_kernel_seconds(launch)
         key = (launch.phase, launch.lane)
         for c in launch.collectives:
             dt = collective_seconds(c, cluster, trace.rank)
@@ -384,11 +407,14 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
             compute += dt
             busy += dt
         elif isinstance(event, Launch):
-            # A host-driven transport runs on the rank's own cores: the compute stream pays.
+            # A host-driven rank moves the bytes and runs the lane's kernels on its own
+            # cores: the compute stream pays for both where the launch is issued.
             dt = host_cost(event)
+            host_seconds += dt
+            if cluster.host_driven:
+                dt += lane_kernel_seconds(event)
             compute += dt
             busy += dt
-            host_seconds += dt
             if event.lane == "compute":
                 end = run_launch(event, compute)
                 key = (event.phase, event.lane)

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from megatron_lite.model import GPTConfig, GPTModel, lm_loss
+from zeropp.simulation.trace import ComputeOp
 from zeropp.step_time import (
     LAB_LINK_BITS_PER_SECOND,
     LAB_LOOPBACK_BITS_PER_SECOND,
@@ -75,11 +76,6 @@ SHAPE = dict(num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=25
 RANKS = 4  # 2 nodes x 2 ranks on the lab's 2 cores
 # An unlimited link is loopback between namespaces (docs/lab.md: 7-18 Gbit/s measured).
 UNLIMITED_BITS_PER_SECOND = LAB_LOOPBACK_BITS_PER_SECOND
-# docs/lab.md, same run: "Measured link: 9278 Mbit/s TCP goodput node 0 -> node 1" over the
-# unshaped veth, one sending and one receiving core. A rank's cores move its sent and its
-# received bytes at that rate, and two ranks share each of the 2 cores.
-TCP_GOODPUT_BYTES_PER_SECOND = 9278e6 / 8
-RANKS_PER_CORE = 2
 
 
 def lab_argv(ds_config_path: str) -> list[str]:
@@ -115,40 +111,181 @@ def record_traces(workdir: Path) -> dict:
     return traces
 
 
-def _time_unsharded(queue, iterations: int) -> None:
-    torch.set_num_threads(1)
+def _lab_model(device: str = "cpu") -> GPTModel:
     s = SHAPE
-    model = GPTModel(GPTConfig(num_layers=s["num_layers"], hidden_size=s["hidden_size"],
-                               num_attention_heads=s["num_attention_heads"],
-                               vocab_size=s["vocab_size"],
-                               max_position_embeddings=s["seq_length"], hidden_dropout=0.0,
-                               attention_dropout=0.0))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    tokens = torch.randint(0, s["vocab_size"], (1, s["seq_length"] + 1))
+    with torch.device(device):
+        return GPTModel(GPTConfig(num_layers=s["num_layers"], hidden_size=s["hidden_size"],
+                                  num_attention_heads=s["num_attention_heads"],
+                                  vocab_size=s["vocab_size"],
+                                  max_position_embeddings=s["seq_length"], hidden_dropout=0.0,
+                                  attention_dropout=0.0))
+
+
+def _unsharded_iteration(model: GPTModel, optimizer, tokens: torch.Tensor) -> None:
+    logits = model(tokens[:, :-1])
+    lm_loss(logits, tokens[:, 1:], torch.ones_like(tokens[:, 1:])).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def unsharded_trace() -> list:
+    """The compute ops of one unsharded iteration (what ``_time_unsharded`` runs), on meta."""
+    from zeropp.simulation.tracing import TraceRecorder
+
+    model = _lab_model("meta")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=False)
+    tokens = torch.randint(0, SHAPE["vocab_size"], (1, SHAPE["seq_length"] + 1), device="meta")
+    _unsharded_iteration(model, optimizer, tokens)  # the optimizer's state exists from here
+    with TraceRecorder() as recorder:
+        _unsharded_iteration(model, optimizer, tokens)
+    return [op for op in recorder.events if isinstance(op, ComputeOp)]
+
+
+def _median_seconds(run, repeats: int) -> float:
     seconds = []
-    for _ in range(iterations + 1):
+    for _ in range(repeats + 1):
         start = time.perf_counter()
-        logits = model(tokens[:, :-1])
-        lm_loss(logits, tokens[:, 1:], torch.ones_like(tokens[:, 1:])).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
+        run()
         seconds.append(time.perf_counter() - start)
-    queue.put(statistics.median(seconds[1:]))
+    return statistics.median(seconds[1:])
 
 
-def measure_compute_seconds(iterations: int = 5) -> float:
-    """Median seconds of one unsharded iteration while 4 such processes share the cores."""
+def _time_unsharded(queue, rank: int, iterations: int) -> None:
+    torch.set_num_threads(1)
+    model = _lab_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=False)
+    tokens = torch.randint(0, SHAPE["vocab_size"], (1, SHAPE["seq_length"] + 1))
+    queue.put(_median_seconds(lambda: _unsharded_iteration(model, optimizer, tokens),
+                              iterations))
+
+
+# One layer's parameters (12 h^2), as the engine moves them: qwZ quantizes a rank's shard
+# and dequantizes the gathered layer, qgZ quantizes the whole gradient (4 bits) and reduces
+# the pieces it receives; every quantization block is 256 values (the engine's default).
+_LAYER_NUMEL = 12 * SHAPE["hidden_size"] ** 2
+_BLOCK = 256
+
+
+def _kernel_calls() -> dict[str, tuple]:
+    """Trace op name -> (a call of the CPU kernel as the lab runs it, its bytes as the
+    trace counts them: the tensors it reads plus the tensors it writes)."""
+    from zeropp import kernels
+
+    shard = torch.randn(_LAYER_NUMEL // RANKS)
+    full = torch.randn(_LAYER_NUMEL)
+    q8 = kernels.quantize_blockwise(shard, 8, _BLOCK)
+    gathered = q8.repeat(RANKS, 1)
+    q4 = kernels.quantize_blockwise(full, 4, _BLOCK)
+    per_node, nodes = 2, 2
+    chunk = _LAYER_NUMEL // per_node
+    chunk_q4 = kernels.quantize_blockwise(full[:chunk], 4, _BLOCK).repeat(per_node, 1)
+    piece = chunk // nodes
+    piece_q4 = kernels.quantize_blockwise(full[:piece], 4, _BLOCK).repeat(nodes, 1)
+
+    def nbytes(*tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    return {
+        "zeropp.quantize_blockwise.default": (
+            lambda: (kernels.quantize_blockwise(shard, 8, _BLOCK),
+                     kernels.quantize_blockwise(full, 4, _BLOCK)),
+            nbytes(shard, q8, full, q4)),
+        "zeropp.dequantize_blockwise_many.default": (
+            lambda: kernels.dequantize_blockwise_many(gathered, shard.numel(), 8, _BLOCK,
+                                                      torch.float32),
+            nbytes(gathered, full)),
+        "zeropp.dequantize_reduce_quantize.default": (
+            lambda: kernels.dequantize_reduce_quantize(chunk_q4, chunk, 4, 4, _BLOCK),
+            nbytes(chunk_q4, chunk_q4[0])),
+        "zeropp.dequantize_reduce.default": (
+            lambda: kernels.dequantize_reduce(piece_q4, piece, 4, _BLOCK),
+            nbytes(piece_q4, full[:piece])),
+    }
+
+
+def _time_kernels(queue, rank: int, repeats: int) -> None:
+    torch.set_num_threads(1)
+    rates = {}
+    for name, (call, nbytes) in _kernel_calls().items():
+        rates[name] = nbytes / _median_seconds(call, repeats)
+    a, b = torch.randn(_LAYER_NUMEL), torch.randn(_LAYER_NUMEL)
+    # add_ reads a and b and writes a: 3 tensors of bytes, as the trace counts an add_.
+    rates["elementwise"] = 3 * a.numel() * 4 / _median_seconds(lambda: a.add_(b), repeats)
+    queue.put(rates)
+
+
+# Two sizes of a world all-gather plus reduce-scatter (fp32 elements of the full buffer): a
+# layer of the lab model and a quarter of one, enough apart to separate latency from rate.
+_GLOO_SIZES = (_LAYER_NUMEL // 4, _LAYER_NUMEL)
+_GLOO_PORT = 29517
+
+
+def _time_gloo(queue, rank: int, repeats: int) -> None:
+    """Seconds of a world all_gather + reduce_scatter per size in _GLOO_SIZES (4 ranks)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    warnings.simplefilter("ignore", FutureWarning)  # torch's rename notice for *_tensor
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_GLOO_PORT}", rank=rank,
+                            world_size=RANKS)
+    seconds = []
+    for numel in _GLOO_SIZES:
+        full, gathered = torch.randn(numel), torch.empty(numel)
+        shard, reduced = torch.randn(numel // RANKS), torch.empty(numel // RANKS)
+
+        def exchange(gathered=gathered, shard=shard, reduced=reduced, full=full):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_gather_into_tensor(gathered, shard)
+            dist.reduce_scatter_tensor(reduced, full)
+            return time.perf_counter() - start
+
+        seconds.append(statistics.median(exchange() for _ in range(repeats)))
+    dist.destroy_process_group()
+    queue.put(seconds)
+
+
+def _concurrently(target, repeats: int) -> list:
+    """Run ``target(queue, rank, repeats)`` in RANKS single-thread processes at once (the
+    lab's 4 ranks on this machine's cores) and return what each put on the queue."""
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    processes = [context.Process(target=_time_unsharded, args=(queue, iterations))
-                 for _ in range(RANKS)]
+    processes = [context.Process(target=target, args=(queue, rank, repeats))
+                 for rank in range(RANKS)]
     for process in processes:
         process.start()
     results = [queue.get() for _ in processes]
     for process in processes:
         process.join()
-    return statistics.median(results)
+    return results
+
+
+def measure_gloo(repeats: int = 8) -> tuple[float, float]:
+    """(latency per collective in seconds, bytes/s a rank sends plus receives) of gloo with
+    the lab's 4 ranks on this machine's cores: the alpha-beta line through two sizes."""
+    results = _concurrently(_time_gloo, repeats)
+    small, large = (statistics.median(r[i] for r in results) for i in range(2))
+    # A rank sends and receives 2 (n-1)/n of the full buffer in each of the two collectives.
+    moved = [2 * 2 * (RANKS - 1) / RANKS * numel * 4 for numel in _GLOO_SIZES]
+    rate = (moved[1] - moved[0]) / (large - small)
+    latency = (small - moved[0] / rate) / 2
+    if rate <= 0 or latency < 0:
+        raise RuntimeError(f"gloo timings {small:.4f} s / {large:.4f} s do not fit a line")
+    return latency, rate
+
+
+def measure_compute_seconds(iterations: int = 5) -> float:
+    """Median seconds of one unsharded iteration while 4 such processes share the cores."""
+    return statistics.median(_concurrently(_time_unsharded, iterations))
+
+
+def measure_kernel_rates(repeats: int = 10) -> dict[str, float]:
+    """Bytes/s per kernel (and "elementwise": an fp32 add_) with 4 processes on the cores."""
+    results = _concurrently(_time_kernels, repeats)
+    return {name: statistics.median(r[name] for r in results) for name in results[0]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,24 +295,36 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as workdir:
         traces = record_traces(Path(workdir))
+    rates = measure_kernel_rates()
+    latency, transport = measure_gloo()
     compute_seconds = measure_compute_seconds()
-    # One rank's compute work of an iteration (forward, backward, optimizer): the unsharded
-    # run's FLOPs are those of the ZeRO-3 trace's compute stream.
-    zero3 = traces["zero3"]
-    flops = sum(op.flops for op in zero3.compute_ops())
-    rate = flops / compute_seconds
-    print(f"measured: {compute_seconds:.3f} s per unsharded iteration with {RANKS} processes "
-          f"on this machine -> {rate / 1e9:.2f} GFLOP/s per rank")
+    # The compute rate: the unsharded iteration's FLOPs over the seconds left of it once its
+    # memory-bound ops (no FLOPs) are charged at the measured elementwise rate.
+    ops = unsharded_trace()
+    flops = sum(op.flops for op in ops)
+    memory_seconds = sum(op.bytes for op in ops if op.flops == 0) / rates["elementwise"]
+    if memory_seconds >= compute_seconds:
+        raise RuntimeError(f"the unsharded iteration took {compute_seconds:.3f} s, less than "
+                           f"its memory-bound ops at the measured rate ({memory_seconds:.3f} s)")
+    rate = flops / (compute_seconds - memory_seconds)
+    kernel_rates = {name: r for name, r in rates.items() if name != "elementwise"}
+    print(f"measured with {RANKS} processes on this machine: {compute_seconds:.3f} s per "
+          f"unsharded iteration, {memory_seconds:.3f} s of it memory-bound at "
+          f"{rates['elementwise'] / 1e9:.2f} GB/s -> {rate / 1e9:.2f} GFLOP/s per rank")
+    for name, r in kernel_rates.items():
+        print(f"  {name}: {r / 1e9:.2f} GB/s")
+    print(f"  gloo, 4 ranks: {latency * 1e3:.1f} ms per collective, {transport / 1e6:.0f} MB/s "
+          f"sent plus received per rank")
     links = {"unlimited": UNLIMITED_BITS_PER_SECOND, **LAB_LINK_BITS_PER_SECOND}
     rows = []
     print(f"{'system':<8}" + "".join(f"{rate_name:>26}" for rate_name in RATES))
     for name, trace in traces.items():
         cells = []
         for rate_name, measured in zip(RATES, MEASURED[name], strict=True):
-            # memory bandwidth: not a bound here, the measured rate covers every kernel
             cluster = lab_cluster(
-                rate, 1e15, links[rate_name], algorithm="direct",
-                host_transport_bandwidth=TCP_GOODPUT_BYTES_PER_SECOND / RANKS_PER_CORE)
+                rate, rates["elementwise"], links[rate_name], algorithm="direct",
+                host_transport_bandwidth=transport, intra_node_latency=latency,
+                inter_node_latency=latency, kernel_bandwidth=kernel_rates)
             predicted = predict(trace, cluster).seconds
             cells.append({"rate": rate_name, "predicted": predicted, "measured": measured,
                           "error": predicted / measured - 1})
@@ -188,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"gflops_per_rank": rate / 1e9,
                                               "compute_seconds": compute_seconds,
+                                              "bytes_per_second": rates,
+                                              "gloo_latency_s": latency,
+                                              "gloo_bytes_per_second": transport,
                                               "rows": rows}, indent=1))
     return 0
 

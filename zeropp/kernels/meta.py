@@ -3,6 +3,13 @@
 The simulated GPU cluster runs on the meta device. There the kernels must allocate what the
 Triton kernels allocate on a GPU (their outputs only), not the pure-torch reference's fp32
 temporaries, or the measured peak would be a CPU's, not a GPU's.
+
+Each kernel is a dispatcher op of the ``zeropp`` library (``torch.ops.zeropp.*``) with a meta
+implementation only, so that whatever watches the dispatcher sees it as one kernel, as a GPU
+runs it: the trace recorder (zeropp/simulation/tracing.py) records it as one compute op
+whose bytes are its inputs plus its outputs, exactly the Triton kernel's memory traffic (it
+reads the values or payloads once and writes its result once). A plain ``torch.empty`` here
+would make the quantization kernels invisible to the step-time model.
 """
 
 from __future__ import annotations
@@ -13,26 +20,64 @@ from torch import Tensor
 from zeropp.kernels.reference import check_quantize_input, payload_layout
 
 
-def quantize_blockwise(x: Tensor, bits: int, block_size: int) -> Tensor:
+@torch.library.custom_op("zeropp::quantize_blockwise", mutates_args=(), device_types="meta")
+def _quantize(x: Tensor, bits: int, block_size: int) -> Tensor:
     layout = check_quantize_input(x, bits, block_size)
     return torch.empty(layout.nbytes, dtype=torch.uint8, device=x.device)
 
 
+@torch.library.custom_op("zeropp::dequantize_blockwise", mutates_args=(), device_types="meta")
+def _dequantize(payload: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+    return torch.empty(numel, dtype=dtype, device=payload.device)
+
+
+# The ``out=`` form: ``out`` is written, so it is an argument the op mutates (its bytes count
+# once, as the kernel's writes) and nothing is returned.
+@torch.library.custom_op("zeropp::dequantize_blockwise_into", mutates_args=("out",),
+                         device_types="meta")
+def _dequantize_into(payload: Tensor, out: Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("zeropp::dequantize_blockwise_many", mutates_args=(),
+                         device_types="meta")
+def _dequantize_many(payloads: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+    return torch.empty(payloads.shape[0], numel, dtype=dtype, device=payloads.device)
+
+
+@torch.library.custom_op("zeropp::dequantize_reduce", mutates_args=(), device_types="meta")
+def _dequantize_reduce(payloads: Tensor, numel: int) -> Tensor:
+    return torch.empty(numel, dtype=torch.float32, device=payloads.device)
+
+
+@torch.library.custom_op("zeropp::dequantize_reduce_quantize", mutates_args=(),
+                         device_types="meta")
+def _dequantize_reduce_quantize(payloads: Tensor, nbytes: int) -> Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=payloads.device)
+
+
+def quantize_blockwise(x: Tensor, bits: int, block_size: int) -> Tensor:
+    return torch.ops.zeropp.quantize_blockwise(x, bits, block_size)
+
+
 def dequantize_blockwise(payload: Tensor, numel: int, bits: int, block_size: int,
                          dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
-    return out if out is not None else torch.empty(numel, dtype=dtype, device=payload.device)
+    if out is None:
+        return torch.ops.zeropp.dequantize_blockwise(payload, numel, dtype)
+    torch.ops.zeropp.dequantize_blockwise_into(payload, out)
+    return out
 
 
 def dequantize_blockwise_many(payloads: Tensor, numel: int, bits: int, block_size: int,
                               dtype: torch.dtype) -> Tensor:
-    return torch.empty(payloads.shape[0], numel, dtype=dtype, device=payloads.device)
+    return torch.ops.zeropp.dequantize_blockwise_many(payloads, numel, dtype)
 
 
 def dequantize_reduce(payloads: Tensor, numel: int, bits: int, block_size: int) -> Tensor:
-    return torch.empty(numel, dtype=torch.float32, device=payloads.device)
+    return torch.ops.zeropp.dequantize_reduce(payloads, numel)
 
 
 def dequantize_reduce_quantize(payloads: Tensor, numel: int, bits_in: int, bits_out: int,
                                block_size: int) -> Tensor:
     nbytes = payload_layout(numel, bits_out, block_size).nbytes
-    return torch.empty(nbytes, dtype=torch.uint8, device=payloads.device)
+    return torch.ops.zeropp.dequantize_reduce_quantize(payloads, nbytes)

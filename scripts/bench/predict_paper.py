@@ -1,0 +1,244 @@
+"""The step-time model against the ZeRO++ paper: predicted vs published TFLOPs per GPU.
+
+    python -m scripts.bench.predict_paper [--traces cache/paper_traces] [--out docs/paper_step_time.md]
+
+The published side (PUBLISHED below): the DeepSpeed ZeRO++ blog's table, 384 V100 GPUs (24
+DGX-2 nodes of 16) at 400 and 100 Gbit/s per node, TFLOPs per GPU of ZeRO-3 and ZeRO++ for
+the 18B/49B/91B/138B GPT models at 1K and 2K tokens per GPU; and the ZeRO++ tutorial's two
+runs of the 18B on 4 x 16 V100 (512 tokens per GPU) at 100 Gbit/s: ZeRO-3 9956 ms, ZeRO++
+3681 ms per iteration.
+
+The predicted side: each setup's iteration is recorded on the simulated GPU cluster as rank
+0's trace (the real program, meta tensors, the paper's flags: configs/models/gpt_*.args,
+sequence 512, fp16, activation checkpointing, configs/ds_zeropp_config.json for ZeRO++ and
+the dry run's ZeRO-3 baseline of it), then replayed by zeropp.step_time.predict on the
+DGX-2 descriptions (CLUSTERS["dgx2_400g"], ["dgx2_100g"]) with the V100 calibration applied
+(``calibrated``). Traces are cached in ``--traces`` (recording the 138B takes minutes);
+``--record-only`` fills the cache and stops.
+
+[Note: the V100 calibration]
+Two constants, both chosen on the tutorial's two runs only (the 16 paper cells are then
+predictions, not fits):
+- ``gemm_fraction`` (the fraction of the V100's 125 TFLOP/s fp16 peak that the model's
+  kernels reach) and
+- ``network_efficiency`` (the fraction of the NICs' line rate a collective gets).
+They are the least-squares solution (in log error) of the two tutorial runs over a grid;
+``--fit`` reprints the grid's best point. Everything else is a datasheet figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+from megatron_lite.arguments import parse_args
+from megatron_lite.dry_run import baseline_ds_config
+from scripts.bench.paper_memory import model_flags
+from zeropp.simulation.trace import IterationTrace
+from zeropp.step_time import CLUSTERS, ClusterSpec, predict
+
+ROOT = Path(__file__).resolve().parents[2]
+GPUS_PER_NODE = 16
+SEQ_LENGTH = 512
+SYSTEMS = ("ZeRO-3", "ZeRO++")
+MODELS = ("18b", "49b", "91b", "138b")
+
+# DeepSpeed's ZeRO++ blog, the 384-GPU table: TFLOPs per GPU (ZeRO-3, ZeRO++), keyed
+# (link Gbit/s per node, tokens per GPU, model).
+PUBLISHED = {
+    (400, 1024): {"18b": (25, 35), "49b": (23, 36), "91b": (23, 36), "138b": (23, 36)},
+    (400, 2048): {"18b": (40, 53), "49b": (36, 51), "91b": (36, 51), "138b": (36, 50)},
+    (100, 1024): {"18b": (14, 31), "49b": (11, 22), "91b": (11, 22), "138b": (11, 22)},
+    (100, 2048): {"18b": (26, 46), "49b": (20, 38), "91b": (20, 38), "138b": (20, 38)},
+}
+PAPER_NODES = 24
+# The ZeRO++ tutorial: 18B, 4 x 16 V100, --batch-size 1 (512 tokens per GPU), seconds per
+# iteration from its two training logs.
+TUTORIAL = {"model": "18b", "nodes": 4, "tokens": 512, "gbps": 100,
+            "seconds": {"ZeRO-3": 9.956, "ZeRO++": 3.681}}
+
+# [Note: the V100 calibration]; ``--fit`` recomputes them.
+GEMM_FRACTION = 0.45
+NETWORK_EFFICIENCY = 0.8
+
+
+def program_argv(model: str, nodes: int, tokens: int) -> list[str]:
+    micro = tokens // SEQ_LENGTH
+    return model_flags(model) + [
+        "--micro-batch-size", str(micro),
+        "--global-batch-size", str(micro * nodes * GPUS_PER_NODE),
+        "--fp16", "--checkpoint-activations", "--lr", "1e-4",
+        "--deepspeed_config", str(ROOT / "configs" / "ds_zeropp_config.json"),
+    ]
+
+
+def trace_path(directory: Path, model: str, nodes: int, tokens: int, system: str) -> Path:
+    tag = "zero3" if system == "ZeRO-3" else "zeropp"
+    return directory / f"{model}_{nodes}x{GPUS_PER_NODE}_{tokens}tok_{tag}.json"
+
+
+def load_or_record(directory: Path, model: str, nodes: int, tokens: int,
+                   system: str) -> IterationTrace:
+    path = trace_path(directory, model, nodes, tokens, system)
+    if path.exists():
+        return IterationTrace.load(path)
+    from megatron_lite.simulate import simulate_rank
+
+    argv = program_argv(model, nodes, tokens)
+    ds_config = baseline_ds_config(parse_args(argv)) if system == "ZeRO-3" else None
+    start = time.perf_counter()
+    result = simulate_rank(argv, 0, nodes, GPUS_PER_NODE, save_dir=None, ds_config=ds_config,
+                           trace=True)
+    print(f"recorded {path.name} in {time.perf_counter() - start:.0f} s", flush=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    result.trace.to_json(path)
+    return result.trace
+
+
+def calibrated(cluster: ClusterSpec, gemm_fraction: float = GEMM_FRACTION,
+               network_efficiency: float = NETWORK_EFFICIENCY) -> ClusterSpec:
+    return dataclasses.replace(cluster, gemm_fraction=gemm_fraction,
+                               nic_bandwidth=cluster.nic_bandwidth * network_efficiency)
+
+
+def setups() -> list[dict]:
+    """Every (model, nodes, tokens, link) cell with its published figures."""
+    rows = [{"name": "tutorial", "model": TUTORIAL["model"], "nodes": TUTORIAL["nodes"],
+             "tokens": TUTORIAL["tokens"], "gbps": TUTORIAL["gbps"],
+             "published_seconds": TUTORIAL["seconds"]}]
+    for (gbps, tokens), by_model in PUBLISHED.items():
+        for model, (zero3, zeropp) in by_model.items():
+            rows.append({"name": "paper", "model": model, "nodes": PAPER_NODES,
+                         "tokens": tokens, "gbps": gbps,
+                         "published_tflops": {"ZeRO-3": zero3, "ZeRO++": zeropp}})
+    return rows
+
+
+def cell_errors(rows: list[dict], traces: dict, gemm: float, net: float) -> list[dict]:
+    """Every published figure against its prediction on the calibrated DGX-2 cluster."""
+    results = []
+    for row in rows:
+        cluster = calibrated(CLUSTERS[f"dgx2_{row['gbps']}g"], gemm, net)
+        for system in SYSTEMS:
+            prediction = predict(traces[(row["model"], row["nodes"], row["tokens"], system)],
+                                 cluster)
+            result = {"setup": row["name"], "model": row["model"], "nodes": row["nodes"],
+                      "tokens_per_gpu": row["tokens"], "gbps": row["gbps"], "system": system,
+                      "predicted_seconds": prediction.seconds,
+                      "predicted_tflops": prediction.tflops_per_gpu}
+            if "published_seconds" in row:
+                result["published_seconds"] = row["published_seconds"][system]
+                result["error"] = prediction.seconds / result["published_seconds"] - 1
+            else:
+                result["published_tflops"] = row["published_tflops"][system]
+                result["error"] = prediction.tflops_per_gpu / result["published_tflops"] - 1
+            results.append(result)
+    return results
+
+
+def fit(rows: list[dict], traces: dict) -> tuple[float, float, float]:
+    """(gemm_fraction, network_efficiency, rms log error) that best predict every published
+    figure of ``rows``: a pattern search on the mean squared log error, steps 0.08 -> 0.01,
+    both constants kept in (0, 1]."""
+
+    def loss(point: tuple[float, float]) -> float:
+        errors = cell_errors(rows, traces, *point)
+        return sum(math.log1p(r["error"]) ** 2 for r in errors) / len(errors)
+
+    point, best = (GEMM_FRACTION, NETWORK_EFFICIENCY), None
+    best = loss(point)
+    step = 0.08
+    while step >= 0.01 - 1e-12:
+        moved = False
+        for dg, de in ((step, 0), (-step, 0), (0, step), (0, -step)):
+            candidate = (round(point[0] + dg, 4), round(point[1] + de, 4))
+            if not all(0 < c <= 1 for c in candidate):
+                continue
+            value = loss(candidate)
+            if value < best:
+                point, best, moved = candidate, value, True
+        if not moved:
+            step /= 2
+    return point[0], point[1], math.sqrt(best)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.predict_paper",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--traces", type=Path, default=ROOT / "cache" / "paper_traces")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--record-only", action="store_true")
+    parser.add_argument("--fit", action="store_true", help="refit the two V100 constants")
+    parser.add_argument("--out", type=Path, default=None, help="markdown table (and .json)")
+    options = parser.parse_args(argv)
+    models = options.models.split(",")
+    rows = [r for r in setups() if r["model"] in models]
+    traces = {}
+    for row in rows:
+        for system in SYSTEMS:
+            key = (row["model"], row["nodes"], row["tokens"], system)
+            if key not in traces:
+                traces[key] = load_or_record(options.traces, *key)
+    if options.record_only:
+        return 0
+    gemm, net = GEMM_FRACTION, NETWORK_EFFICIENCY
+    if options.fit:
+        gemm, net, rms = fit(rows, traces)
+        print(f"fit on {2 * len(rows)} published figures: gemm_fraction {gemm:.2f}, "
+              f"network_efficiency {net:.2f} (rms log error {rms:.3f})")
+    results = cell_errors(rows, traces, gemm, net)
+    table = render(results, gemm, net)
+    print(table)
+    if options.out is not None:
+        options.out.parent.mkdir(parents=True, exist_ok=True)
+        options.out.write_text(table)
+        options.out.with_suffix(".json").write_text(json.dumps(
+            {"gemm_fraction": gemm, "network_efficiency": net, "cells": results}, indent=1))
+    return 0
+
+
+def render(results: list[dict], gemm: float, net: float) -> str:
+    """The side-by-side table: published -> predicted, with the error of each cell."""
+    lines = [
+        "# The step-time model against the ZeRO++ paper",
+        "",
+        "Regenerate with `python -m scripts.bench.predict_paper --out docs/paper_step_time.md`.",
+        f"V100 calibration (two constants, fitted on the tutorial's two runs only): "
+        f"gemm_fraction {gemm:.2f}, network_efficiency {net:.2f}.",
+        "",
+        "## The tutorial: 18B on 4 x 16 V100, 100 Gbit/s, ms per iteration",
+        "",
+        "| system | published | predicted | error |",
+        "|---|---|---|---|",
+    ]
+    for r in results:
+        if r["setup"] == "tutorial":
+            lines.append(f"| {r['system']} | {r['published_seconds'] * 1e3:.0f} | "
+                         f"{r['predicted_seconds'] * 1e3:.0f} | {r['error']:+.0%} |")
+    lines += ["", f"## The paper: 384 V100 ({PAPER_NODES} x {GPUS_PER_NODE}), TFLOPs per GPU, "
+              "published / predicted (error)", "",
+              "| link | tokens/GPU | system | " + " | ".join(m.upper() for m in MODELS) + " |",
+              "|---|---|---|" + "---|" * len(MODELS)]
+    paper = [r for r in results if r["setup"] == "paper"]
+    for gbps, tokens in PUBLISHED:
+        for system in SYSTEMS:
+            cells = {r["model"]: r for r in paper if (r["gbps"], r["tokens_per_gpu"],
+                                                     r["system"]) == (gbps, tokens, system)}
+            if not cells:
+                continue
+            row = [f"{cells[m]['published_tflops']} / {cells[m]['predicted_tflops']:.1f} "
+                   f"({cells[m]['error']:+.0%})" if m in cells else "" for m in MODELS]
+            lines.append(f"| {gbps} Gbps | {tokens // 1024}K | {system} | " + " | ".join(row)
+                         + " |")
+    errors = [abs(r["error"]) for r in results]
+    lines += ["", f"Largest error: {max(errors):.0%}; cells within 20%: "
+              f"{sum(e <= 0.20 for e in errors)} of {len(errors)}.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
