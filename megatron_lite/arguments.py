@@ -339,6 +339,13 @@ def _add_dry_run_args(group: argparse._ArgumentGroup) -> None:
                        "simulated GPU cluster (meta tensors) and print the measured peak "
                        "memory next to the plan (default: on; an 18B model takes about two "
                        "minutes per system).")
+    group.add_argument("--dry-run-cluster", default=None, metavar="NAME",
+                       help="Also predict the seconds per iteration and TFLOPs per GPU of "
+                       "ZeRO-3 and the configured ZeRO++ on this built-in cluster "
+                       "(zeropp.step_time.CLUSTERS: dgx2_100g, dgx2_200g, dgx2_400g, "
+                       "dgx2_800g, dgx_a100, dgx_h100), by replaying the simulated rank's "
+                       "iteration (needs --dry-run-simulate). Default: every built-in cluster "
+                       "with as many GPUs per node as planned.")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -148,9 +148,29 @@ def planned_cluster(args: argparse.Namespace) -> PlannedCluster:
                         ("--dry-run-gpu-memory-gb", args.dry_run_gpu_memory_gb)):
         if value is not None and not value > 0:
             raise ArgumentError(f"{flag} {value} must be positive")
-    gpus_per_node = args.dry_run_gpus_per_node or args.ranks_per_node or 1
+    named = predicted_clusters(args)
+    gpus_per_node = (args.dry_run_gpus_per_node or args.ranks_per_node
+                     or (named[0].ranks_per_node if args.dry_run_cluster else 1))
+    if args.dry_run_cluster and named[0].ranks_per_node != gpus_per_node:
+        raise ArgumentError(f"--dry-run-cluster {args.dry_run_cluster} has "
+                            f"{named[0].ranks_per_node} GPUs per node, the plan {gpus_per_node}"
+                            f"; give --dry-run-gpus-per-node {named[0].ranks_per_node}")
     return PlannedCluster(world_size=args.dry_run_nodes * gpus_per_node,
                           ranks_per_node=gpus_per_node, gpu_memory_gib=args.dry_run_gpu_memory_gb)
+
+
+def predicted_clusters(args: argparse.Namespace, ranks_per_node: int | None = None) -> list:
+    """The built-in clusters (zeropp.step_time.CLUSTERS) to predict the step time on: the one
+    ``--dry-run-cluster`` names, else every one with ``ranks_per_node`` GPUs per node."""
+    from zeropp.step_time import CLUSTERS
+
+    name = getattr(args, "dry_run_cluster", None)
+    if name is not None:
+        if name not in CLUSTERS:
+            raise ArgumentError(f"--dry-run-cluster {name!r} is not a built-in cluster; "
+                                f"choose one of {', '.join(CLUSTERS)}")
+        return [CLUSTERS[name]]
+    return [c for c in CLUSTERS.values() if c.ranks_per_node == ranks_per_node]
 
 
 def zero_config(args: argparse.Namespace) -> ZeroConfig:
@@ -371,11 +391,32 @@ def simulate_plans(args: argparse.Namespace, argv: list[str], report: DryRunRepo
     cluster = report.cluster
     zero3, configured = report.plans
     baseline = simulate_rank(argv, 0, cluster.num_nodes, cluster.ranks_per_node, save_dir=None,
-                             ds_config=baseline_ds_config(args))
+                             ds_config=baseline_ds_config(args), trace=True)
     if dataclasses.replace(configured.zero, stage=3) == zero3.zero:
         return [baseline, baseline]
     return [baseline, simulate_rank(argv, 0, cluster.num_nodes, cluster.ranks_per_node,
-                                    save_dir=None)]
+                                    save_dir=None, trace=True)]
+
+
+def predicted_lines(report: DryRunReport, measurements: list, clusters: list) -> list[str]:
+    """Seconds per iteration and TFLOPs per GPU of each plan's traced iteration, replayed on
+    each cluster by zeropp.step_time.predict (datasheet rates; see its notes)."""
+    from zeropp.step_time import predict
+
+    names = [plan.name for plan in report.plans]
+    lines = [_row("predicted step (s) | TFLOPs per GPU", names)]
+    for cluster in clusters:
+        cells = []
+        for measurement in measurements:
+            p = predict(measurement.trace, cluster)
+            cells.append(f"{p.seconds:.2f} | {p.tflops_per_gpu:.1f}")
+        lines.append(_row(f"  {cluster.name}", cells))
+    if not clusters:
+        lines.append(f"  no built-in cluster has {report.cluster.ranks_per_node} GPUs per node; "
+                     "name one with --dry-run-cluster")
+    lines.append("  replay of rank 0's traced iteration (zeropp.step_time) with datasheet rates "
+                 "and assumed efficiencies: a comparison, not a promise")
+    return lines
 
 
 def measured_lines(report: DryRunReport, measurements: list) -> list[str]:
@@ -408,6 +449,9 @@ def run_dry_run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     also run as rank 0 of the planned cluster on the simulated GPU cluster.
     """
     try:
+        if args.dry_run_cluster is not None and not args.dry_run_simulate:
+            raise ArgumentError(f"--dry-run-cluster {args.dry_run_cluster} predicts from the "
+                                "simulated rank's iteration; drop --no-dry-run-simulate")
         report = build_report(args)
     except (ArgumentError, ConfigError, TopologyError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
@@ -419,5 +463,9 @@ def run_dry_run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if args.dry_run_simulate:
         argv = list(sys.argv[1:] if argv is None else argv)
         print("", flush=True)
-        print("\n".join(measured_lines(report, simulate_plans(args, argv, report))), flush=True)
+        measurements = simulate_plans(args, argv, report)
+        print("\n".join(measured_lines(report, measurements)), flush=True)
+        clusters = predicted_clusters(args, report.cluster.ranks_per_node)
+        print("", flush=True)
+        print("\n".join(predicted_lines(report, measurements, clusters)), flush=True)
     return 0

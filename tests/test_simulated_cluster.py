@@ -134,6 +134,38 @@ def test_dry_run_prints_measured_next_to_planned(capsys):
     zero3, zeropp = (float(v) for v in measured.split()[-2:])
     assert 0 < zero3 <= zeropp
     assert "rank 0 of 32 on the simulated GPU cluster" in out
+    # the step-time prediction on every built-in 16-GPU node: ZeRO++ never slower, and the
+    # gain shrinks as the link grows (100 -> 800 Gbit/s)
+    predicted = {line.split()[0]: line.split()[1:] for line in out.splitlines()
+                 if line.strip().startswith("dgx2_")}
+    assert list(predicted) == ["dgx2_100g", "dgx2_200g", "dgx2_400g", "dgx2_800g"]
+    gains = []
+    for cells in predicted.values():
+        zero3_s, _, zero3_tf, zeropp_s, _, zeropp_tf = cells
+        assert float(zeropp_s) <= float(zero3_s) and float(zeropp_tf) >= float(zero3_tf) > 0
+        gains.append(float(zeropp_tf) / float(zero3_tf))
+    assert gains == sorted(gains, reverse=True) and gains[0] > gains[-1]
+
+
+def test_dry_run_cluster_names_one_cluster_and_errors_are_one_line(capsys):
+    argv = [a.format(layers=2) for a in SMALL] + [
+        "--deepspeed_config", "configs/ds_zeropp_config.json", "--dry-run",
+        "--dry-run-nodes", "2", "--dry-run-cluster", "dgx2_400g", "--global-batch-size", "64"]
+    assert run_dry_run(parse_args(argv), argv) == 0
+    out = capsys.readouterr().out
+    assert "2 node(s) x 16 GPUs" in out  # GPUs per node taken from the named cluster
+    assert [line.split()[0] for line in out.splitlines()
+            if line.strip().startswith("dgx")] == ["dgx2_400g"]
+    for extra, message in (
+            (["--dry-run-cluster", "dgx9"], "--dry-run-cluster 'dgx9' is not a built-in"),
+            (["--dry-run-cluster", "dgx_h100", "--dry-run-gpus-per-node", "16"],
+             "give --dry-run-gpus-per-node 8"),
+            (["--dry-run-cluster", "dgx2_100g", "--no-dry-run-simulate"],
+             "drop --no-dry-run-simulate")):
+        bad = argv[:-6] + ["--dry-run-nodes", "2", "--global-batch-size", "64"] + extra
+        assert run_dry_run(parse_args(bad), bad) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err
 
 
 @pytest.mark.parametrize("stage", [1, 2])

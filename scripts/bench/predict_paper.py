@@ -39,7 +39,13 @@ from megatron_lite.arguments import parse_args
 from megatron_lite.dry_run import baseline_ds_config
 from scripts.bench.paper_memory import model_flags
 from zeropp.simulation.trace import IterationTrace
-from zeropp.step_time import CLUSTERS, ClusterSpec, predict
+from zeropp.step_time import (
+    CLUSTERS,
+    V100_GEMM_FRACTION,
+    V100_NETWORK_EFFICIENCY,
+    ClusterSpec,
+    predict,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 GPUS_PER_NODE = 16
@@ -61,9 +67,6 @@ PAPER_NODES = 24
 TUTORIAL = {"model": "18b", "nodes": 4, "tokens": 512, "gbps": 100,
             "seconds": {"ZeRO-3": 9.956, "ZeRO++": 3.681}}
 
-# [Note: the V100 calibration]; ``--fit`` recomputes them.
-GEMM_FRACTION = 0.45
-NETWORK_EFFICIENCY = 0.8
 
 
 def program_argv(model: str, nodes: int, tokens: int) -> list[str]:
@@ -99,10 +102,10 @@ def load_or_record(directory: Path, model: str, nodes: int, tokens: int,
     return result.trace
 
 
-def calibrated(cluster: ClusterSpec, gemm_fraction: float = GEMM_FRACTION,
-               network_efficiency: float = NETWORK_EFFICIENCY) -> ClusterSpec:
+def calibrated(cluster: ClusterSpec, gemm_fraction: float,
+               network_efficiency: float) -> ClusterSpec:
     return dataclasses.replace(cluster, gemm_fraction=gemm_fraction,
-                               nic_bandwidth=cluster.nic_bandwidth * network_efficiency)
+                               network_efficiency=network_efficiency)
 
 
 def setups() -> list[dict]:
@@ -149,7 +152,7 @@ def fit(rows: list[dict], traces: dict) -> tuple[float, float, float]:
         errors = cell_errors(rows, traces, *point)
         return sum(math.log1p(r["error"]) ** 2 for r in errors) / len(errors)
 
-    point, best = (GEMM_FRACTION, NETWORK_EFFICIENCY), None
+    point = (V100_GEMM_FRACTION, V100_NETWORK_EFFICIENCY)
     best = loss(point)
     step = 0.08
     while step >= 0.01 - 1e-12:
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 traces[key] = load_or_record(options.traces, *key)
     if options.record_only:
         return 0
-    gemm, net = GEMM_FRACTION, NETWORK_EFFICIENCY
+    gemm, net = V100_GEMM_FRACTION, V100_NETWORK_EFFICIENCY
     if options.fit:
         gemm, net, rms = fit(rows, traces)
         print(f"fit on {2 * len(rows)} published figures: gemm_fraction {gemm:.2f}, "
