@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -109,6 +110,69 @@ def loss_curves(convergence: dict, path: Path) -> Path:
     axes.legend(fontsize=8, frameon=False)
     axes.grid(alpha=0.3)
     return _save(figure, path)
+
+
+def predicted_vs_reference(paper: list[dict], lab: list[dict], path: Path) -> Path:
+    """Two panels, predicted against reference on log axes with the error bands of the
+    targets: the paper's TFLOPs per GPU (and the tutorial's seconds, as TFLOPs) beside the
+    lab's measured seconds per iteration.
+
+    ``paper``: predict_paper's cells; ``lab``: predict_lab's rows (system, cells)."""
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10.0, 4.6))
+    markers = {"ZeRO-3": "o", "ZeRO++": "s"}
+    for cell in paper:
+        if "published_tflops" in cell:
+            reference, predicted = cell["published_tflops"], cell["predicted_tflops"]
+            colour = "C0" if cell["gbps"] == 100 else "C1"
+        else:  # the tutorial: seconds, shown as the TFLOPs they mean
+            reference = cell["predicted_tflops"] * cell["predicted_seconds"] / \
+                cell["published_seconds"]
+            predicted, colour = cell["predicted_tflops"], "C2"
+        left.scatter(reference, predicted, marker=markers[cell["system"]], color=colour,
+                     s=28, zorder=3)
+    for label, colour in (("384 V100, 100 Gbps", "C0"), ("384 V100, 400 Gbps", "C1"),
+                          ("tutorial, 64 V100", "C2")):
+        left.scatter([], [], color=colour, marker="o", label=label)
+    for system, marker in markers.items():
+        left.scatter([], [], color="grey", marker=marker, label=system)
+    _identity_with_band(left, 5, 70, 0.20)
+    left.set_xlabel("published TFLOPs per GPU")
+    left.set_ylabel("predicted TFLOPs per GPU")
+    left.set_title("The ZeRO++ paper (band: 20%)")
+    left.legend(fontsize=7, frameon=False, loc="upper left")
+    for row in lab:
+        for cell in row["cells"]:
+            right.scatter(cell["measured"], cell["predicted"],
+                          color=SYSTEM_COLOURS.get(row["system"], "black"),
+                          marker={"unlimited": "o", "1gbit": "^", "100mbit": "s"}[cell["rate"]],
+                          s=28, zorder=3, edgecolors="black", linewidths=0.4)
+    for system in dict.fromkeys(row["system"] for row in lab):
+        right.scatter([], [], color=SYSTEM_COLOURS.get(system, "black"), label=system)
+    for rate, marker in (("unlimited", "o"), ("1gbit", "^"), ("100mbit", "s")):
+        right.scatter([], [], color="white", edgecolors="black", marker=marker, label=rate)
+    _identity_with_band(right, 1, 30, 0.25)
+    right.set_xlabel("measured seconds per iteration")
+    right.set_ylabel("predicted seconds per iteration")
+    right.set_title("The CPU lab, 2 x 2 ranks (band: 25%)")
+    right.legend(fontsize=7, frameon=False, loc="upper left", ncol=2)
+    return _save(figure, path)
+
+
+def _identity_with_band(axes, low: float, high: float, band: float) -> None:
+    line = [low, high]
+    axes.plot(line, line, color="black", linewidth=0.8)
+    axes.fill_between(line, [v * (1 - band) for v in line], [v * (1 + band) for v in line],
+                      color="grey", alpha=0.15, linewidth=0)
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xlim(low, high)
+    axes.set_ylim(low, high)
+    for axis in (axes.xaxis, axes.yaxis):  # plain numbers, not powers of ten
+        axis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    axes.set_xticks([t for t in (1, 2, 5, 10, 20, 30, 50) if low <= t <= high])
+    axes.set_yticks([t for t in (1, 2, 5, 10, 20, 30, 50) if low <= t <= high])
+    axes.grid(alpha=0.3, which="both")
 
 
 def _save(figure, path: Path) -> Path:

@@ -177,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record-only", action="store_true")
     parser.add_argument("--fit", action="store_true", help="refit the two V100 constants")
     parser.add_argument("--out", type=Path, default=None, help="markdown table (and .json)")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="PNG of predicted vs published, beside the lab's predicted vs "
+                        "measured from --lab")
+    parser.add_argument("--lab", type=Path, default=ROOT / "cache" / "lab" / "predicted.json",
+                        help="the JSON of `python -m scripts.bench.predict_lab --out`")
     options = parser.parse_args(argv)
     models = options.models.split(",")
     rows = [r for r in setups() if r["model"] in models]
@@ -201,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         options.out.write_text(table)
         options.out.with_suffix(".json").write_text(json.dumps(
             {"gemm_fraction": gemm, "network_efficiency": net, "cells": results}, indent=1))
+    if options.plot is not None:
+        from scripts.bench.plots import predicted_vs_reference
+
+        lab = json.loads(options.lab.read_text())["rows"] if options.lab.exists() else []
+        print(f"plot: {predicted_vs_reference(results, lab, options.plot)}")
     return 0
 
 
