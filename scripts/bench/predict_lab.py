@@ -46,22 +46,25 @@ import torch
 from megatron_lite.model import GPTConfig, GPTModel, lm_loss
 from zeropp.simulation.trace import ComputeOp
 from zeropp.step_time import (
-    LAB_LINK_BITS_PER_SECOND,
-    LAB_LOOPBACK_BITS_PER_SECOND,
     lab_cluster,
     predict,
 )
 
-# docs/lab.md, "2 nodes x 2 ranks, median of 5 iterations after 1 warm-up" (2026-11-22):
-# seconds per iteration at the link rates unlimited, 1gbit, 100mbit.
+# Seconds per iteration (median) at the link rates unlimited, 1gbit, 100mbit, measured on
+# 2026-11-24 on the quiet reference machine right before the rates below were measured:
+#   python -m scripts.bench.run_lab --rate R --systems zero3,qwz,hpz,qgz,zeropp \
+#       --iters 5 (3 at 100mbit) --out cache/lab/20261124/lab_R.json
+# ``--measured DIR`` reads such files instead (and their measured link rates).
 RATES = ("unlimited", "1gbit", "100mbit")
 MEASURED = {
-    "zero3": (2.10, 2.73, 20.70),
-    "qwz": (2.13, 2.31, 13.95),
-    "hpz": (1.98, 2.70, 17.37),
-    "qgz": (2.19, 2.50, 10.31),
-    "zeropp": (2.07, 2.22, 3.65),
+    "zero3": (1.35, 2.49, 20.24),
+    "qwz": (1.40, 1.97, 13.80),
+    "hpz": (1.38, 2.38, 17.48),
+    "qgz": (1.46, 1.89, 10.25),
+    "zeropp": (1.47, 1.57, 3.34),
 }
+# The same runs' link check (check_links: one TCP stream node 0 -> node 1, 8 MiB), Mbit/s.
+MEASURED_LINK_MBIT = {"unlimited": 16270, "1gbit": 959, "100mbit": 95.7}
 # The zero_optimization switches of each system (bench_step.OUR_SYSTEMS on 2 x 2).
 SYSTEMS = {
     "zero3": {},
@@ -74,8 +77,6 @@ SYSTEMS = {
 SHAPE = dict(num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=256,
              vocab_size=16384)
 RANKS = 4  # 2 nodes x 2 ranks on the lab's 2 cores
-# An unlimited link is loopback between namespaces (docs/lab.md: 7-18 Gbit/s measured).
-UNLIMITED_BITS_PER_SECOND = LAB_LOOPBACK_BITS_PER_SECOND
 
 
 def lab_argv(ds_config_path: str) -> list[str]:
@@ -270,11 +271,10 @@ def measure_gloo(repeats: int = 8) -> tuple[float, float]:
     small, large = (statistics.median(r[i] for r in results) for i in range(2))
     # A rank sends and receives 2 (n-1)/n of the full buffer in each of the two collectives.
     moved = [2 * 2 * (RANKS - 1) / RANKS * numel * 4 for numel in _GLOO_SIZES]
-    rate = (moved[1] - moved[0]) / (large - small)
-    latency = (small - moved[0] / rate) / 2
-    if rate <= 0 or latency < 0:
-        raise RuntimeError(f"gloo timings {small:.4f} s / {large:.4f} s do not fit a line")
-    return latency, rate
+    # The line through the two points; on a quiet machine the small exchange can be cheaper
+    # per byte than the large one (it stays in cache), and then the latency is taken as 0.
+    latency = max(0.0, (small - moved[0] * (large - small) / (moved[1] - moved[0])) / 2)
+    return latency, moved[1] / (large - 2 * latency)
 
 
 def measure_compute_seconds(iterations: int = 5) -> float:
@@ -288,10 +288,25 @@ def measure_kernel_rates(repeats: int = 10) -> dict[str, float]:
     return {name: statistics.median(r[name] for r in results) for name in results[0]}
 
 
+def read_lab_runs(directory: Path) -> tuple[dict, dict]:
+    """(seconds per system and rate, measured link Mbit/s per rate) from run_lab's JSON."""
+    seconds: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    links = {}
+    for rate_name in RATES:
+        run = json.loads((directory / f"lab_{rate_name}.json").read_text())
+        links[rate_name] = run["link"]["goodput_mbit_per_s"]
+        for name in SYSTEMS:
+            seconds[name].append(run["systems"][name]["median_step_s"])
+    return {name: tuple(v) for name, v in seconds.items()}, links
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.bench.predict_lab",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="write the table as JSON here")
+    parser.add_argument("--measured", type=Path, default=None, metavar="DIR",
+                        help="compare with run_lab's lab_{unlimited,1gbit,100mbit}.json in DIR "
+                        "instead of the figures in this file")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as workdir:
         traces = record_traces(Path(workdir))
@@ -315,12 +330,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}: {r / 1e9:.2f} GB/s")
     print(f"  gloo, 4 ranks: {latency * 1e3:.1f} ms per collective, {transport / 1e6:.0f} MB/s "
           f"sent plus received per rank")
-    links = {"unlimited": UNLIMITED_BITS_PER_SECOND, **LAB_LINK_BITS_PER_SECOND}
+    measured_seconds, link_mbit = MEASURED, MEASURED_LINK_MBIT
+    if args.measured is not None:
+        measured_seconds, link_mbit = read_lab_runs(args.measured)
+    links = {rate_name: mbit * 1e6 for rate_name, mbit in link_mbit.items()}
     rows = []
     print(f"{'system':<8}" + "".join(f"{rate_name:>26}" for rate_name in RATES))
     for name, trace in traces.items():
         cells = []
-        for rate_name, measured in zip(RATES, MEASURED[name], strict=True):
+        for rate_name, measured in zip(RATES, measured_seconds[name], strict=True):
             cluster = lab_cluster(
                 rate, rates["elementwise"], links[rate_name], algorithm="direct",
                 host_transport_bandwidth=transport, intra_node_latency=latency,
