@@ -403,13 +403,13 @@ def predicted_lines(report: DryRunReport, measurements: list, clusters: list) ->
     each cluster by zeropp.step_time.predict (datasheet rates; see its notes)."""
     from zeropp.step_time import predict
 
-    names = [plan.name for plan in report.plans]
-    lines = [_row("predicted step (s) | TFLOPs per GPU", names)]
+    header = [label for plan in report.plans for label in (f"{plan.name} s", "TFLOPs")]
+    lines = [_row("predicted per iteration, per GPU", header)]
     for cluster in clusters:
         cells = []
         for measurement in measurements:
             p = predict(measurement.trace, cluster)
-            cells.append(f"{p.seconds:.2f} | {p.tflops_per_gpu:.1f}")
+            cells += [f"{p.seconds:.3g}", f"{p.tflops_per_gpu:.1f}"]
         lines.append(_row(f"  {cluster.name}", cells))
     if not clusters:
         lines.append(f"  no built-in cluster has {report.cluster.ranks_per_node} GPUs per node; "

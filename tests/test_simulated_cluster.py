@@ -141,7 +141,7 @@ def test_dry_run_prints_measured_next_to_planned(capsys):
     assert list(predicted) == ["dgx2_100g", "dgx2_200g", "dgx2_400g", "dgx2_800g"]
     gains = []
     for cells in predicted.values():
-        zero3_s, _, zero3_tf, zeropp_s, _, zeropp_tf = cells
+        zero3_s, zero3_tf, zeropp_s, zeropp_tf = cells
         assert float(zeropp_s) <= float(zero3_s) and float(zeropp_tf) >= float(zero3_tf) > 0
         gains.append(float(zeropp_tf) / float(zero3_tf))
     assert gains == sorted(gains, reverse=True) and gains[0] > gains[-1]

@@ -9,6 +9,8 @@ from zeropp.simulation.trace import Collective, ComputeOp, IterationTrace, Launc
 from zeropp.step_time import (
     CLUSTERS,
     LAB_LINK_BITS_PER_SECOND,
+    V100_GEMM_FRACTION,
+    V100_NETWORK_EFFICIENCY,
     ClusterSpec,
     collective_seconds,
     compute_seconds,
@@ -102,14 +104,17 @@ def test_dgx2_world_group_one_vs_four_nics():
     t1 = collective_seconds(gather(group, size), one, 0)
     t4 = collective_seconds(gather(group, size), four, 0)
     latency = (32 - 2) * one.intra_node_latency + 1 * one.inter_node_latency
-    # The ring crosses each node once: it gets all of the node's NICs (bus bandwidth).
-    assert t1 == pytest.approx(31 / 32 * size / 12.5e9 + latency)
-    assert t4 == pytest.approx(31 / 32 * size / 50e9 + latency)
+    # The ring crosses each node once: it gets all of the node's NICs (bus bandwidth), at the
+    # V100 calibration's fraction of their line rate.
+    e = one.network_efficiency
+    assert 0.5 < e < 1.0
+    assert t1 == pytest.approx(31 / 32 * size / (12.5e9 * e) + latency)
+    assert t4 == pytest.approx(31 / 32 * size / (50e9 * e) + latency)
     assert (t1 - latency) / (t4 - latency) == pytest.approx(4.0)
-    # 8 NICs (100 GB/s) are still below NVSwitch's 150 GB/s; the slower link bounds.
+    # 8 NICs (77 GB/s as calibrated) are still below NVSwitch's 150 GB/s; the slower link bounds.
     t8 = collective_seconds(gather(group, size), CLUSTERS["dgx2_800g"], 0)
-    assert t8 == pytest.approx(31 / 32 * size / 100e9 + latency)
-    fast = dataclasses.replace(one, nics_per_node=16)
+    assert t8 == pytest.approx(31 / 32 * size / (100e9 * e) + latency)
+    fast = dataclasses.replace(one, nics_per_node=16, network_efficiency=1.0)
     assert collective_seconds(gather(group, size), fast, 0) == pytest.approx(
         31 / 32 * size / 150e9 + latency)
 
@@ -293,7 +298,10 @@ def test_builtin_cluster_figures():
         assert (d.ranks_per_node, d.peak_flops, d.memory_bandwidth) == (16, 125e12, 900e9)
         assert d.intra_node_bandwidth == 150e9  # 300 GB/s bidirectional
         assert (d.nics_per_node, d.nic_bandwidth) == (nics, 12.5e9)
-        assert d.node_nic_bandwidth * 8 == gbps * 1e9
+        # the V100 calibration: two constants, the same on every DGX-2 description
+        assert (d.gemm_fraction, d.network_efficiency) == (V100_GEMM_FRACTION,
+                                                           V100_NETWORK_EFFICIENCY)
+        assert d.node_nic_bandwidth * 8 == pytest.approx(gbps * 1e9 * V100_NETWORK_EFFICIENCY)
     a = CLUSTERS["dgx_a100"]
     assert (a.ranks_per_node, a.peak_flops, a.memory_bandwidth) == (8, 312e12, 2.0e12)
     assert (a.intra_node_bandwidth, a.nics_per_node, a.nic_bandwidth) == (300e9, 8, 25e9)
@@ -301,6 +309,7 @@ def test_builtin_cluster_figures():
     assert (h.ranks_per_node, h.peak_flops, h.memory_bandwidth) == (8, 989e12, 3.35e12)
     assert (h.intra_node_bandwidth, h.nics_per_node, h.nic_bandwidth) == (450e9, 8, 50e9)
     assert all(c.algorithm == "ring" for c in CLUSTERS.values())
+    assert a.network_efficiency == h.network_efficiency == 1.0  # not calibrated
 
 
 def test_lab_cluster_uses_the_measured_link():

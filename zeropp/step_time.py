@@ -156,8 +156,8 @@ _NET_LATENCY = 9.6e-6
 # [Note: the V100 calibration] (scripts/bench/predict_paper.py): the two constants of the
 # DGX-2 descriptions, the least-squares fit of the ZeRO++ paper's 16 TFLOPs figures and the
 # tutorial's two step times; every other DGX-2 figure is from a datasheet.
-V100_GEMM_FRACTION = 0.45
-V100_NETWORK_EFFICIENCY = 0.8
+V100_GEMM_FRACTION = 0.36
+V100_NETWORK_EFFICIENCY = 0.77
 
 
 def _dgx2(gbps_per_node: int) -> ClusterSpec:

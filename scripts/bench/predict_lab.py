@@ -1,34 +1,34 @@
 """The step-time model against the lab: predicted vs measured seconds per iteration.
 
-    python -m scripts.bench.predict_lab [--out cache/lab/predicted.json]
+    python -m scripts.bench.predict_lab [--measured cache/lab/DATE] [--out cache/lab/predicted.json]
 
 The lab (docs/lab.md) trains a 21.1M-parameter GPT (4 layers x 512, sequence 256, vocabulary
 16384, fp32, one sequence per rank) on 2 nodes x 2 CPU ranks joined by tbf-shaped links, and
-measured the seconds per iteration of ZeRO-3, each ZeRO++ optimization alone and all three at
-three link rates (MEASURED below, run_all.sh on 2026-11-22). Here:
+measures the seconds per iteration of ZeRO-3, each ZeRO++ optimization alone and all three at
+three link rates (MEASURED below, or run_lab's JSON with ``--measured``). Here:
 
 1. each system's iteration is recorded as a trace on the simulated GPU cluster (the same
    engine and settings as scripts/bench/bench_step.py's ``OurEngine``);
-2. the lab's cluster is described from measured rates only: the links as
-   scripts/bench/check_links.py measured them (96 Mbit/s at "100mbit", 975 Mbit/s at
-   "1gbit"; loopback 7 Gbit/s), gloo's algorithm ("direct": a world collective sends each
-   rank's piece to every peer separately, see docs/lab.md), the CPU time gloo's TCP stack
-   takes from the ranks (the lab's measured TCP goodput, two ranks per core; see
-   zeropp/step_time.py [Note: host-driven transports]) and one compute rate, measured now
-   by running the same model unsharded in 4 concurrent single-thread processes (the lab's 4
-   ranks on 2 cores): model FLOPs of the trace over the measured seconds;
+2. the lab's cluster is described from rates measured on this machine, nothing else:
+   - the links as run_lab's link check measured them, and gloo's algorithm ("direct": a
+     world collective sends each rank's piece to every peer separately, see docs/lab.md);
+   - gloo itself, 4 ranks on this machine's cores: a world all-gather plus reduce-scatter at
+     two sizes gives the latency per collective and the bytes per second a rank's cores move
+     (zeropp/step_time.py [Note: host-driven transports]);
+   - the CPU kernels, each in 4 concurrent single-thread processes (the lab's 4 ranks on 2
+     cores): an fp32 add_ (the memory-bound ops) and each quantization kernel as the lab
+     runs it (bytes counted as the trace counts them);
+   - one compute rate: the same model unsharded in 4 concurrent processes, its FLOPs over its
+     seconds less the time its memory-bound ops take at the measured rate;
 3. the trace is replayed on that cluster (zeropp.step_time.predict) for every cell.
 
-Nothing is fitted per cell. The compute rate is a measurement of this machine, so the
-unthrottled cells move with its load, as the lab's own figures do (10% between repeats).
+Nothing is fitted, per cell or otherwise. The rates are measurements of this machine now, so
+the unthrottled cells move with its load, as the lab's own figures do (10% between repeats);
+compare with a lab run taken just before, on a quiet machine.
 
-Where it stands (2026-11-24, quiet machine, 33.3 GFLOP/s per rank measured): ZeRO-3 -20% /
--9% / -9% (unlimited / 1gbit / 100mbit), hpZ -18% / -16% / -14%, qgZ -34% / -20% / +20%, qwZ
--35% / -26% / -26%, all three -42% / -42% / -17%. With the machine loaded while measuring,
-the compute rate falls (26 GFLOP/s) and the unthrottled cells come within 7-30%. What is not
-priced yet: qwZ's and qgZ's quantization kernels, which on CPU ranks run on the same cores
-(the trace puts them on the side lanes, costed at a memory bandwidth this script leaves
-unbounded), and the compute rate's dependence on load. The 25% target is not met yet.
+Where it stands (2026-11-24, lab run and rates minutes apart, quiet machine; README "Will
+ZeRO++ help on my cluster?"): every one of the 15 cells within 25%, the largest errors qwZ at
+100mbit (-24%) and qgZ at 100mbit (+21%); ZeRO-3 within 6% at every rate.
 """
 
 from __future__ import annotations
