@@ -55,7 +55,7 @@ from pathlib import Path
 
 from megatron_lite.arguments import parse_args
 from megatron_lite.dry_run import baseline_ds_config
-from scripts.bench.paper_memory import model_flags
+from scripts.bench.paper_memory import GPUS_PER_NODE, program_argv  # the paper's flags
 from zeropp.simulation.trace import IterationTrace
 from zeropp.step_time import (
     CLUSTERS,
@@ -66,8 +66,6 @@ from zeropp.step_time import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-GPUS_PER_NODE = 16
-SEQ_LENGTH = 512
 SYSTEMS = ("ZeRO-3", "ZeRO++")
 MODELS = ("18b", "49b", "91b", "138b")
 
@@ -84,17 +82,6 @@ PAPER_NODES = 24
 # iteration from its two training logs.
 TUTORIAL = {"model": "18b", "nodes": 4, "tokens": 512, "gbps": 100,
             "seconds": {"ZeRO-3": 9.956, "ZeRO++": 3.681}}
-
-
-
-def program_argv(model: str, nodes: int, tokens: int) -> list[str]:
-    micro = tokens // SEQ_LENGTH
-    return model_flags(model) + [
-        "--micro-batch-size", str(micro),
-        "--global-batch-size", str(micro * nodes * GPUS_PER_NODE),
-        "--fp16", "--checkpoint-activations", "--lr", "1e-4",
-        "--deepspeed_config", str(ROOT / "configs" / "ds_zeropp_config.json"),
-    ]
 
 
 def trace_path(directory: Path, model: str, nodes: int, tokens: int, system: str) -> Path:
