@@ -50,9 +50,9 @@ Events are issued in order. A ComputeOp advances the compute stream by its roofl
 ``max(flops / (peak * gemm_fraction), bytes / (hbm * hbm_fraction))`` (ops with flops == 0
 are memory-bound by the same formula). A side-lane Launch starts at max(compute stream time at
 its issue point, the lane's free time) (the lane first waits for the compute stream, as
-CudaExecution does) and runs its ``compute_ops`` (if the trace has them: quantize/dequantize
-kernels) and then its collectives in order; side-lane kernels are not charged against the
-compute stream's SMs. A Wait sets compute = max(compute, launch end); the gap is the launch's
+CudaExecution does) and runs its ``compute_ops`` (quantize/dequantize kernels, copies) and
+then its collectives in order; on GPUs side-lane kernels are not charged against the compute
+stream's SMs (on CPU ranks they are: [Note: host-driven transports]). A Wait sets compute = max(compute, launch end); the gap is the launch's
 *exposed* time. A Launch on lane "compute" runs in place: all of it is exposed.
 Contention rule: the node's NICs are one timeline. Any collective that crosses nodes (k > 1),
 from either lane or in place, starts no earlier than the previous cross-node collective
