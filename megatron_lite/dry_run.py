@@ -148,28 +148,36 @@ def planned_cluster(args: argparse.Namespace) -> PlannedCluster:
                         ("--dry-run-gpu-memory-gb", args.dry_run_gpu_memory_gb)):
         if value is not None and not value > 0:
             raise ArgumentError(f"{flag} {value} must be positive")
-    named = predicted_clusters(args)
+    named = named_cluster(args)
     gpus_per_node = (args.dry_run_gpus_per_node or args.ranks_per_node
-                     or (named[0].ranks_per_node if args.dry_run_cluster else 1))
-    if args.dry_run_cluster and named[0].ranks_per_node != gpus_per_node:
-        raise ArgumentError(f"--dry-run-cluster {args.dry_run_cluster} has "
-                            f"{named[0].ranks_per_node} GPUs per node, the plan {gpus_per_node}"
-                            f"; give --dry-run-gpus-per-node {named[0].ranks_per_node}")
+                     or (named.ranks_per_node if named else 1))
+    if named and named.ranks_per_node != gpus_per_node:
+        raise ArgumentError(f"--dry-run-cluster {named.name} has {named.ranks_per_node} GPUs "
+                            f"per node, the plan {gpus_per_node}; give --dry-run-gpus-per-node "
+                            f"{named.ranks_per_node}")
     return PlannedCluster(world_size=args.dry_run_nodes * gpus_per_node,
                           ranks_per_node=gpus_per_node, gpu_memory_gib=args.dry_run_gpu_memory_gb)
 
 
-def predicted_clusters(args: argparse.Namespace, ranks_per_node: int | None = None) -> list:
-    """The built-in clusters (zeropp.step_time.CLUSTERS) to predict the step time on: the one
-    ``--dry-run-cluster`` names, else every one with ``ranks_per_node`` GPUs per node."""
+def named_cluster(args: argparse.Namespace):
+    """The built-in cluster (zeropp.step_time.CLUSTERS) ``--dry-run-cluster`` names, or None."""
     from zeropp.step_time import CLUSTERS
 
     name = getattr(args, "dry_run_cluster", None)
-    if name is not None:
-        if name not in CLUSTERS:
-            raise ArgumentError(f"--dry-run-cluster {name!r} is not a built-in cluster; "
-                                f"choose one of {', '.join(CLUSTERS)}")
-        return [CLUSTERS[name]]
+    if name is not None and name not in CLUSTERS:
+        raise ArgumentError(f"--dry-run-cluster {name!r} is not a built-in cluster; "
+                            f"choose one of {', '.join(CLUSTERS)}")
+    return None if name is None else CLUSTERS[name]
+
+
+def predicted_clusters(args: argparse.Namespace, ranks_per_node: int) -> list:
+    """The clusters to predict the step time on: the one ``--dry-run-cluster`` names, else
+    every built-in one with ``ranks_per_node`` GPUs per node."""
+    from zeropp.step_time import CLUSTERS
+
+    named = named_cluster(args)
+    if named is not None:
+        return [named]
     return [c for c in CLUSTERS.values() if c.ranks_per_node == ranks_per_node]
 
 

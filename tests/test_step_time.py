@@ -8,7 +8,6 @@ import pytest
 from zeropp.simulation.trace import Collective, ComputeOp, IterationTrace, Launch, Wait
 from zeropp.step_time import (
     CLUSTERS,
-    LAB_LINK_BITS_PER_SECOND,
     V100_GEMM_FRACTION,
     V100_NETWORK_EFFICIENCY,
     ClusterSpec,
@@ -43,6 +42,12 @@ def gemm(seconds, cluster, phase="forward"):
     """A compute-bound op that takes ``seconds`` on ``cluster`` (16-bit)."""
     return ComputeOp("aten.mm.default", seconds * cluster.peak_flops * cluster.gemm_fraction,
                      0, phase)
+
+
+def quantize(seconds, cluster, phase="forward"):
+    """A memory-bound kernel (no FLOPs) that takes ``seconds`` on ``cluster``."""
+    return ComputeOp("quantize", 0, int(seconds * cluster.memory_bandwidth
+                                        * cluster.memory_fraction), phase)
 
 
 def gather(group, size):
@@ -214,7 +219,7 @@ def test_in_place_collective_on_the_compute_stream_is_exposed():
 def test_side_lane_kernels_run_before_the_collectives():
     c = toy_cluster()
     size = int(0.2 * 2 * 100 * GB)
-    quant = ComputeOp("quantize", 0, int(0.05 * 500 * GB), "forward")  # 0.05 s, memory-bound
+    quant = quantize(0.05, c)
     launch = Launch(1, "gather", (gather([0, 1], size),), "forward", (quant,))
     p = predict(trace_of([launch, Wait(1)], c), c)
     assert p.seconds == pytest.approx(0.25)
@@ -229,7 +234,7 @@ def test_host_driven_ranks_run_lane_kernels_on_the_compute_stream():
     gpu = toy_cluster()
     cpu = dataclasses.replace(gpu, host_transport_bandwidth=1e30)  # transport costs nothing
     size = int(0.2 * 2 * 100 * GB)
-    quant = ComputeOp("quantize", 0, int(0.05 * 500 * GB), "forward")
+    quant = quantize(0.05, gpu)
     events = [Launch(1, "gather", (gather([0, 1], size),), "forward", (quant,)),
               gemm(0.3, gpu), Wait(1)]
     on_gpu, on_cpu = predict(trace_of(events, gpu), gpu), predict(trace_of(events, cpu), cpu)
@@ -313,7 +318,7 @@ def test_builtin_cluster_figures():
 
 
 def test_lab_cluster_uses_the_measured_link():
-    lab = lab_cluster(50e9, 20e9, LAB_LINK_BITS_PER_SECOND["100mbit"])
+    lab = lab_cluster(50e9, 20e9, 96e6)  # docs/lab.md: 96 Mbit/s measured at "100mbit"
     assert (lab.ranks_per_node, lab.nodes, lab.nics_per_node) == (2, 2, 1)
     assert lab.nic_bandwidth == 96e6 / 8
     assert lab.peak_for(4) == lab.peak_for(2) == 50e9

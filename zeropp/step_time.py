@@ -198,9 +198,6 @@ CLUSTERS: dict[str, ClusterSpec] = {
         inter_node_latency=_NET_LATENCY),
 }
 
-# The lab's inter-node link rates, TCP goodput measured node 0 -> node 1 by
-# scripts/bench/check_links.py (docs/lab.md, "Link 100mbit" / "Link 1gbit").
-LAB_LINK_BITS_PER_SECOND = {"100mbit": 96e6, "1gbit": 975e6}
 # Loopback inside a lab node: docs/lab.md measured 7-18 Gbit/s; the low end is the default.
 LAB_LOOPBACK_BITS_PER_SECOND = 7e9
 

@@ -153,9 +153,13 @@ def fit(rows: list[dict], traces: dict) -> tuple[float, float, float]:
     figure of ``rows``: a pattern search on the mean squared log error, steps 0.08 -> 0.01,
     both constants kept in (0, 1]."""
 
+    losses: dict[tuple[float, float], float] = {}  # the search revisits points
+
     def loss(point: tuple[float, float]) -> float:
-        errors = cell_errors(rows, traces, *point)
-        return sum(math.log1p(r["error"]) ** 2 for r in errors) / len(errors)
+        if point not in losses:
+            errors = cell_errors(rows, traces, *point)
+            losses[point] = sum(math.log1p(r["error"]) ** 2 for r in errors) / len(errors)
+        return losses[point]
 
     point = (V100_GEMM_FRACTION, V100_NETWORK_EFFICIENCY)
     best = loss(point)
