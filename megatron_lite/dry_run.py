@@ -260,7 +260,7 @@ def build_report(args: argparse.Namespace) -> DryRunReport:
         model = GPTModel(model_config(args, tokenizer_vocab_size(args)))
     dtype_bytes = 4 if args.params_dtype == torch.float32 else 2
     plans = plan_zero3_and_zeropp(
-        unit_parameter_counts(model), cluster.world_size, cluster.ranks_per_node, zero,
+        unit_parameter_counts(model, zero=zero), cluster.world_size, cluster.ranks_per_node, zero,
         dtype_bytes, args.gradient_accumulation_steps)
     return DryRunReport(
         num_parameters=model.num_parameters(),

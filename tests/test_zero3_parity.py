@@ -80,10 +80,22 @@ def sharded_run(rank, world, steps, micro, global_batch, checkpoint, meta, optio
         (3, 2, True, False, {"stage": 1}),
         (4, 2, False, True, {"stage": 2, "reduce_bucket_numel": 50}),
         (3, 1, True, False, {"stage": 2}),
+        # Units below the block ([Note: units]): each 1486-element block splits into its
+        # Linears (738 and 714 elements), its norm alone or with the block's own unit.
+        (2, 2, False, True, {"max_unit_numel": 800, "reduce_bucket_numel": 50,
+                             "persistence_threshold": 0}),
+        (4, 1, True, True, {"max_unit_numel": 800, "persistence_threshold": 0,
+                            "max_live_numel": 0}),
+        (3, 2, "reentrant", False, {"max_unit_numel": 800, "persistence_threshold": 100,
+                                    "max_live_numel": 0, "prefetch_bucket_numel": 0}),
+        (2, 3, False, True, {"stage": 1, "max_unit_numel": 800, "persistence_threshold": 0}),
+        (4, 2, True, False, {"stage": 2, "max_unit_numel": 800, "max_live_numel": 0}),
     ],
     ids=["n1", "n2-accum-buckets-meta", "n4-checkpoint-prefetch", "n3-live-cap-persistent",
          "n2-stage0-replicated", "n2-stage1-accum-buckets", "n3-stage1-checkpoint",
-         "n4-stage2-accum-buckets", "n3-stage2-checkpoint"],
+         "n4-stage2-accum-buckets", "n3-stage2-checkpoint", "n2-subblock-accum-buckets",
+         "n4-subblock-checkpoint-release", "n3-subblock-reentrant-no-prefetch",
+         "n2-subblock-stage1", "n4-subblock-stage2-checkpoint"],
 )
 def test_zero_stages_match_unsharded(world, micro, checkpoint, meta, options):
     steps, global_batch = 6, 12

@@ -171,6 +171,12 @@ def make_loss_scaler(fp16_enabled: bool, fp16_config=None) -> LossScaler:
     )
 
 
+def max_unit_numel(zero) -> int:
+    """The largest unit of sharding ([Note: units]): what one prefetch brings in
+    (stage3_prefetch_bucket_size), or the live-parameter budget when prefetch is off."""
+    return zero.stage3_prefetch_bucket_size or zero.stage3_max_live_parameters
+
+
 def options_from_config(zero, engine_config=None) -> tuple[ShardingOptions, QuantizationOptions]:
     """``zero_optimization`` block (and the top-level gradient keys of ``engine_config``)
     -> the engine's two option objects (explicit alias table)."""
@@ -185,6 +191,7 @@ def options_from_config(zero, engine_config=None) -> tuple[ShardingOptions, Quan
         persistence_threshold=zero.stage3_param_persistence_threshold,
         max_reuse_distance=zero.stage3_max_reuse_distance,
         overlap_comm=zero.overlap_comm,
+        max_unit_numel=max_unit_numel(zero),
     )
     if zero.stage in (1, 2):  # ZeRO++ extends stage 3's gathers and reductions only
         return sharding, QuantizationOptions()

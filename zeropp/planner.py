@@ -45,8 +45,9 @@ from zeropp.flat_layout import FlatLayout, reduce_bucket_ranges
 from zeropp.initialize import options_from_config
 from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
 from zeropp.residency import Residency, shard_alignment, stays_gathered
-from zeropp.sharded_model import ShardingOptions, default_unit_modules
+from zeropp.sharded_model import ShardingOptions
 from zeropp.topology import ClusterShape, Topology, TopologyError
+from zeropp.unit_modules import default_unit_modules, unit_parameters
 
 FP32_BYTES = 4
 _DTYPES = {2: torch.float16, 4: torch.float32}  # bytes per working element -> a dtype that wide
@@ -123,22 +124,21 @@ class SystemPlan:
 # ---- units ------------------------------------------------------------------------------
 
 
-def unit_parameter_counts(model: nn.Module,
-                          unit_modules: list[nn.Module] | None = None) -> list[int]:
-    """Parameters per unit, root first, grouped exactly as ``ShardedModel`` groups them.
+def unit_parameter_counts(model: nn.Module, unit_modules: list[nn.Module] | None = None,
+                          zero: ZeroConfig | None = None) -> list[int]:
+    """Parameters per unit, root first, grouped exactly as ``ShardedModel`` groups them
+    ([Note: units]): blocks split below themselves as ``zero`` (None: the engine's
+    defaults) makes the engine split them, unless ``unit_modules`` names the units.
 
     Works on a meta-device model. A parameter shared by several modules counts once, in the
     first unit that owns it; whatever no block owns (embeddings, final norm) is the root.
     """
-    modules = unit_modules if unit_modules is not None else default_unit_modules(model)
-    assigned: set[int] = set()
-    block_counts = []
-    for module in modules:
-        fresh = [p for p in module.parameters() if id(p) not in assigned]
-        assigned.update(id(p) for p in fresh)
-        block_counts.append(sum(p.numel() for p in fresh))
-    root_count = sum(p.numel() for p in model.parameters() if id(p) not in assigned)
-    return [root_count, *block_counts]
+    if unit_modules is None:
+        options = options_from_config(zero)[0] if zero is not None else ShardingOptions()
+        unit_modules = default_unit_modules(model, options.max_unit_numel,
+                                            options.persistence_threshold)
+    return [sum(p.numel() for p in params)
+            for _module, params in unit_parameters(model, unit_modules)]
 
 
 def engine_objects(zero: ZeroConfig, cluster: ClusterShape) -> tuple[Residency, Collectives]:

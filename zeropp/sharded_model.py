@@ -58,6 +58,7 @@ from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
 from zeropp.residency import Residency, shard_alignment, stays_gathered
 from zeropp.topology import Topology
 from zeropp.unit import ParamRef, ShardedUnit, ShardState, UnitComm
+from zeropp.unit_modules import default_unit_modules, own_parameters, unit_parameters
 
 
 class _PostBackward(torch.autograd.Function):
@@ -105,15 +106,10 @@ class ShardingOptions:
     # their backward (stage3_max_reuse_distance, zeropp.prefetch.blocks_kept_for_backward).
     # 0 here keeps none; the DeepSpeed config's default is 1e9, as in DeepSpeed.
     max_reuse_distance: int = 0
-
-
-def default_unit_modules(model: nn.Module) -> list[nn.Module]:
-    """The children of every ``nn.ModuleList`` (the transformer blocks) become units."""
-    units = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList):
-            units.extend(module)
-    return units
+    # Blocks with more parameters than this are split into units below the block
+    # ([Note: units]); None keeps whole blocks. The DeepSpeed config sets it from
+    # stage3_prefetch_bucket_size (stage3_max_live_parameters when prefetch is off).
+    max_unit_numel: int | None = 50_000_000
 
 
 def _post_order(module: nn.Module, prefix: str, seen: set[int]) -> Iterator[tuple[str, nn.Module]]:
@@ -257,11 +253,16 @@ class ShardedModel:
         )
         self.phase = TrainingPhase.IDLE
         self.units, self.initial_masters = self._build_units(
-            model, unit_modules if unit_modules is not None else default_unit_modules(model),
+            model, unit_modules if unit_modules is not None else default_unit_modules(
+                model, options.max_unit_numel, options.persistence_threshold),
             param_init_fn,
         )
         self.root = self.units[0]
         self._reducing: deque[ShardedUnit] = deque()  # units with reductions in flight, oldest first
+        # Units whose backward has begun (their pre-backward hook fired) in this backward, and
+        # units recomputed whose backward has not ([Note: release in recompute]).
+        self._backward_started: set[ShardedUnit] = set()
+        self._recomputed: list[ShardedUnit] = []
         self._reduce_this_backward = True  # False on stage 1's micro-batches before the boundary
         # True while a forward that will be backpropagated runs (grad mode on at the root):
         # blocks inside it that run under no_grad are checkpointed and will be recomputed.
@@ -287,16 +288,10 @@ class ShardedModel:
     def _build_units(self, model, unit_modules, param_init_fn):
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
         owners = _param_owners(model)
-        assigned: set[int] = set()
-        plan: list[tuple[str, nn.Module, list[nn.Parameter]]] = []
         module_names = {id(m): n for n, m in model.named_modules()}
-        for module in unit_modules:
-            params = [p for p in module.parameters() if id(p) not in assigned]
-            assigned.update(id(p) for p in params)
-            plan.append((module_names.get(id(module), "?"), module, params))
-        root_params = [p for p in model.parameters() if id(p) not in assigned]
-        plan.insert(0, ("<root>", model, root_params))
-        self._check_no_sharing(plan, owners)
+        plan = [("<root>" if module is model else module_names.get(id(module), "?"), module, params)
+                for module, params in unit_parameters(model, unit_modules)]
+        self._check_no_sharing(plan, unit_modules)
 
         units, masters = [], []
         for name, module, params in plan:
@@ -349,7 +344,7 @@ class ShardedModel:
         return units, masters
 
     @staticmethod
-    def _check_no_sharing(plan, owners) -> None:
+    def _check_no_sharing(plan, unit_modules) -> None:
         """A parameter registered in two units would be gathered by one and used by the other."""
         home: dict[int, str] = {}
         for name, _module, params in plan:
@@ -358,7 +353,7 @@ class ShardedModel:
         for name, module, _ in plan:
             if name == "<root>":
                 continue
-            for _, p in module.named_parameters(remove_duplicate=False):
+            for p in own_parameters(module, unit_modules):
                 if home.get(id(p)) != name:
                     raise ValueError(
                         f"a parameter of unit {name!r} is shared with unit {home.get(id(p))!r}; "
@@ -397,6 +392,7 @@ class ShardedModel:
     # ---- hooks ---------------------------------------------------------------------------
     def _pre_forward(self, unit: ShardedUnit, module, args, kwargs):
         if self.phase is TrainingPhase.BACKWARD:  # activation-checkpoint recompute
+            self._release_recomputed()
             unit.gather_now("backward_all_gather")
             self._prefetch(unit, forward=False)
             return self._watch_backward(unit, args, kwargs)
@@ -431,20 +427,21 @@ class ShardedModel:
         return tree_unflatten(leaves, spec)
 
     def _post_forward(self, unit: ShardedUnit, module, args, output):
-        if self.phase is TrainingPhase.BACKWARD:
-            return output
         needs_backward = any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output)
         )
+        if self.phase is TrainingPhase.BACKWARD:
+            if unit not in self._backward_started and not unit.persistent:
+                self._recomputed.append(unit)
+                self._watch_pre_backward(unit, output)  # reentrant: the first forward had none
+            return output
         if unit is self.root:
             self.phase = TrainingPhase.IDLE
             if not needs_backward:
                 self._release_all()
             return output
         if needs_backward:
-            for t in tree_leaves(output):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(partial(self._pre_backward, unit))
+            self._watch_pre_backward(unit, output)
         # A block run under no_grad inside a training forward is checkpointed: its backward
         # recomputes it, so with hpZ it needs its secondary shard like any other block.
         recomputed = self._training_forward and not torch.is_grad_enabled()
@@ -460,7 +457,32 @@ class ShardedModel:
                                         self.options.max_reuse_distance)
         return {blocks[index] for index in kept}
 
+    def _watch_pre_backward(self, unit: ShardedUnit, output) -> None:
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(partial(self._pre_backward, unit))
+
+    def _release_recomputed(self) -> None:
+        """[Note: release in recompute] A checkpointed chunk recomputes all of its units before
+        backward reaches any of them; a block split into units (or a chunk of several blocks)
+        would then be gathered whole. Units recomputed whose backward has not begun are
+        released when the next unit's recompute starts, oldest first (their backward comes
+        last), while the gathered elements exceed ``stage3_max_live_parameters``; their
+        backward gathers them again, from the hpZ secondary shard (kept here) where there
+        is one. The last unit of a chunk is never released in between: its backward follows.
+        """
+        while self._recomputed:
+            live = sum(u.live_numel for u in self.units)
+            if live <= self.options.max_live_numel:
+                return
+            unit = self._recomputed.pop(0)
+            if unit not in self._backward_started:
+                unit.release(keep_secondary=True)
+
     def _pre_backward(self, unit: ShardedUnit, grad):
+        self._backward_started.add(unit)
+        if unit in self._recomputed:
+            self._recomputed.remove(unit)
         unit.gather_now("backward_all_gather")
         self._prefetch(unit, forward=False)
         return grad
@@ -574,6 +596,8 @@ class ShardedModel:
             self.phase = TrainingPhase.IDLE
             for unit in self.units:
                 unit.backward_done = False
+            self._backward_started.clear()
+            self._recomputed.clear()
         self._release_all()
 
     def zero_grad(self) -> None:

@@ -111,9 +111,9 @@ class ShardedUnit:
         # fp32 gradient shard, accumulated across micro-batches (summed, not yet averaged).
         self.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
         self._reduce_pending: list[tuple[Pending, torch.Tensor, int, int]] = []
-        # This micro-batch's gradients, flat in the layout of ``full`` (see on_grad_ready).
+        # This micro-batch's gradients, flat in the layout of ``full``; the parameters'
+        # ``.grad`` are views of it while it is open ([Note: gradient buffer]).
         self._grad_flat: torch.Tensor | None = None
-        self._held_grads: list[nn.Parameter] = []  # arrived, not yet in _grad_flat
         # The unit's backward is over and its reduction started (ShardedModel._post_backward).
         self.backward_done = False
         # ``zeropp.zero.GatheredParameters`` contexts holding the whole weights: the user reads
@@ -214,11 +214,12 @@ class ShardedUnit:
         if self.persistent or self.holds or self.state is not ShardState.GATHERED:
             return
         if keep_secondary and self.comm.hpz is not None:
-            size = self.layout.padded_numel // self.comm.hpz.size
-            start = self.comm.hpz.rank * size
+            # A secondary shard kept already holds these weights (a recompute gathered them
+            # from it): the weights change only at the step, which drops it.
             if self.secondary_shard is None:
-                self.secondary_shard = torch.empty(size, dtype=self.dtype, device=self.device)
-            self.secondary_shard.copy_(self.full[start : start + size])
+                size = self.layout.padded_numel // self.comm.hpz.size
+                start = self.comm.hpz.rank * size
+                self.secondary_shard = self.full[start : start + size].clone()
             self.state = ShardState.SECONDARY
         else:
             self.state = ShardState.SHARDED
@@ -249,18 +250,36 @@ class ShardedUnit:
     def on_grad_ready(self, param: nn.Parameter) -> None:
         """Take a parameter's just-accumulated gradient.
 
-        Gradients move into the unit's flat buffer (in the layout of ``full``) and are freed
-        as soon as the ones held reach half the unit: a block's gradients then cost one flat
-        buffer plus the gradient in hand, not the gradients and a flat copy of them at once
-        (``contiguous_gradients``). Below that they stay as autograd made them, so the root,
-        whose small gradients arrive at the start of backward and the embedding's at the
-        end, does not hold a whole flat buffer through the backward.
+        [Note: gradient buffer] The unit's first gradient opens its flat gradient buffer (in
+        the layout of ``full``) and binds every trainable parameter's ``.grad`` to its view
+        of it; autograd then adds each later gradient into that view in place and frees its
+        own tensor at once. A unit's gradients thus cost one flat buffer plus the one
+        gradient autograd is producing, never the gradients and a flat copy of them at once
+        (``contiguous_gradients``). Units are kept small enough for this to be cheap
+        ([Note: units]).
         """
-        if not any(p is param for p in self._held_grads):  # its .grad accumulates in place
-            self._held_grads.append(param)
-        held = sum(p.grad.numel() for p in self._held_grads)
-        if self._grad_flat is not None or 2 * held >= self.layout.padded_numel:
-            self._flatten_held_grads()
+        if self._grad_flat is None:
+            self._open_gradient_buffer()
+        slot = self._slot_of[id(param)]
+        view = self._grad_flat[slot.offset : slot.end]
+        if param.grad is not None and param.grad._base is not self._grad_flat:
+            # Autograd's own tensor (the grad was None when it arrived): moved in, then bound.
+            view.add_(param.grad.reshape(-1))
+            param.grad = view.view(slot.shape)
+        elif param.grad is None:
+            param.grad = view.view(slot.shape)
+
+    def _open_gradient_buffer(self) -> None:
+        self._grad_flat = torch.zeros(self.layout.padded_numel, dtype=self.dtype,
+                                      device=self.device)
+        for param in self.params:
+            if param.requires_grad and param.grad is None:
+                slot = self._slot_of[id(param)]
+                param.grad = self._grad_flat[slot.offset : slot.end].view(slot.shape)
+
+    def _unbind_gradients(self) -> None:
+        for param in self.params:
+            param.grad = None
 
     @property
     def gradient_buffer(self) -> torch.Tensor | None:
@@ -270,18 +289,8 @@ class ShardedUnit:
     def hold_gradients(self) -> None:
         """Keep this micro-batch's gradients in the flat buffer until the accumulation boundary
         (stage 1: the next micro-batches add into it, the last one reduces it)."""
-        if self.num_grad_params:
-            self._flatten_held_grads()
-
-    def _flatten_held_grads(self) -> None:
-        if self._grad_flat is None:
-            self._grad_flat = torch.zeros(self.layout.padded_numel, dtype=self.dtype,
-                                          device=self.device)
-        for param in self._held_grads:
-            slot = self._slot_of[id(param)]
-            self._grad_flat[slot.offset : slot.end].add_(param.grad.reshape(-1))
-            param.grad = None
-        self._held_grads.clear()
+        if self.num_grad_params and self._grad_flat is None:
+            self._open_gradient_buffer()
 
     def start_reduce(self, phase: str = "gradient_reduce") -> None:
         """Launch the reduce-scatter of this micro-batch's flat gradients, in buckets.
@@ -292,8 +301,10 @@ class ShardedUnit:
         if self.num_grad_params == 0:
             return
         # A unit no parameter of which got a gradient still takes part (with zeros).
-        self._flatten_held_grads()
+        if self._grad_flat is None:
+            self._open_gradient_buffer()
         flat, self._grad_flat = self._grad_flat, None
+        self._unbind_gradients()
         if self.comm.predivide_factor != 1.0:
             flat.div_(self.comm.predivide_factor)
         out_dtype = self.comm.reduce_dtype or self.dtype
@@ -321,8 +332,6 @@ class ShardedUnit:
 
     def drop_gradients(self) -> None:
         """Discard this unit's gradients at every stage of their way to the shard."""
-        for param in self._held_grads:
-            param.grad = None
-        self._held_grads.clear()
+        self._unbind_gradients()
         self._grad_flat = None
         self.zero_grad_shard()
