@@ -11,7 +11,8 @@ from tests.toy_models import toy_batches, toy_loss, toy_model
 LR = 3e-3
 
 
-def train(rank, world, per_node, quant, steps, micro, checkpoint, dtype_name, model_kwargs):
+def train(rank, world, per_node, quant, steps, micro, checkpoint, dtype_name, model_kwargs,
+          sharding=None):
     from zeropp.initialize import QuantizationOptions, build_engine, make_loss_scaler
     from zeropp.sharded_model import ShardingOptions
 
@@ -21,7 +22,8 @@ def train(rank, world, per_node, quant, steps, micro, checkpoint, dtype_name, mo
         model, lr=LR, weight_decay=0.01, gradient_accumulation_steps=micro, gradient_clipping=1.0,
         dtype=dtype, loss_scaler=make_loss_scaler(dtype == torch.float16),
         ranks_per_node=per_node, quantization=QuantizationOptions(**quant),
-        sharding=ShardingOptions(persistence_threshold=0, prefetch_bucket_numel=4000),
+        sharding=ShardingOptions(**{"persistence_threshold": 0, "prefetch_bucket_numel": 4000,
+                                    **(sharding or {})}),
     )
     vocab = model_kwargs.get("vocab", 257)
     data = toy_batches(steps, micro, 8, vocab=vocab)
@@ -39,11 +41,42 @@ def train(rank, world, per_node, quant, steps, micro, checkpoint, dtype_name, mo
         losses.append(total.item() / world)
         bytes_per_step.append(engine.comm_bytes(reset=True))
     layouts = [(u.layout.padded_numel, u is engine.sharded.root) for u in engine.sharded.units]
-    return losses, bytes_per_step, layouts
+    weights = engine.full_state_dict()
+    return losses, bytes_per_step, layouts, weights
 
 
-def run(per_node, quant, steps=5, micro=2, checkpoint=False, dtype="float32", **model_kwargs):
-    return run_ranks(train, 4, per_node, quant, steps, micro, checkpoint, dtype, model_kwargs)
+def run(per_node, quant, steps=5, micro=2, checkpoint=False, dtype="float32", sharding=None,
+        **model_kwargs):
+    return run_ranks(train, 4, per_node, quant, steps, micro, checkpoint, dtype, model_kwargs,
+                     sharding)
+
+
+@pytest.mark.parametrize("dtype,checkpoint,sharding", [
+    ("float32", False, None),
+    ("bfloat16", True, {"max_unit_numel": 20_000, "max_live_numel": 0}),
+    ("float16", "reentrant", {"max_unit_numel": 20_000}),
+], ids=["fp32", "bf16-checkpoint-subblock-release", "fp16-reentrant-subblock"])
+def test_int8_secondary_is_the_forward_weights(dtype, checkpoint, sharding):
+    """[Note: int8 secondary]: backward computes with exactly the weights the 16-bit secondary
+    held (qwZ's dequantized forward weights), so training is bit for bit the same, while the
+    intra-node backward gather moves the int8 payload instead of 16/32-bit values."""
+    quant = {"quantized_weights": True, "hpz_size": 2}
+    sizes = dict(vocab=128, width=64, hidden=256, layers=2)  # 33K-element blocks
+    sixteen = run(2, {**quant, "quantized_secondary": False}, steps=3, checkpoint=checkpoint,
+                  dtype=dtype, sharding=sharding, **sizes)
+    int8 = run(2, quant, steps=3, checkpoint=checkpoint, dtype=dtype, sharding=sharding, **sizes)
+    for exact, quantized in zip(sixteen, int8, strict=True):
+        assert quantized[0] == exact[0]  # losses, bit for bit
+        for name, value in exact[3].items():
+            assert torch.equal(quantized[3][name], value), name
+    element = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    for exact_bytes, int8_bytes in zip(sixteen[0][1], int8[0][1], strict=True):
+        exact_gather = exact_bytes["backward_all_gather"]
+        int8_gather = int8_bytes["backward_all_gather"]
+        assert exact_gather["inter_node"] == int8_gather["inter_node"] == 0
+        # one byte per element, a 4-byte scale per 256-element block, codes padded to blocks
+        ratio = int8_gather["intra_node"] / exact_gather["intra_node"]
+        assert 1 / element < ratio < 1.15 / element, ratio
 
 
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
@@ -100,7 +133,7 @@ def test_inter_node_bytes_match_theory_and_ratio():
     zeropp = run(2, quant, steps=2, dtype="float16", **sizes)
     totals = {}
     for name, result, q in (("zero3", zero3, {}), ("zeropp", zeropp, quant)):
-        losses, per_step, layouts = result[0]
+        losses, per_step, layouts, _ = result[0]
         measured = per_step[-1]
         theory = _theory(layouts, 4, 2, q, 2)
         for phase, expected in theory.items():

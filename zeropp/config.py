@@ -678,6 +678,9 @@ class ZeroConfig(_Section):
         1, "hpZ: ranks in the secondary partition (ranks per node); 1 = off", _positive_int)
     zero_quantized_gradients: bool = _field(
         False, "qgZ: quantized hierarchical all-to-all replaces reduce-scatter", _boolean)
+    zero_hpz_quantized_secondary: bool = _field(
+        True, "hpZ with qwZ: keep secondary shards as the forward's int8 payload (the same "
+        "weights, half the bytes); false keeps them 16-bit", _boolean)
     zero_quantized_weights_bits: int = _field(8, "qwZ integer width: 8 or 4", _one_of(8, 4))
     zero_quantized_gradients_bits: int = _field(4, "qgZ integer width: 4 or 8", _one_of(4, 8))
     zero_quantization_block_size: int = _field(

@@ -75,6 +75,9 @@ class QuantizationOptions:
     weight_bits: int = 8
     gradient_bits: int = 4
     block_size: int = 256
+    # hpZ with qwZ: secondary shards kept as the forward's int8 payload, not 16-bit values
+    # ([Note: int8 secondary]); the same weights either way.
+    quantized_secondary: bool = True
     # qgZ error feedback as (err_beta, reset_T); None = off (ZeroConfig.error_feedback).
     error_feedback: tuple[float, int] | None = None
 
@@ -202,6 +205,7 @@ def options_from_config(zero, engine_config=None) -> tuple[ShardingOptions, Quan
         weight_bits=zero.zero_quantized_weights_bits,
         gradient_bits=zero.zero_quantized_gradients_bits,
         block_size=zero.zero_quantization_block_size,
+        quantized_secondary=zero.zero_hpz_quantized_secondary,
         error_feedback=zero.error_feedback,
     )
     return sharding, quantization

@@ -328,7 +328,7 @@ class ShardedModel:
             unit = ShardedUnit(
                 name, module, refs, layout, self.comm, self.dtype, self.device,
                 persistent=stays_gathered(layout.numel, self.options.persistence_threshold),
-                replicated=self.residency.weights_replicated,
+                replicated=self.residency.weights_replicated, is_root=module is model,
             )
             unit.shard.copy_(master)
             defaults.clear()

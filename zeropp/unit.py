@@ -31,6 +31,7 @@ from torch import nn
 
 from zeropp.comm import CommGroup, CommStats, Pending, all_gather
 from zeropp.comm.collectives import AllGather, Collective
+from zeropp.comm.quantized import QuantizedSecondaryGather
 from zeropp.comm.streams import Execution
 from zeropp.flat_layout import FlatLayout, reduce_bucket_ranges
 
@@ -84,6 +85,7 @@ class ShardedUnit:
         device: torch.device,
         persistent: bool = False,
         replicated: bool = False,
+        is_root: bool = False,
     ) -> None:
         self.name = name
         self.module = module
@@ -104,7 +106,14 @@ class ShardedUnit:
             self.shard = self.full[self.shard_start : self.shard_end]
         else:
             self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        # hpZ: the 16-bit weights of this rank's node slice, or with the int8 secondary the
+        # payload rows of qwZ's forward gather ([Note: int8 secondary]).
         self.secondary_shard: torch.Tensor | None = None
+        # Units released between forward and backward keep a secondary shard (hpZ); with the
+        # int8 one, its payload is taken from each forward gather as it lands.
+        self._keeps_payload = (comm.hpz is not None and not (self.persistent or is_root)
+                               and isinstance(comm.secondary_gather, QuantizedSecondaryGather))
+        self._forward_payload: torch.Tensor | None = None
         self.state = ShardState.SHARDED
         self._gather_pending: Pending | None = None
 
@@ -172,8 +181,19 @@ class ShardedUnit:
             # gather, gloo copies each input into its slot with memcpy (source == target),
             # so the shard is sent from a transient copy.
             shard = self.shard.clone() if self.replicated else self.shard
-            pending = self.comm.gather(self.full, shard, self.comm.world, self.comm.stats, phase)
+            if self._keeps_payload:
+                pending = self.comm.gather(self.full, shard, self.comm.world, self.comm.stats,
+                                           phase, retain=self._retain_secondary_payload)
+            else:
+                pending = self.comm.gather(self.full, shard, self.comm.world, self.comm.stats,
+                                           phase)
         self._gather_pending = pending
+
+    def _retain_secondary_payload(self, gathered: torch.Tensor) -> None:
+        """Keep this rank's node slice of qwZ's gathered payloads ([Note: int8 secondary])."""
+        rows = self.comm.secondary_gather.payload_rows(self.comm.hpz)
+        start = self.comm.hpz.rank * rows
+        self._forward_payload = gathered[start : start + rows].clone()
 
     def wait_gather(self) -> None:
         if self._gather_pending is not None:
@@ -216,18 +236,23 @@ class ShardedUnit:
         if keep_secondary and self.comm.hpz is not None:
             # A secondary shard kept already holds these weights (a recompute gathered them
             # from it): the weights change only at the step, which drops it.
-            if self.secondary_shard is None:
+            if self.secondary_shard is None and self._keeps_payload:
+                self.secondary_shard = self._forward_payload  # None: not gathered by qwZ
+            elif self.secondary_shard is None:
                 size = self.layout.padded_numel // self.comm.hpz.size
                 start = self.comm.hpz.rank * size
                 self.secondary_shard = self.full[start : start + size].clone()
-            self.state = ShardState.SECONDARY
+            has_secondary = self.secondary_shard is not None
+            self.state = ShardState.SECONDARY if has_secondary else ShardState.SHARDED
         else:
             self.state = ShardState.SHARDED
+        self._forward_payload = None
         self._free_full()
 
     def drop_secondary(self) -> None:
         """Secondary shards are a cache of one step's weights: never reuse them after it."""
         self.secondary_shard = None
+        self._forward_payload = None
         if self.state is ShardState.SECONDARY:
             self.state = ShardState.SHARDED
 

@@ -24,6 +24,8 @@ equal the exact reduce-scatter (up to the order of the fp32 additions).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from zeropp import kernels
@@ -59,7 +61,11 @@ class QuantizedAllGather(Collective):
         return {locality(group.spans_nodes): all_gather_bytes(payload, group.size)}
 
     def __call__(self, output: torch.Tensor, shard: torch.Tensor, group: CommGroup,
-                 stats: CommStats, phase: str, key: object = None) -> Pending:
+                 stats: CommStats, phase: str, key: object = None,
+                 retain: Callable[[torch.Tensor], None] | None = None) -> Pending:
+        """``retain``, if given, sees the gathered payloads ([group.size, payload bytes],
+        uint8, rank order) before they are freed: hpZ keeps its slice of them
+        (``QuantizedSecondaryGather``)."""
         numel, bits, block_size = shard.numel(), self.bits, self.block_size
         if output.numel() != numel * group.size:
             raise ValueError(
@@ -81,13 +87,83 @@ class QuantizedAllGather(Collective):
             return all_gather_into_tensor(gathered, payload, group=group.group, async_op=async_op)
 
         def finish() -> None:
-            values = kernels.dequantize_blockwise_many(
-                buffers.pop("gathered").view(group.size, -1), numel, bits, block_size,
-                output.dtype)
+            gathered = buffers.pop("gathered").view(group.size, -1)
+            if retain is not None:
+                retain(gathered)
+            values = kernels.dequantize_blockwise_many(gathered, numel, bits, block_size,
+                                                       output.dtype)
             output.view(group.size, numel).copy_(values)
             buffers.clear()
 
         return self.execution.launch(self.lane, issue, finish=finish, keep=(output, shard))
+
+
+class QuantizedSecondaryGather(Collective):
+    """hpZ's backward gather from int8 secondary shards: ``AllGather``'s contract inside the
+    node, with a secondary shard that is the node slice of qwZ's forward payload.
+
+    [Note: int8 secondary] After qwZ's forward gather every rank holds all N shards'
+    payloads (int8 codes and scales). The hpZ secondary shard of local rank j (of alpha) is
+    the weights ``[j * P / alpha, (j + 1) * P / alpha)``: the shards of world ranks
+    ``j * N / alpha`` to ``(j + 1) * N / alpha - 1``, so it keeps those N / alpha payloads as they
+    arrived (``ShardedUnit._retain_secondary_payload``) instead of a 16-bit copy of their
+    values. The backward gathers them inside the node and dequantizes every shard with the
+    same kernel as the forward: backward computes with exactly the forward's weights, and
+    the secondary takes about half the memory and half the intra-node bytes. DeepSpeed keeps
+    it in 16 bits (and quantizes it only for frozen weights).
+
+    ``secondary`` is a [N / alpha, payload bytes] uint8 tensor; ``output`` the unit's whole
+    flat buffer. ``bytes_sent`` takes the secondary's element count (P / alpha), as for the
+    exact gather.
+    """
+
+    lane = "gather"
+
+    def __init__(self, world_size: int, bits: int = 8, block_size: int = 256,
+                 execution: Execution = SYNCHRONOUS) -> None:
+        super().__init__(execution)
+        self.world_size = world_size
+        self.bits = bits
+        self.block_size = block_size
+
+    def payload_rows(self, group: CommGroup) -> int:
+        """World shards (payloads) one secondary shard holds."""
+        if self.world_size % group.size:
+            raise ValueError(f"hpZ group of {group.size} does not divide the world of "
+                             f"{self.world_size}")
+        return self.world_size // group.size
+
+    def bytes_sent(self, numel, dtype, group):
+        rows = self.payload_rows(group)
+        payload = rows * kernels.quantized_nbytes(numel // rows, self.bits, self.block_size)
+        return {locality(group.spans_nodes): all_gather_bytes(payload, group.size)}
+
+    def __call__(self, output: torch.Tensor, secondary: torch.Tensor, group: CommGroup,
+                 stats: CommStats, phase: str, key: object = None) -> Pending:
+        rows = self.payload_rows(group)
+        shard_numel = output.numel() // self.world_size
+        if secondary.dim() != 2 or secondary.shape[0] != rows:
+            raise ValueError(f"int8 secondary: expected {rows} payload rows, got "
+                             f"{tuple(secondary.shape)}")
+        self._record(stats, phase, rows * shard_numel, output.dtype, group)
+        buffers: dict[str, torch.Tensor] = {}
+
+        def issue(async_op: bool):
+            gathered = torch.empty(self.world_size, secondary.shape[1], dtype=torch.uint8,
+                                   device=secondary.device)
+            buffers["gathered"] = gathered
+            if group.size == 1:
+                gathered.copy_(secondary)
+                return None
+            return all_gather_into_tensor(gathered.view(-1), secondary.reshape(-1),
+                                          group=group.group, async_op=async_op)
+
+        def finish() -> None:
+            values = kernels.dequantize_blockwise_many(
+                buffers.pop("gathered"), shard_numel, self.bits, self.block_size, output.dtype)
+            output.view(self.world_size, shard_numel).copy_(values)
+
+        return self.execution.launch(self.lane, issue, finish=finish, keep=(output, secondary))
 
 
 def split_payload(payload: torch.Tensor, parts: int, numel: int, bits: int, block_size: int):

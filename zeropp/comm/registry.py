@@ -1,7 +1,7 @@
 """Which collective carries the weights and which the gradients, for one configuration.
 
 A new collective is one class with the protocol of [Note: collective protocol] and one entry
-in ``WEIGHT_GATHERS`` or ``GRADIENT_REDUCTIONS``; the engine and the planner both get theirs
+in ``WEIGHT_GATHERS``, ``GRADIENT_REDUCTIONS`` or ``SECONDARY_GATHERS``; the engine and the planner both get theirs
 from ``collectives_for``, so they run and count the same objects.
 """
 
@@ -19,7 +19,11 @@ from zeropp.comm.collectives import (
     ReduceScatter,
     ReplicatedAllReduce,
 )
-from zeropp.comm.quantized import HierarchicalReduceScatter, QuantizedAllGather
+from zeropp.comm.quantized import (
+    HierarchicalReduceScatter,
+    QuantizedAllGather,
+    QuantizedSecondaryGather,
+)
 from zeropp.comm.streams import SYNCHRONOUS, Execution
 from zeropp.topology import Topology
 
@@ -46,13 +50,23 @@ GRADIENT_REDUCTIONS: dict[str, Factory] = {
 }
 
 
+SECONDARY_GATHERS: dict[str, Factory] = {
+    "exact": lambda quant, topology, execution: AllGather(execution),
+    # hpZ with qwZ: the secondary shard is the forward's int8 payload
+    "int8": lambda quant, topology, execution: QuantizedSecondaryGather(
+        topology.world_size, quant.weight_bits, quant.block_size, execution),
+}
+
+
 @dataclass(frozen=True)
 class Collectives:
     """The collectives one engine runs (see ``UnitComm`` for how units use them)."""
 
     gather: Collective  # forward (and, without hpZ, backward) gathers over the shard group
     reduce: Collective  # gradient reduction into each rank's shard
-    secondary_gather: Collective  # hpZ's backward gather inside the node: always exact
+    # hpZ's backward gather inside the node: exact from 16-bit secondary shards, or from
+    # qwZ's int8 payload ([Note: int8 secondary])
+    secondary_gather: Collective
 
     @property
     def alignment(self) -> int:
@@ -68,8 +82,10 @@ def collectives_for(stage: int, quant: QuantizationOptions, topology: Topology,
         reduce = "all_reduce"
     else:
         reduce = "qgZ" if quant.quantized_gradients else "exact"
+    secondary = ("int8" if quant.quantized_weights and quant.quantized_secondary
+                 and quant.hpz_size > 1 else "exact")
     return Collectives(
         gather=WEIGHT_GATHERS[gather](quant, topology, execution),
         reduce=GRADIENT_REDUCTIONS[reduce](quant, topology, execution),
-        secondary_gather=AllGather(execution),
+        secondary_gather=SECONDARY_GATHERS[secondary](quant, topology, execution),
     )
