@@ -266,7 +266,7 @@ def test_unknown_keys_name_the_nearest_known_key(raw, message):
     (zero(stage=3, offload_optimizer={"pin_memory": True, "device": "nvme", "nvme_path": "/nvme"}),
      'zero_optimization.offload_optimizer.device="nvme" is not supported by this engine (CPU/NVMe offload'),
     ({"data_types": {"grad_accum_dtype": "bf16"}},
-     'data_types.grad_accum_dtype="bf16" is not supported by this engine (gradients always accumulate in fp32'),
+     'data_types.grad_accum_dtype="bf16" is not supported by this engine (gradients accumulate across micro-batches in fp32'),
     ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "bias_correction": False}}},
      "optimizer.params.bias_correction=false is not supported by this engine"),
     ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}},

@@ -275,7 +275,7 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
             f"{type(optimizer.inner).__name__}: load with load_optimizer_states=False")
     fields = ("master", *state_keys) if load_optimizer_states else ("master",)
     for index, unit in enumerate(engine.sharded.units):
-        values = {f: torch.zeros_like(unit.grad_shard) for f in fields}
+        values = {f: torch.zeros_like(unit.grad_shard, dtype=torch.float32) for f in fields}
         for slot in unit.layout.slots:
             part = unit.layout.overlap(slot, unit.shard_start, unit.shard_end)
             if part is None:

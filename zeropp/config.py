@@ -336,7 +336,8 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "activation_checkpointing.cpu_checkpointing": Unsupported(
         "checkpointed activations stay in device memory", (False,)),
     "data_types.grad_accum_dtype": Unsupported(
-        "gradients always accumulate in fp32; 16-bit accumulation would round them", (None, "fp32")),
+        "gradients accumulate across micro-batches in fp32; 16-bit accumulation would round "
+        "them", (None, "fp32")),
     "data_types.param_dtype": Unsupported("weights take the fp16/bf16 block's dtype", (None,)),
     "data_types.buffer_dtype": Unsupported("buffers keep the dtype the model gives them", (None,)),
     "optimizer.params.bias_correction": Unsupported(

@@ -137,6 +137,7 @@ def build_engine(
         collectives_for(sharding.stage, quantization, topology, execution),
         _hpz_group(topology, residency), execution, residency,
         param_init_fn=param_init_fn, unit_modules=unit_modules,
+        grad_dtype=gradient_shard_dtype(dtype, gradient_accumulation_steps),
     )
     partitioned = PartitionedOptimizer(sharded.units, sharded.initial_masters, recipe,
                                        group_by_name)
@@ -155,6 +156,14 @@ def build_engine(
         lr_scheduler=lr_scheduler,
         config=config,
     )
+
+
+def gradient_shard_dtype(dtype: torch.dtype, gradient_accumulation_steps: int) -> torch.dtype:
+    """Gradient shards in the working dtype, as DeepSpeed keeps its 16-bit gradient
+    partitions, unless micro-batches accumulate into them: then fp32, so the sum of many
+    small gradients is not rounded at every addition. The reductions deliver 16-bit values
+    (qgZ an fp32 sum, rounded once) either way."""
+    return dtype if gradient_accumulation_steps == 1 else torch.float32
 
 
 def make_loss_scaler(fp16_enabled: bool, fp16_config=None) -> LossScaler:

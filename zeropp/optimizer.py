@@ -185,7 +185,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         """Squared global gradient norm (true units), over all ranks: one all-reduce."""
         total = torch.zeros(1, dtype=torch.float32, device=self.units[0].grad_shard.device)
         for unit in self.units:
-            total += unit.grad_shard.pow(2).sum()
+            total += unit.grad_shard.float().pow(2).sum()  # 16-bit squares would overflow
         if self.world is not None:
             all_reduce_sum(total, self.world, self.units[0].comm.stats, "optimizer")
         return float(total.item()) * inv_scale * inv_scale
@@ -199,7 +199,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         # (torch skips parameters without a gradient, and their step counts stay put).
         for unit, pieces in zip(self.units, self.pieces, strict=True):
             for piece in pieces:
-                piece.master.grad = _pack(unit.grad_shard, piece.runs).mul_(grad_multiplier)
+                piece.master.grad = _pack(unit.grad_shard, piece.runs).to(
+                    torch.float32).mul_(grad_multiplier)
             self.inner.step()
             for piece in pieces:
                 piece.master.grad = None

@@ -36,13 +36,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zeropp import kernels
 from zeropp.comm.accounting import LOCALITIES, PHASES, all_reduce_bytes, locality
 from zeropp.comm.collectives import CommGroup
 from zeropp.comm.error_feedback import ErrorFeedback
 from zeropp.comm.registry import Collectives, collectives_for
 from zeropp.config import ZeroConfig
 from zeropp.flat_layout import FlatLayout, reduce_bucket_ranges
-from zeropp.initialize import options_from_config
+from zeropp.initialize import gradient_shard_dtype, options_from_config
 from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
 from zeropp.residency import Residency, shard_alignment, stays_gathered
 from zeropp.sharded_model import ShardingOptions
@@ -227,15 +228,27 @@ def peak_gathered_numel(units: Sequence[UnitPlan], zero: ZeroConfig, backward: b
     return peak
 
 
-def plan_memory(units: Sequence[UnitPlan], zero: ZeroConfig, dtype_bytes: int) -> MemoryPlan:
+def secondary_nbytes(unit: UnitPlan, zero: ZeroConfig, dtype_bytes: int) -> int:
+    """Bytes of one unit's hpZ secondary shard: 16-bit values, or the N / hpz int8 payloads
+    of qwZ's forward gather ([Note: int8 secondary])."""
+    hpz = zero.zero_hpz_partition_size
+    if zero.zero_quantized_weights and zero.zero_hpz_quantized_secondary:
+        rows = unit.padded_numel // unit.shard_numel // hpz
+        return rows * kernels.quantized_nbytes(unit.shard_numel, zero.zero_quantized_weights_bits,
+                                               zero.zero_quantization_block_size)
+    return unit.padded_numel // hpz * dtype_bytes
+
+
+def plan_memory(units: Sequence[UnitPlan], zero: ZeroConfig, dtype_bytes: int,
+                micro_batches: int = 1) -> MemoryPlan:
     """Peak per-rank bytes of model states and of the engine's gathered buffers."""
     shard_numel = sum(u.shard_numel for u in units)
     hpz = zero.zero_hpz_partition_size
     # Blocks keep their secondary shard from their forward to their backward; the root, the
     # blocks reused soon and persistent units are not released in between, so keep none.
     kept = kept_for_backward(units, zero)  # gathered from forward to backward: no secondary
-    secondary_numel = sum(u.padded_numel // hpz for u in units
-                          if hpz > 1 and not (u.is_root or u.persistent or id(u) in kept))
+    secondaries = [u for u in units
+                   if hpz > 1 and not (u.is_root or u.persistent or id(u) in kept)]
     forward_gathered = peak_gathered_numel(units, zero, backward=False)
     gathered_numel = max(forward_gathered, peak_gathered_numel(units, zero, backward=True))
     # The root's gradients exist through the whole backward (the tied head produces them
@@ -248,10 +261,11 @@ def plan_memory(units: Sequence[UnitPlan], zero: ZeroConfig, dtype_bytes: int) -
     gradient_numel = root + (in_flight + 1) * largest_block + largest_block // 2
     return MemoryPlan(
         working_shards=shard_numel * dtype_bytes,
-        gradient_shards=shard_numel * FP32_BYTES,
+        gradient_shards=shard_numel * gradient_shard_dtype(_DTYPES[dtype_bytes],
+                                                           micro_batches).itemsize,
         fp32_master_shards=shard_numel * FP32_BYTES,
         optimizer_moments=2 * shard_numel * FP32_BYTES,
-        hpz_secondary_shards=secondary_numel * dtype_bytes,
+        hpz_secondary_shards=sum(secondary_nbytes(u, zero, dtype_bytes) for u in secondaries),
         gathered_parameters=gathered_numel * dtype_bytes,
         gradient_buffers=gradient_numel * dtype_bytes,
         gathered_forward=forward_gathered * dtype_bytes,
@@ -323,7 +337,7 @@ def plan_system(name: str, unit_numels: Sequence[int], cluster: ClusterShape, ze
         zero=zero,
         cluster=cluster,
         units=tuple(units),
-        memory=plan_memory(units, zero, dtype_bytes),
+        memory=plan_memory(units, zero, dtype_bytes, micro_batches),
         comm=plan_communication(units, cluster, zero, dtype_bytes, micro_batches),
     )
 

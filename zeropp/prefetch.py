@@ -11,7 +11,7 @@ def units_to_prefetch(
     """Indices into ``upcoming`` whose gathers to start now.
 
     ``upcoming`` lists the next units in the order they will run, as (gathered size, already
-    in flight). DeepSpeed's rule: keep issuing gathers while fewer than ``bucket_numel``
+    gathered or in flight). DeepSpeed's rule: keep issuing gathers while fewer than ``bucket_numel``
     (stage3_prefetch_bucket_size) elements are in flight ahead, so one unit larger than the
     bucket is still prefetched and 0 disables prefetch; beyond the next unit, never let the
     gathered elements exceed ``max_live_numel`` (stage3_max_live_parameters).

@@ -222,6 +222,7 @@ class ShardedModel:
         residency: Residency,
         param_init_fn: Callable[[str], torch.Tensor] | None = None,
         unit_modules: list[nn.Module] | None = None,
+        grad_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.module = model
         self.topology = topology
@@ -250,6 +251,7 @@ class ShardedModel:
             alignment=shard_alignment(self.residency, collectives.alignment),
             reduce_dtype=collectives.reduce.output_dtype or options.communication_dtype,
             predivide_factor=float(options.gradient_predivide_factor or self.dp_size),
+            grad_dtype=grad_dtype,
         )
         self.phase = TrainingPhase.IDLE
         self.units, self.initial_masters = self._build_units(
@@ -480,10 +482,13 @@ class ShardedModel:
                 unit.release(keep_secondary=True)
 
     def _pre_backward(self, unit: ShardedUnit, grad):
+        if unit in self._backward_started:  # a second output of the unit: already done
+            return grad
         self._backward_started.add(unit)
         if unit in self._recomputed:
             self._recomputed.remove(unit)
         unit.gather_now("backward_all_gather")
+        unit.open_gradients()
         self._prefetch(unit, forward=False)
         return grad
 
@@ -528,11 +533,13 @@ class ShardedModel:
         index = order.index(unit)
         candidates = order[index + 1 :] if forward else list(reversed(order[:index]))
         phase = "forward_all_gather" if forward else "backward_all_gather"
-        upcoming = [u for u in candidates
-                    if u is not self.root and u.state is not ShardState.GATHERED]
+        # Units gathered already (kept from forward, recomputed) fill the window ahead like
+        # gathers in flight: prefetching past them would only hold more memory sooner.
+        upcoming = [u for u in candidates if not (u is self.root or u.persistent)]
         live = sum(u.live_numel for u in self.units)
         chosen = units_to_prefetch(
-            [(u.layout.padded_numel, u.gathering) for u in upcoming], live,
+            [(u.layout.padded_numel, u.gathering or u.state is ShardState.GATHERED)
+             for u in upcoming], live,
             self.options.prefetch_bucket_numel, self.options.max_live_numel,
         )
         for index in chosen:

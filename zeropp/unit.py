@@ -63,6 +63,9 @@ class UnitComm:
     # Gradients are divided by this before they are summed over ranks (headroom in fp16);
     # the optimizer divides by the rest of data-parallel size x accumulation x loss scale.
     predivide_factor: float = 1.0
+    # dtype of the gradient shards: the working dtype when nothing accumulates across
+    # micro-batches (DeepSpeed's 16-bit gradient partitions), fp32 when gradients do.
+    grad_dtype: torch.dtype = torch.float32
 
 
 @dataclass
@@ -117,12 +120,14 @@ class ShardedUnit:
         self.state = ShardState.SHARDED
         self._gather_pending: Pending | None = None
 
-        # fp32 gradient shard, accumulated across micro-batches (summed, not yet averaged).
-        self.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+        # Gradient shard (summed over ranks and micro-batches, not yet averaged), in
+        # ``comm.grad_dtype``: fp32 where micro-batches accumulate into it.
+        self.grad_shard = torch.zeros(layout.shard_numel, dtype=comm.grad_dtype, device=device)
         self._reduce_pending: list[tuple[Pending, torch.Tensor, int, int]] = []
         # This micro-batch's gradients, flat in the layout of ``full``; the parameters'
         # ``.grad`` are views of it while it is open ([Note: gradient buffer]).
         self._grad_flat: torch.Tensor | None = None
+        self._held_grads: list[nn.Parameter] = []  # arrived before the buffer was opened
         # The unit's backward is over and its reduction started (ShardedModel._post_backward).
         self.backward_done = False
         # ``zeropp.zero.GatheredParameters`` contexts holding the whole weights: the user reads
@@ -272,39 +277,58 @@ class ShardedUnit:
             self.gather_now("forward_all_gather")
 
     # ---- gradients -----------------------------------------------------------------------
+    def open_gradients(self) -> None:
+        """The unit's backward is about to begin: bind its parameters' ``.grad`` to the flat
+        gradient buffer so autograd accumulates straight into it ([Note: gradient buffer])."""
+        if self.num_grad_params and self._grad_flat is None:
+            self._open_gradient_buffer()
+
     def on_grad_ready(self, param: nn.Parameter) -> None:
         """Take a parameter's just-accumulated gradient.
 
-        [Note: gradient buffer] The unit's first gradient opens its flat gradient buffer (in
-        the layout of ``full``) and binds every trainable parameter's ``.grad`` to its view
-        of it; autograd then adds each later gradient into that view in place and frees its
-        own tensor at once. A unit's gradients thus cost one flat buffer plus the one
-        gradient autograd is producing, never the gradients and a flat copy of them at once
-        (``contiguous_gradients``). Units are kept small enough for this to be cheap
-        ([Note: units]).
+        [Note: gradient buffer] A unit's gradients go into one flat buffer in the layout of
+        ``full``, the input of its reduction (``contiguous_gradients``). A unit whose backward
+        has a start (``open_gradients``, from its pre-backward hook) opens the buffer there and
+        binds every trainable parameter's ``.grad`` to its view: autograd adds each gradient
+        into it in place and frees its own tensor at once, so the unit's gradients cost the
+        flat buffer plus the one gradient being produced. Units without that point (the root,
+        whose small gradients arrive at the start of backward and the tied embedding's at the
+        end) keep gradients as autograd made them until they reach half the unit, then move
+        them in and bind the rest: the root does not hold a whole flat buffer through the
+        backward for the final norm's few elements.
         """
         if self._grad_flat is None:
+            if not any(p is param for p in self._held_grads):  # .grad accumulates in place
+                self._held_grads.append(param)
+            held = sum(p.grad.numel() for p in self._held_grads)
+            if 2 * held < self.layout.padded_numel:
+                return
             self._open_gradient_buffer()
         slot = self._slot_of[id(param)]
-        view = self._grad_flat[slot.offset : slot.end]
         if param.grad is not None and param.grad._base is not self._grad_flat:
             # Autograd's own tensor (the grad was None when it arrived): moved in, then bound.
-            view.add_(param.grad.reshape(-1))
-            param.grad = view.view(slot.shape)
-        elif param.grad is None:
-            param.grad = view.view(slot.shape)
+            self._grad_flat[slot.offset : slot.end].add_(param.grad.reshape(-1))
+            param.grad = self._grad_flat[slot.offset : slot.end].view(slot.shape)
 
     def _open_gradient_buffer(self) -> None:
+        """Allocate the flat gradient buffer, move the gradients held in, bind every ``.grad``."""
         self._grad_flat = torch.zeros(self.layout.padded_numel, dtype=self.dtype,
                                       device=self.device)
+        held = {id(p) for p in self._held_grads}
         for param in self.params:
-            if param.requires_grad and param.grad is None:
-                slot = self._slot_of[id(param)]
-                param.grad = self._grad_flat[slot.offset : slot.end].view(slot.shape)
+            if not param.requires_grad:
+                continue
+            slot = self._slot_of[id(param)]
+            view = self._grad_flat[slot.offset : slot.end]
+            if id(param) in held:
+                view.add_(param.grad.reshape(-1))
+            param.grad = view.view(slot.shape)
+        self._held_grads.clear()
 
     def _unbind_gradients(self) -> None:
         for param in self.params:
             param.grad = None
+        self._held_grads.clear()
 
     @property
     def gradient_buffer(self) -> torch.Tensor | None:
@@ -349,7 +373,7 @@ class ShardedUnit:
         """Wait for this unit's reductions and add them to the fp32 gradient shard."""
         for pending, out, lo, hi in self._reduce_pending:
             pending.wait()
-            self.grad_shard[lo:hi].add_(out)  # widened to fp32 by the addition
+            self.grad_shard[lo:hi].add_(out)  # in the shard's dtype
         self._reduce_pending.clear()
 
     def zero_grad_shard(self) -> None:
