@@ -269,8 +269,13 @@ class ShardedModel:
         # True while a forward that will be backpropagated runs (grad mode on at the root):
         # blocks inside it that run under no_grad are checkpointed and will be recomputed.
         self._training_forward = False
+        # Units in the order their forward began, and in the order it ended; the backward
+        # reaches them in the reverse of the second (a block's own unit before its
+        # children's, see [Note: units]). The last training forward's are the prefetch plan.
         self._forward_order: list[ShardedUnit] = []
         self._last_forward_order: list[ShardedUnit] = []
+        self._forward_done: list[ShardedUnit] = []
+        self._backward_order: list[ShardedUnit] = []
         self._kept_for_backward: set[ShardedUnit] = set()  # from the last forward's order
         # Called with a unit's index after its working shard was written outside a step
         # (zeropp.zero.GatheredParameters with a modifier_rank): whoever keeps another copy
@@ -396,13 +401,14 @@ class ShardedModel:
         if self.phase is TrainingPhase.BACKWARD:  # activation-checkpoint recompute
             self._release_recomputed()
             unit.gather_now("backward_all_gather")
-            self._prefetch(unit, forward=False)
+            self._prefetch(unit, forward=False, recompute=True)
             return self._watch_backward(unit, args, kwargs)
         if unit is self.root:
             self.phase = TrainingPhase.FORWARD
             self._training_forward = torch.is_grad_enabled()
             self._last_forward_order = self._forward_order or self._last_forward_order
-            self._forward_order = []
+            self._backward_order = self._forward_done[::-1] or self._backward_order
+            self._forward_order, self._forward_done = [], []
             self._kept_for_backward = self._blocks_to_keep(self._last_forward_order)
         unit.gather_now("forward_all_gather")
         self._forward_order.append(unit)
@@ -442,6 +448,7 @@ class ShardedModel:
             if not needs_backward:
                 self._release_all()
             return output
+        self._forward_done.append(unit)
         if needs_backward:
             self._watch_pre_backward(unit, output)
         # A block run under no_grad inside a training forward is checkpointed: its backward
@@ -526,12 +533,20 @@ class ShardedModel:
         while self._reducing:
             self._reducing.popleft().finish_reduce()
 
-    def _prefetch(self, unit: ShardedUnit, forward: bool) -> None:
-        order = self._last_forward_order
+    def _prefetch(self, unit: ShardedUnit, forward: bool, recompute: bool = False) -> None:
+        order = self._last_forward_order if forward or recompute else self._backward_order
         if unit not in order:
             return
         index = order.index(unit)
-        candidates = order[index + 1 :] if forward else list(reversed(order[:index]))
+        candidates = order[index + 1 :]
+        if recompute:
+            backward = self._backward_order
+            # A recompute runs the rest of its checkpointed chunk next: the following units
+            # whose backward has not happened (later blocks' all have). At a chunk's last
+            # unit, the backward order takes over.
+            rest = list(itertools.takewhile(lambda u: not u.backward_done, candidates))
+            candidates = rest or (backward[backward.index(unit) + 1 :] if unit in backward
+                                  else [])
         phase = "forward_all_gather" if forward else "backward_all_gather"
         # Units gathered already (kept from forward, recomputed) fill the window ahead like
         # gathers in flight: prefetching past them would only hold more memory sooner.
