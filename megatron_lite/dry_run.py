@@ -292,7 +292,8 @@ def _system_options(plan: SystemPlan) -> str:
     if zero.zero_quantized_weights:
         parts.append(f"qwZ int{zero.zero_quantized_weights_bits}")
     if zero.zero_hpz_partition_size > 1:
-        parts.append(f"hpZ {zero.zero_hpz_partition_size}")
+        int8 = zero.zero_quantized_weights and zero.zero_hpz_quantized_secondary
+        parts.append(f"hpZ {zero.zero_hpz_partition_size}" + (" (int8 secondary)" if int8 else ""))
     if zero.zero_quantized_gradients:
         parts.append(f"qgZ int{zero.zero_quantized_gradients_bits}")
     return f"{plan.name}: " + (", ".join(parts) if parts else "no ZeRO++ option on")
@@ -305,7 +306,7 @@ def memory_lines(report: DryRunReport) -> list[str]:
     rows = [
         ("parameters: own shard", [m.working_shards for m in memories]),
         ("parameters: gathered units (peak)", [m.gathered_parameters for m in memories]),
-        ("gradients: fp32 shards", [m.gradient_shards for m in memories]),
+        ("gradients: shards", [m.gradient_shards for m in memories]),
         ("gradients: unit buffers (transient)", [m.gradient_buffers for m in memories]),
         ("optimizer: fp32 master + Adam moments",
          [m.fp32_master_shards + m.optimizer_moments for m in memories]),

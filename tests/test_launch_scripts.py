@@ -225,4 +225,4 @@ def test_llama_dry_run_plans_the_cluster():
     assert "number of parameters: 7,391,678,464 (7.39B)" in out  # GPT-2's vocabulary
     assert "4 node(s) x 16 GPUs = 64 GPUs" in out
     assert "micro batch 1 x seq 8192" in out and "bfloat16 compute" in out
-    assert "ZeRO++: qwZ int8, hpZ 16, qgZ int4" in out
+    assert "ZeRO++: qwZ int8, hpZ 16 (int8 secondary), qgZ int4" in out

@@ -8,7 +8,8 @@ per-GPU peak (``--dry-run``'s total), and rank 0 of the cluster run for real on 
 by ``megatron_lite.simulate`` (3 iterations of ``pretrain_zeropp_gpt.main`` with the paper's
 flags). Memory per GPU falls as nodes are added, so each (model, tokens, system) is measured
 where the planner puts the edge: the fewest nodes it says fit, and the node count below;
-``--measure all`` measures every cell (hours for the 138B). ``--budget-minutes`` stops
+``--measure all`` measures every cell (hours for the 138B), ``--measure-nodes 24`` these node
+counts as well (every cell the paper trained: ``--measure none --measure-nodes 24``). ``--budget-minutes`` stops
 measuring when the time is spent (the remaining cells are planned only) and ``--reuse FILE``
 keeps the measurements of an earlier run's JSON instead of repeating them.
 """
@@ -84,6 +85,8 @@ def main() -> int:
     parser.add_argument("--tokens", default="1024,2048", help="tokens per GPU per micro-batch")
     parser.add_argument("--gpu-memory-gb", type=float, default=32.0)
     parser.add_argument("--measure", choices=("edge", "all", "none"), default="edge")
+    parser.add_argument("--measure-nodes", default="",
+                        help="comma-separated node counts measured as well (24: the paper's)")
     parser.add_argument("--budget-minutes", type=float, default=None,
                         help="stop measuring after this long; later cells are planned only")
     parser.add_argument("--reuse", type=Path, default=None,
@@ -107,6 +110,7 @@ def main() -> int:
                 by_nodes = {n: plans[n][index] for n in NODES}
                 chosen = [] if options.measure == "none" else \
                     cells_to_measure(by_nodes, limit, options.measure)
+                chosen += [int(n) for n in options.measure_nodes.split(",") if n]
                 for nodes in NODES:
                     row = {"model": model, "tokens_per_gpu": tokens, "system": system,
                            "nodes": nodes, "planned_bytes": by_nodes[nodes]}
