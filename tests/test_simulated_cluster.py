@@ -98,6 +98,29 @@ def test_llama_style_on_2x8_follows_nccl_rules_and_the_plan(tmp_path):
     assert abs(report.total_bytes(report.plans[1]) / cluster.peak_bytes - 1) < 0.10
 
 
+def test_units_below_the_block_follow_nccl_rules(tmp_path):
+    """786K-element blocks split into their Linears (prefetch bucket 200K), recomputed units
+    released beyond a 300K live budget, hpZ's secondary int8 or 16-bit: NCCL's rules, the same
+    order on the first and last rank through training, save and resume, two host syncs; the
+    int8 secondary takes half the 16-bit one's bytes (and a 4-byte scale per 256)."""
+    secondary_peaks = []
+    for int8 in (True, False):
+        argv = [a.format(layers=4) for a in SMALL] + ["--deepspeed_config", ds_config(
+            tmp_path, zero_hpz_partition_size=4, stage3_prefetch_bucket_size=200_000,
+            stage3_max_live_parameters=300_000, stage3_param_persistence_threshold=1000,
+            zero_hpz_quantized_secondary=int8)]
+        cluster = simulate_cluster(argv, nodes=2, gpus_per_node=4)
+        for rank in (cluster.first, cluster.last):
+            assert rank.violations == []
+            assert functions(rank.host_syncs_per_iteration) == dict.fromkeys(ALLOWED_SYNCS, 1)
+        assert cluster.order_mismatches == []
+        secondary_peaks.append(cluster.first.category_peaks["hpZ secondary shards"])
+    report = build_report(parse_args(argv + ["--dry-run", "--dry-run-nodes", "2",
+                                              "--dry-run-gpus-per-node", "4"]))
+    assert len(report.plans[1].units) == 1 + 4 * 5  # root; per block its norms and 4 Linears
+    assert secondary_peaks[0] / secondary_peaks[1] == pytest.approx((1 + 4 / 256) / 2, rel=0.02)
+
+
 def test_memory_of_gradients_in_flight_does_not_grow_with_depth():
     def gradients_in_flight(layers: int) -> int:
         argv = [a.format(layers=layers) for a in SMALL] + [
