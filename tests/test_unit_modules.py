@@ -166,3 +166,23 @@ def tied_across_units(model):
 def test_a_parameter_shared_between_units_is_refused():
     with pytest.raises(AssertionError, match="is shared with unit"):
         run_ranks(_one_step, 1, tied_across_units, {})
+
+
+def _initialize_with_units(rank, world):
+    import zeropp
+
+    model = toy_model()
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW",
+              "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3}}
+    engine, *_ = zeropp.initialize(model=model, config=config,
+                                   unit_modules=[model.layers[0].up, model.layers[0]])
+    tokens = toy_batches(1, 1, 2)[0, 0]
+    engine.backward(toy_loss(engine(tokens), tokens))
+    engine.step()
+    return [(u.name, u.layout.numel) for u in engine.sharded.units]
+
+
+def test_initialize_takes_unit_modules_as_fsdp2s_wrap_policy():
+    units = run_ranks(_initialize_with_units, 2)[0]
+    # The root keeps the other blocks; layers.0 holds its norm and down, up its own Linear.
+    assert units == [("<root>", 4403 + 2 * 1486), ("layers.0.up", 738), ("layers.0", 34 + 714)]

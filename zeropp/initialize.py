@@ -237,6 +237,7 @@ def engine_from_config(
     param_init_fn=None,
     lr_scheduler=None,
     device: torch.device | None = None,
+    unit_modules: list[nn.Module] | None = None,
 ) -> ZeroEngine:
     """The engine a parsed ``EngineConfig`` describes: the one typed path from a DeepSpeed
     config to the engine, taken by ``initialize`` and by the application.
@@ -246,7 +247,8 @@ def engine_from_config(
     over the shards), else the config's ``optimizer`` block (``optimizer_params`` overriding
     its params) over ``model_parameters`` (tensors or groups; None: Megatron's decay and
     no-decay groups). A JSON ``scheduler`` block becomes the lr schedule unless
-    ``lr_scheduler`` is given.
+    ``lr_scheduler`` is given. ``unit_modules`` names the units of sharding instead of the
+    default ([Note: units]).
     """
     from zeropp.config import ConfigError
 
@@ -292,6 +294,7 @@ def engine_from_config(
         lr_scheduler=lr_scheduler,
         config=cfg,
         optimizer=recipe,
+        unit_modules=unit_modules,
     )
     if lr_scheduler is None and cfg.scheduler is not None:
         from zeropp.lr_schedules import WarmupSchedule
@@ -343,6 +346,7 @@ def initialize(
     param_init_fn=None,
     optimizer_params: dict | None = None,
     device: torch.device | None = None,
+    unit_modules: list[nn.Module] | None = None,
 ):
     """``deepspeed.initialize``'s twin, with its signature: returns ``(engine, optimizer,
     training_dataloader, lr_scheduler)``.
@@ -359,6 +363,9 @@ def initialize(
       (DistributedSampler, ``train_micro_batch_size_per_gpu`` per batch), as DeepSpeed does.
     - ``lr_scheduler``: a schedule object or a callable taking the optimizer.
     - ``mpu`` (model parallelism) is refused: the engine is data-parallel only.
+    - ``unit_modules`` (keyword, this engine's): the modules to gather and release as units,
+      as FSDP2's wrap policy chooses them; by default each block, split below itself when
+      it holds more than ``stage3_prefetch_bucket_size`` parameters ([Note: units]).
     ``distributed_port``, ``dist_init_required`` and ``mesh_param`` are accepted and unused:
     the launcher's environment says where the process group is.
     """
@@ -387,7 +394,7 @@ def initialize(
         model, cfg, optimizer_params=optimizer_params, model_parameters=(
             model_parameters if model_parameters is not None else model.parameters()),
         optimizer=optimizer, ranks_per_node=ranks_per_node, param_init_fn=param_init_fn,
-        lr_scheduler=lr_scheduler, device=device)
+        lr_scheduler=lr_scheduler, device=device, unit_modules=unit_modules)
     loader = None
     if training_data is not None:
         loader = training_dataloader(engine, training_data, collate_fn)

@@ -128,19 +128,25 @@ def main() -> int:
                     rows.append(row)
                 # written as it goes: the 138B cells take minutes each
                 options.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
-                options.out.write_text(render(rows, limit, options.gpu_memory_gb))
+                options.out.write_text(render(rows, limit, options.gpu_memory_gb,
+                                              command_line()))
     print(f"wrote {options.out}")
     return 0
 
 
-def render(rows: list[dict], limit: float, gpu_gb: float) -> str:
+def command_line() -> str:
+    """How this table was made, as a user would type it (paths relative to the repository)."""
+    return "python -m scripts.bench.paper_memory " + " ".join(sys.argv[1:])
+
+
+def render(rows: list[dict], limit: float, gpu_gb: float,
+           command: str = "python -m scripts.bench.paper_memory --out docs/paper_memory.md") -> str:
     lines = [
         f"# The paper's setups on {gpu_gb:g} GiB GPUs (DGX-2 nodes of {GPUS_PER_NODE})",
         "",
         "Peak GiB per GPU: measured on the simulated GPU cluster (rank 0, meta tensors, the "
         "real program) where a number is given as `measured / planned`, else planned only. "
-        "**bold**: does not fit. Regenerate with `python -m scripts.bench.paper_memory "
-        "--out docs/paper_memory.md`.",
+        f"**bold**: does not fit. Regenerate with `{command}`.",
         "",
         f"{sum('measured_bytes' in r for r in rows)} of {len(rows)} cells measured, "
         f"{sum(r.get('simulation_s', 0) for r in rows) / 60:.0f} minutes of simulation.",
