@@ -330,7 +330,8 @@ class ShardedModel:
                 return param.detach().to(torch.float32)
 
             master = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device)
-            layout.fill_shard(master, self.world.rank, full_value)
+            if master.device.type != "meta":  # the simulated cluster: no values to make
+                layout.fill_shard(master, self.world.rank, full_value)
             refs = [ParamRef(p, owners[id(p)]) for p in params]
             unit = ShardedUnit(
                 name, module, refs, layout, self.comm, self.dtype, self.device,
