@@ -90,8 +90,9 @@ class ShardingOptions:
     max_live_numel: int = 1_000_000_000
     persistence_threshold: int = 100_000
     overlap_comm: bool = True
-    # Units whose gradient reduction may be in flight at once. Each holds its flat gradient
-    # buffer until waited for, so this, not the model's depth, bounds that memory.
+    # Flat gradient buffers, in units of the largest one, that reductions in flight may hold
+    # besides the one filling ([Note: reductions in flight]): this, not the model's depth,
+    # bounds that memory.
     max_inflight_reductions: int = 1
     # The ZeRO stage (0-3): where weights, gradients and optimizer states live, resolved
     # with hpZ into a ``Residency`` ([Note: residency]).
@@ -269,13 +270,16 @@ class ShardedModel:
         # True while a forward that will be backpropagated runs (grad mode on at the root):
         # blocks inside it that run under no_grad are checkpointed and will be recomputed.
         self._training_forward = False
-        # Units in the order their forward began, and in the order it ended; the backward
-        # reaches them in the reverse of the second (a block's own unit before its
-        # children's, see [Note: units]). The last training forward's are the prefetch plan.
+        # [Note: prefetch order] Units in the order the forward needed them, and the order
+        # the backward did (each recompute's units in forward order, then each unit's own
+        # backward: a block's own unit before its children's, [Note: units]). The last
+        # iteration's are the plan each prefetch reads ahead in, as DeepSpeed replays its
+        # trace of submodules; ``_backward_cursor`` is where this backward is in it.
         self._forward_order: list[ShardedUnit] = []
         self._last_forward_order: list[ShardedUnit] = []
-        self._forward_done: list[ShardedUnit] = []
-        self._backward_order: list[ShardedUnit] = []
+        self._backward_needs: list[ShardedUnit] = []
+        self._last_backward_needs: list[ShardedUnit] = []
+        self._backward_cursor = -1
         self._kept_for_backward: set[ShardedUnit] = set()  # from the last forward's order
         # Called with a unit's index after its working shard was written outside a step
         # (zeropp.zero.GatheredParameters with a modifier_rank): whoever keeps another copy
@@ -283,6 +287,9 @@ class ShardedModel:
         self.shard_write_listeners: list[Callable[[int], None]] = []
         self._param_units = {id(p): (index, p) for index, unit in enumerate(self.units)
                              for p in unit.params}
+        # The root's reduction comes last, when nothing follows it to overlap: not a measure.
+        self._largest_gradient_buffer = max(
+            (u.layout.padded_numel for u in self.units[1:] if u.num_grad_params), default=0)
         self.serial = next(_SERIAL)
         self._install_hooks()
         self._install_state_dict_guards()
@@ -402,14 +409,13 @@ class ShardedModel:
         if self.phase is TrainingPhase.BACKWARD:  # activation-checkpoint recompute
             self._release_recomputed()
             unit.gather_now("backward_all_gather")
-            self._prefetch(unit, forward=False, recompute=True)
+            self._prefetch_backward(unit)
             return self._watch_backward(unit, args, kwargs)
         if unit is self.root:
             self.phase = TrainingPhase.FORWARD
             self._training_forward = torch.is_grad_enabled()
             self._last_forward_order = self._forward_order or self._last_forward_order
-            self._backward_order = self._forward_done[::-1] or self._backward_order
-            self._forward_order, self._forward_done = [], []
+            self._forward_order = []
             self._kept_for_backward = self._blocks_to_keep(self._last_forward_order)
         unit.gather_now("forward_all_gather")
         self._forward_order.append(unit)
@@ -449,7 +455,6 @@ class ShardedModel:
             if not needs_backward:
                 self._release_all()
             return output
-        self._forward_done.append(unit)
         if needs_backward:
             self._watch_pre_backward(unit, output)
         # A block run under no_grad inside a training forward is checkpointed: its backward
@@ -496,8 +501,10 @@ class ShardedModel:
         if unit in self._recomputed:
             self._recomputed.remove(unit)
         unit.gather_now("backward_all_gather")
-        unit.open_gradients()
-        self._prefetch(unit, forward=False)
+        if unit.num_grad_params and unit.gradient_buffer is None:
+            self._make_room(unit.layout.padded_numel)
+            unit.open_gradients()
+        self._prefetch_backward(unit)
         return grad
 
     def _post_backward(self, unit: ShardedUnit) -> None:
@@ -527,31 +534,48 @@ class ShardedModel:
     def _start_reduction(self, unit: ShardedUnit) -> None:
         unit.start_reduce()
         self._reducing.append(unit)
-        while len(self._reducing) > self.options.max_inflight_reductions:
+        self._make_room(0)
+
+    def _make_room(self, numel: int) -> None:
+        """[Note: reductions in flight] Reductions still running hold their units' flat
+        gradient buffers. Before a unit's buffer of ``numel`` elements opens, and whenever a
+        reduction starts, the oldest are waited for until those buffers and the new one fit
+        ``max_inflight_reductions`` + 1 of the largest unit's: gradient memory is bounded by
+        that, not by depth, while a reduction of a large unit keeps overlapping the backward
+        of the smaller units after it (a block's dense projection after its MLP) instead of
+        being waited for after the next unit's backward alone.
+        """
+        budget = (self.options.max_inflight_reductions + 1) * self._largest_gradient_buffer
+        while self._reducing and (
+                numel + sum(u.layout.padded_numel for u in self._reducing) > budget):
             self._reducing.popleft().finish_reduce()
 
     def _finish_reductions(self) -> None:
         while self._reducing:
             self._reducing.popleft().finish_reduce()
 
-    def _prefetch(self, unit: ShardedUnit, forward: bool, recompute: bool = False) -> None:
-        order = self._last_forward_order if forward or recompute else self._backward_order
-        if unit not in order:
+    def _prefetch_backward(self, unit: ShardedUnit) -> None:
+        """``unit`` is needed now in backward (its recompute or its own backward): note it and
+        prefetch what the last backward needed next ([Note: prefetch order])."""
+        self._backward_needs.append(unit)
+        plan = self._last_backward_needs
+        try:
+            self._backward_cursor = plan.index(unit, self._backward_cursor + 1)
+        except ValueError:  # a backward unlike the last one: no plan to read ahead in
             return
-        index = order.index(unit)
-        candidates = order[index + 1 :]
-        if recompute:
-            backward = self._backward_order
-            # A recompute runs the rest of its checkpointed chunk next: the following units
-            # whose backward has not happened (later blocks' all have). At a chunk's last
-            # unit, the backward order takes over.
-            rest = list(itertools.takewhile(lambda u: not u.backward_done, candidates))
-            candidates = rest or (backward[backward.index(unit) + 1 :] if unit in backward
-                                  else [])
+        self._prefetch(unit, forward=False, candidates=plan[self._backward_cursor + 1 :])
+
+    def _prefetch(self, unit: ShardedUnit, forward: bool,
+                  candidates: list[ShardedUnit] | None = None) -> None:
+        if candidates is None:
+            order = self._last_forward_order
+            if unit not in order:
+                return
+            candidates = order[order.index(unit) + 1 :]
         phase = "forward_all_gather" if forward else "backward_all_gather"
         # Units gathered already (kept from forward, recomputed) fill the window ahead like
         # gathers in flight: prefetching past them would only hold more memory sooner.
-        upcoming = [u for u in candidates if not (u is self.root or u.persistent)]
+        upcoming = list(dict.fromkeys(u for u in candidates if not (u is self.root or u.persistent)))
         live = sum(u.live_numel for u in self.units)
         chosen = units_to_prefetch(
             [(u.layout.padded_numel, u.gathering or u.state is ShardState.GATHERED)
@@ -600,6 +624,7 @@ class ShardedModel:
         unit's gradients stay whole in its flat buffer ([Note: residency]).
         """
         self.phase = TrainingPhase.BACKWARD
+        self._backward_needs, self._backward_cursor = [], -1
         self._reduce_this_backward = (accumulation_boundary
                                       or self.residency.reduce_every_micro_batch)
         try:
@@ -621,6 +646,7 @@ class ShardedModel:
                 unit.backward_done = False
             self._backward_started.clear()
             self._recomputed.clear()
+            self._last_backward_needs = self._backward_needs or self._last_backward_needs
         self._release_all()
 
     def zero_grad(self) -> None:
