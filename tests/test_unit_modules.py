@@ -9,7 +9,7 @@ from torch import nn
 
 from megatron_lite.model import GPTConfig, GPTModel
 from tests.distributed import run_ranks
-from tests.test_zero3_parity import CLIP, LR, WD, reference_run
+from tests.test_zero3_parity import CLIP, LR, WD, reference_run, sharded_run
 from tests.toy_models import toy_batches, toy_loss, toy_model
 from zeropp.config import ZeroConfig
 from zeropp.initialize import max_unit_numel, options_from_config
@@ -125,24 +125,6 @@ def test_recomputed_units_are_released_beyond_the_live_budget():
     assert backward.count("layers.1.up") == 2 and backward.count("layers.1.down") == 1
 
 
-def _train(rank, world, unit_modules, checkpoint, steps, micro, global_batch):
-    engine = _engine(unit_modules, checkpoint=checkpoint, persistence_threshold=0)
-    data = toy_batches(steps, micro, global_batch)
-    per_rank = global_batch // world
-    losses = []
-    for step in range(steps):
-        total = torch.zeros(())
-        for m in range(micro):
-            tokens = data[step, m, rank * per_rank:(rank + 1) * per_rank]
-            loss = toy_loss(engine(tokens), tokens)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach() / micro
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses, engine.full_state_dict()
-
-
 def linears_then_blocks(model):
     """FSDP2's wrap-policy style: every Linear its own unit, each block around them."""
     linears = [m for m in model.layers.modules() if isinstance(m, nn.Linear)]
@@ -151,8 +133,9 @@ def linears_then_blocks(model):
 
 def test_explicit_unit_modules_match_the_unsharded_loop():
     ref_losses, _, ref_params = reference_run(4, 1, 12, checkpoint=True)
-    results = run_ranks(_train, 3, linears_then_blocks, True, 4, 1, 12)
-    for losses, params in results:
+    results = run_ranks(sharded_run, 3, 4, 1, 12, True, False, {"persistence_threshold": 0},
+                        linears_then_blocks)
+    for losses, _, params in results:
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         for name, value in ref_params.items():
             torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -35,7 +35,9 @@ def reference_run(steps, micro, global_batch, checkpoint=False):
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def sharded_run(rank, world, steps, micro, global_batch, checkpoint, meta, options):
+def sharded_run(rank, world, steps, micro, global_batch, checkpoint, meta, options,
+                unit_modules=None):
+    """``unit_modules``: a function of the model naming its units (None: the default)."""
     from zeropp.initialize import build_engine
     from zeropp.sharded_model import ShardingOptions
 
@@ -50,6 +52,7 @@ def sharded_run(rank, world, steps, micro, global_batch, checkpoint, meta, optio
     engine = build_engine(
         model, lr=LR, weight_decay=WD, gradient_accumulation_steps=micro,
         gradient_clipping=CLIP, param_init_fn=init_fn, sharding=ShardingOptions(**options),
+        unit_modules=unit_modules(model) if unit_modules else None,
     )
     data = toy_batches(steps, micro, global_batch)
     per_rank = global_batch // world

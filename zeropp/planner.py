@@ -78,7 +78,7 @@ class MemoryPlan:
     """
 
     working_shards: int  # this rank's 16-bit (or fp32) weights
-    gradient_shards: int  # fp32 accumulators, one per unit
+    gradient_shards: int  # one per unit, 16-bit with one micro-batch per step, else fp32
     fp32_master_shards: int
     optimizer_moments: int  # Adam's two fp32 moments
     hpz_secondary_shards: int  # every block's 1/hpz copy, alive between forward and backward
@@ -252,13 +252,14 @@ def plan_memory(units: Sequence[UnitPlan], zero: ZeroConfig, dtype_bytes: int,
     forward_gathered = peak_gathered_numel(units, zero, backward=False)
     gathered_numel = max(forward_gathered, peak_gathered_numel(units, zero, backward=True))
     # The root's gradients exist through the whole backward (the tied head produces them
-    # first). A block's gradients move into its flat buffer as they arrive, after at most
-    # half the block held as autograd made them (``ShardedUnit.on_grad_ready``); the engine
-    # keeps ``max_inflight_reductions`` flat buffers in flight while the next one fills.
+    # first). A unit's gradients accumulate in its flat buffer ([Note: gradient buffer]),
+    # plus the one autograd is producing (at most half the unit, counted as such); buffers
+    # in flight and filling fit ``max_inflight_reductions`` + 1 of the largest unit's
+    # ([Note: reductions in flight]).
     root = units[0].padded_numel
-    largest_block = max((u.padded_numel for u in units[1:]), default=0)
+    largest_unit = max((u.padded_numel for u in units[1:]), default=0)
     in_flight = ShardingOptions().max_inflight_reductions
-    gradient_numel = root + (in_flight + 1) * largest_block + largest_block // 2
+    gradient_numel = root + (in_flight + 1) * largest_unit + largest_unit // 2
     return MemoryPlan(
         working_shards=shard_numel * dtype_bytes,
         gradient_shards=shard_numel * gradient_shard_dtype(_DTYPES[dtype_bytes],

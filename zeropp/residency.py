@@ -25,8 +25,10 @@ DeepSpeed's stages 1 and 2 do.
 Per-rank bytes of model states, with d bytes per working element and Psi parameters
 (DeepSpeed's formulas, K = 12 for the fp32 master and Adam's two moments):
 stage 0: 2d Psi + K Psi, stage 1: 2d Psi + K Psi / N, stage 2: d Psi + (d + K) Psi / N,
-stage 3: (2d + K) Psi / N. Here gradient shards are accumulated in fp32, so with d = 2 the
-stages 2 and 3 hold (4 - d) Psi / N more than the formula; in fp32 they are the formula.
+stage 3: (2d + K) Psi / N. Here gradient shards are in the working dtype when each step has
+one micro-batch (the formula) and fp32 when micro-batches accumulate into them
+(``zeropp.initialize.gradient_shard_dtype``): then, with d = 2, stages 2 and 3 hold
+(4 - d) Psi / N more than the formula.
 """
 
 from __future__ import annotations

@@ -370,7 +370,7 @@ class ShardedUnit:
             self._reduce_pending.append((pending, out, lo, hi))
 
     def finish_reduce(self) -> None:
-        """Wait for this unit's reductions and add them to the fp32 gradient shard."""
+        """Wait for this unit's reductions and add them to the gradient shard."""
         for pending, out, lo, hi in self._reduce_pending:
             pending.wait()
             self.grad_shard[lo:hi].add_(out)  # in the shard's dtype
