@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zeropp import kernels
 from zeropp.comm.accounting import LOCALITIES, PHASES, all_reduce_bytes, locality
 from zeropp.comm.collectives import CommGroup
 from zeropp.comm.error_feedback import ErrorFeedback
@@ -228,19 +227,8 @@ def peak_gathered_numel(units: Sequence[UnitPlan], zero: ZeroConfig, backward: b
     return peak
 
 
-def secondary_nbytes(unit: UnitPlan, zero: ZeroConfig, dtype_bytes: int) -> int:
-    """Bytes of one unit's hpZ secondary shard: 16-bit values, or the N / hpz int8 payloads
-    of qwZ's forward gather ([Note: int8 secondary])."""
-    hpz = zero.zero_hpz_partition_size
-    if zero.zero_quantized_weights and zero.zero_hpz_quantized_secondary:
-        rows = unit.padded_numel // unit.shard_numel // hpz
-        return rows * kernels.quantized_nbytes(unit.shard_numel, zero.zero_quantized_weights_bits,
-                                               zero.zero_quantization_block_size)
-    return unit.padded_numel // hpz * dtype_bytes
-
-
 def plan_memory(units: Sequence[UnitPlan], zero: ZeroConfig, dtype_bytes: int,
-                micro_batches: int = 1) -> MemoryPlan:
+                collectives: Collectives, micro_batches: int = 1) -> MemoryPlan:
     """Peak per-rank bytes of model states and of the engine's gathered buffers."""
     shard_numel = sum(u.shard_numel for u in units)
     hpz = zero.zero_hpz_partition_size
@@ -266,7 +254,9 @@ def plan_memory(units: Sequence[UnitPlan], zero: ZeroConfig, dtype_bytes: int,
                                                            micro_batches).itemsize,
         fp32_master_shards=shard_numel * FP32_BYTES,
         optimizer_moments=2 * shard_numel * FP32_BYTES,
-        hpz_secondary_shards=sum(secondary_nbytes(u, zero, dtype_bytes) for u in secondaries),
+        hpz_secondary_shards=sum(collectives.secondary_nbytes(
+            u.padded_numel // hpz, _DTYPES[dtype_bytes], CommGroup(None, hpz, 0, False))
+            for u in secondaries),
         gathered_parameters=gathered_numel * dtype_bytes,
         gradient_buffers=gradient_numel * dtype_bytes,
         gathered_forward=forward_gathered * dtype_bytes,
@@ -338,7 +328,8 @@ def plan_system(name: str, unit_numels: Sequence[int], cluster: ClusterShape, ze
         zero=zero,
         cluster=cluster,
         units=tuple(units),
-        memory=plan_memory(units, zero, dtype_bytes, micro_batches),
+        memory=plan_memory(units, zero, dtype_bytes, engine_objects(zero, cluster)[1],
+                           micro_batches),
         comm=plan_communication(units, cluster, zero, dtype_bytes, micro_batches),
     )
 

@@ -186,12 +186,10 @@ class ShardedUnit:
             # gather, gloo copies each input into its slot with memcpy (source == target),
             # so the shard is sent from a transient copy.
             shard = self.shard.clone() if self.replicated else self.shard
-            if self._keeps_payload:
-                pending = self.comm.gather(self.full, shard, self.comm.world, self.comm.stats,
-                                           phase, retain=self._retain_secondary_payload)
-            else:
-                pending = self.comm.gather(self.full, shard, self.comm.world, self.comm.stats,
-                                           phase)
+            # qwZ hands the unit its gathered payload when the int8 secondary is kept from it.
+            keep = {"retain": self._retain_secondary_payload} if self._keeps_payload else {}
+            pending = self.comm.gather(self.full, shard, self.comm.world, self.comm.stats,
+                                       phase, **keep)
         self._gather_pending = pending
 
     def _retain_secondary_payload(self, gathered: torch.Tensor) -> None:

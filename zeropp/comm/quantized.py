@@ -133,9 +133,13 @@ class QuantizedSecondaryGather(Collective):
                              f"{self.world_size}")
         return self.world_size // group.size
 
-    def bytes_sent(self, numel, dtype, group):
+    def payload_nbytes(self, numel: int, group: CommGroup) -> int:
+        """Bytes of a secondary shard of ``numel`` elements (P / alpha): its N / alpha payloads."""
         rows = self.payload_rows(group)
-        payload = rows * kernels.quantized_nbytes(numel // rows, self.bits, self.block_size)
+        return rows * kernels.quantized_nbytes(numel // rows, self.bits, self.block_size)
+
+    def bytes_sent(self, numel, dtype, group):
+        payload = self.payload_nbytes(numel, group)
         return {locality(group.spans_nodes): all_gather_bytes(payload, group.size)}
 
     def __call__(self, output: torch.Tensor, secondary: torch.Tensor, group: CommGroup,

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from zeropp.comm.collectives import (
     AllGather,
     Collective,
@@ -67,6 +69,13 @@ class Collectives:
     # hpZ's backward gather inside the node: exact from 16-bit secondary shards, or from
     # qwZ's int8 payload ([Note: int8 secondary])
     secondary_gather: Collective
+
+    def secondary_nbytes(self, numel: int, dtype: torch.dtype, group: CommGroup) -> int:
+        """Bytes one hpZ secondary shard of ``numel`` elements takes, as this configuration
+        keeps it: 16-bit values, or qwZ's int8 payload ([Note: int8 secondary])."""
+        if isinstance(self.secondary_gather, QuantizedSecondaryGather):
+            return self.secondary_gather.payload_nbytes(numel, group)
+        return numel * dtype.itemsize
 
     @property
     def alignment(self) -> int:
