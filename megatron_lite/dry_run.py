@@ -311,7 +311,7 @@ def memory_lines(report: DryRunReport) -> list[str]:
         ("optimizer: fp32 master + Adam moments",
          [m.fp32_master_shards + m.optimizer_moments for m in memories]),
         ("hpZ secondary shards", [m.hpz_secondary_shards for m in memories]),
-        ("qgZ error feedback (int8 errors)", [m.error_feedback for m in memories]),
+        ("qgZ error feedback (int4 errors)", [m.error_feedback for m in memories]),
         ("activations: kept for backward", [activations.kept_for_backward] * 2),
         ("activations: recomputed chunk", [activations.recomputed_chunk] * 2),
         ("activations: logits and loss", [activations.logits] * 2),

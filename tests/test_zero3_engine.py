@@ -142,6 +142,7 @@ def test_hpz_must_divide_ranks_per_node():
 
 
 def error_feedback(rank, world, feedback):
+    from zeropp import kernels
     from zeropp.comm import CommGroup, CommStats, reduce_scatter_sum
     from zeropp.comm.quantized import HierarchicalReduceScatter
     from zeropp.topology import build_topology
@@ -154,17 +155,32 @@ def error_feedback(rank, world, feedback):
     grad = torch.randn(world * 256, generator=g)
     exact = torch.empty(256)
     reduce_scatter_sum(exact, grad, group, CommStats(), "gradient_reduce").wait()
+    # What the first hop delivers: every rank's int4 values, summed exactly (blocks never
+    # straddle a slice, so quantizing before or after the swizzle is the same).
+    first_hop = kernels.dequantize_blockwise(kernels.quantize_blockwise(grad, 4, 64),
+                                             grad.numel(), 4, 64, torch.float32)
+    delivered = torch.empty(256)
+    reduce_scatter_sum(delivered, first_hop, group, CommStats(), "gradient_reduce").wait()
     total = torch.zeros(256)
     for _ in range(20):  # the same gradient, reduced 20 times: errors cancel with feedback
         out = torch.empty(256)
         qgz(out, grad, group, CommStats(), "gradient_reduce", key="bucket").wait()
         total += out
-    return ((total / 20 - exact).norm() / exact.norm()).item()
+    mean = total / 20
+    return (((mean - exact).norm() / exact.norm()).item(),
+            ((mean - delivered).norm() / exact.norm()).item())
 
 
-def test_qgz_error_feedback_cancels_bias():
-    without = max(run_ranks(error_feedback, 4, False))
-    with_feedback = max(run_ranks(error_feedback, 4, True))
-    # Feedback covers the first (intra-node) quantization; the requantized partial sums of
-    # the second hop keep their own error, so the gain is bounded: measured about 2.9x.
-    assert with_feedback < without / 2, (with_feedback, without)
+def test_qgz_error_feedback_cancels_the_second_hops_bias():
+    without = run_ranks(error_feedback, 4, False)
+    with_feedback = run_ranks(error_feedback, 4, True)
+    # The second hop's requantization error is fed back: over repeated reductions the mean
+    # approaches what the first hop delivered (measured 18x closer; [Note: error feedback]).
+    second_without = max(r[1] for r in without)
+    second_with = max(r[1] for r in with_feedback)
+    assert second_with < second_without / 4, (second_with, second_without)
+    # The first hop's own error stays, so against the exact sum the gain is smaller
+    # (measured 0.170 -> 0.119).
+    total_without = max(r[0] for r in without)
+    total_with = max(r[0] for r in with_feedback)
+    assert total_with < 0.8 * total_without, (total_with, total_without)

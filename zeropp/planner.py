@@ -38,7 +38,6 @@ from torch import nn
 
 from zeropp.comm.accounting import LOCALITIES, PHASES, all_reduce_bytes, locality
 from zeropp.comm.collectives import CommGroup
-from zeropp.comm.error_feedback import ErrorFeedback
 from zeropp.comm.registry import Collectives, collectives_for
 from zeropp.config import ZeroConfig
 from zeropp.flat_layout import FlatLayout, reduce_bucket_ranges
@@ -260,9 +259,7 @@ def plan_memory(units: Sequence[UnitPlan], zero: ZeroConfig, dtype_bytes: int,
         gathered_parameters=gathered_numel * dtype_bytes,
         gradient_buffers=gradient_numel * dtype_bytes,
         gathered_forward=forward_gathered * dtype_bytes,
-        # A rank's first-hop send is the whole unit (every rank's slices): its error too.
-        error_feedback=sum(ErrorFeedback.nbytes(u.padded_numel, zero.zero_quantization_block_size)
-                           for u in units) if zero.error_feedback is not None else 0,
+        error_feedback=sum(collectives.error_feedback_nbytes(u.padded_numel) for u in units),
     )
 
 

@@ -9,6 +9,7 @@ the same seed, data order, model and schedule; only the ZeRO config differs:
     zero3         configs/ds_zero3_config.json
     zeropp        configs/ds_zeropp_cpu2x2.json (qwZ int8, hpZ 2, qgZ int4)
     zeropp_grad8  the same with zero_quantized_gradients_bits = 8
+    zeropp_loco   zeropp with LoCo error feedback (DeepSpeed's zeropp_loco_param defaults)
 
 The runs' ``--metrics-file`` records give the training-loss curves and the validation loss
 every ``--eval-interval`` iterations and at the end. The JSON reports each final validation
@@ -35,19 +36,26 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA_PREFIX = ROOT / "cache" / "data" / "pile_sample_text_document"
 ZERO3_CONFIG = ROOT / "configs" / "ds_zero3_config.json"
 ZEROPP_CONFIG = ROOT / "configs" / "ds_zeropp_cpu2x2.json"
-VARIANTS = ("zero3", "zeropp", "zeropp_grad8")
+VARIANTS = ("zero3", "zeropp", "zeropp_grad8", "zeropp_loco")
+# The variants that run when --variants is not given.
+DEFAULT_VARIANTS = ("zero3", "zeropp", "zeropp_grad8")
+# What each derived variant changes in zero_optimization of the ZeRO++ config.
+ZEROPP_CHANGES = {
+    "zeropp_grad8": {"zero_quantized_gradients_bits": 8},
+    "zeropp_loco": {"zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}},
+}
 
 
 def variant_config(name: str, run_dir: Path) -> Path:
-    """The DeepSpeed JSON of one variant (int8 gradients: written next to its run)."""
+    """The DeepSpeed JSON of one variant (derived ones: written next to its run)."""
     if name == "zero3":
         return ZERO3_CONFIG
     if name == "zeropp":
         return ZEROPP_CONFIG
-    if name == "zeropp_grad8":
+    if name in ZEROPP_CHANGES:
         config = json.loads(ZEROPP_CONFIG.read_text())
-        config["zero_optimization"]["zero_quantized_gradients_bits"] = 8
-        path = run_dir / "ds_zeropp_grad8.json"
+        config["zero_optimization"].update(ZEROPP_CHANGES[name])
+        path = run_dir / f"ds_{name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(config, indent=2) + "\n")
         return path
@@ -67,6 +75,7 @@ def ensure_dataset(prefix: Path) -> None:
     subprocess.run([sys.executable, "-m", "data.sample_corpus", "--output", str(corpus)],
                    cwd=ROOT, check=True)
     output_prefix = str(prefix)[: -len(suffix)]
+    prefix.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "data.preprocess", "--input", str(corpus),
                     "--output-prefix", output_prefix, "--tokenizer-type", "GPT2BPETokenizer",
                     "--append-eod", "--workers", "2"], cwd=ROOT, check=True)
@@ -143,7 +152,7 @@ def relative_gaps(variants: dict, reference: str = "zero3") -> dict[str, float]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m scripts.bench.convergence",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", default=",".join(VARIANTS),
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, from {','.join(VARIANTS)}")
     parser.add_argument("--train-iters", type=int, default=300)
     parser.add_argument("--num-layers", type=int, default=2)

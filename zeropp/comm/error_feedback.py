@@ -1,13 +1,23 @@
-"""qgZ error feedback: what quantization dropped from a rank's send, added back next time.
+"""qgZ error feedback: what quantization dropped from a send, added back next time.
 
 [Note: error feedback]
-Before qgZ quantizes a rank's first-hop send h (its gradients of one bucket), the stored error
-e of that bucket is added: h' = g + s * e, where s is the factor the gradients carry now
-(loss scale / pre-division factor). After quantization the new error is
-(h' - Q(h')) / s, so the stored error is in true gradient units and stays right when the
-fp16 loss scale changes. LoCo's moving average (DeepSpeed's ``zeropp_loco_param``):
-e <- beta * e + (1 - beta) * new error; beta = 0 is plain error feedback. Errors are kept
-int8, block-quantized with one fp32 scale per block (the qgZ block size): a quarter of fp32.
+The error is kept where the first hop's reduction lands: each rank sums its node's int4
+slices of one chunk (the node's partial sums for the ranks with its local index, one slice
+per node) and requantizes that partial sum for the inter-node hop. That requantization is
+the one fed back: before it, the stored error e of the chunk is added, h' = p + s * e,
+where s is the factor the gradients carry now (loss scale / pre-division factor); after it
+the new error is (h' - Q(h')) / s, so the stored error is in true gradient units and stays
+right when the fp16 loss scale changes. LoCo's moving average (DeepSpeed's
+``zeropp_loco_param``): e <- beta * e + (1 - beta) * new error; beta = 0 is plain error
+feedback.
+
+Why there and not at the first hop's send: a rank's first-hop send is its gradients of the
+whole bucket, every rank's slices, so its error is the size of the unsharded model (17 GiB
+per GPU at 18B even in int8). The chunk is 1/ranks-per-node of it, nodes x the rank's
+gradient shard, and the requantization of a sum of ranks-per-node values is the larger of
+the two errors and the one that crosses the slow link. The first hop's error is not fed
+back. Errors are stored int4, block-quantized with one fp32 scale per block (the qgZ block
+size): at 4 nodes the size of a 16-bit gradient shard (0.55 GiB at the tutorial's 18B).
 
 They start again from zero after a skipped (non-finite) step, since a NaN error would
 otherwise turn every later step into an overflow, and every ``reset_interval`` applied
@@ -21,7 +31,8 @@ import torch
 
 from zeropp import kernels
 
-STORAGE_BITS = 8
+# int4 keeps the error within a 16-bit gradient shard's bytes up to 4 nodes (see above).
+STORAGE_BITS = 4
 
 
 class ErrorFeedback:
@@ -33,7 +44,7 @@ class ErrorFeedback:
         self.reset_interval = reset_interval
         self.gradient_scale = 1.0  # what the gradients being reduced are multiplied by
         self.applied_steps = 0
-        # Per reduction key: the error as an int8 block-quantized payload.
+        # Per reduction key: the error of its chunk as an int4 block-quantized payload.
         self.errors: dict[str, torch.Tensor] = {}
 
     @staticmethod
@@ -45,7 +56,7 @@ class ErrorFeedback:
 
     @staticmethod
     def nbytes(numel: int, block_size: int) -> int:
-        """Bytes the error of a ``numel``-element send takes (for the memory planner)."""
+        """Bytes the error of a ``numel``-element chunk takes (for the memory planner)."""
         return kernels.quantized_nbytes(numel, STORAGE_BITS, block_size)
 
     def _error(self, name: str, numel: int) -> torch.Tensor | None:

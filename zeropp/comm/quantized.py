@@ -218,9 +218,9 @@ class HierarchicalReduceScatter(Collective):
         )
         self.bits = bits
         self.block_size = block_size
-        # What quantization dropped from this rank's first-hop send, per reduction key, added
-        # back before the next quantization of the same buffer. The second hop's
-        # requantization error is not fed back.
+        # What the requantization of this rank's node partial sums dropped, per reduction
+        # key, added back before the next requantization of the same chunk ([Note: error
+        # feedback]). The first hop's quantization error is not fed back.
         self.error_feedback = None
         if error_feedback is not None and bits is not None:
             beta, reset_interval = error_feedback
@@ -259,6 +259,13 @@ class HierarchicalReduceScatter(Collective):
             keep=(output, full), sequence=True,
         )
 
+    def error_feedback_nbytes(self, bucket_numel: int) -> int:
+        """Bytes of the errors kept for a bucket of ``bucket_numel`` elements: one chunk,
+        1 / ranks-per-node of it ([Note: error feedback]); 0 without error feedback."""
+        if self.error_feedback is None:
+            return 0
+        return ErrorFeedback.nbytes(bucket_numel // self.per_node, self.block_size)
+
     def bytes_sent(self, numel, dtype, group):
         """Hop 1 sends the whole swizzled bucket inside the node; hop 2 the node's partial
         sums of the n slices that belong to ranks with this rank's local index."""
@@ -289,18 +296,22 @@ class HierarchicalReduceScatter(Collective):
             return
 
         bits, block = self.bits, self.block_size
-        feedback = self.error_feedback
-        if feedback is not None:
-            swizzled = feedback.compensate(key, swizzled)
         payload = kernels.quantize_blockwise(swizzled, bits, block)
-        if feedback is not None:
-            sent = kernels.dequantize_blockwise(payload, swizzled.numel(), bits, block, torch.float32)
-            feedback.record(key, swizzled, sent)
         send = split_payload(payload, self.per_node, chunk_numel, bits, block)
         received = torch.empty_like(send)
         all_to_all(received, send, self.intra, untracked, "gradient_reduce")
 
-        requantized = kernels.dequantize_reduce_quantize(received, chunk_numel, bits, bits, block)
+        feedback = self.error_feedback
+        if feedback is None:
+            requantized = kernels.dequantize_reduce_quantize(received, chunk_numel, bits, bits,
+                                                             block)
+        else:
+            partial = feedback.compensate(
+                key, kernels.dequantize_reduce(received, chunk_numel, bits, block))
+            requantized = kernels.quantize_blockwise(partial, bits, block)
+            sent = kernels.dequantize_blockwise(requantized, chunk_numel, bits, block,
+                                                torch.float32)
+            feedback.record(key, partial, sent)
         send2 = split_payload(requantized, self.nodes, slice_numel, bits, block)
         received2 = torch.empty_like(send2)
         all_to_all(received2, send2, self.inter, untracked, "gradient_reduce")

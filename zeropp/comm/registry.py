@@ -77,6 +77,13 @@ class Collectives:
             return self.secondary_gather.payload_nbytes(numel, group)
         return numel * dtype.itemsize
 
+    def error_feedback_nbytes(self, unit_numel: int) -> int:
+        """Bytes the reduction's stored quantization errors take for a unit of
+        ``unit_numel`` (padded) elements; 0 without error feedback."""
+        if isinstance(self.reduce, HierarchicalReduceScatter):
+            return self.reduce.error_feedback_nbytes(unit_numel)
+        return 0
+
     @property
     def alignment(self) -> int:
         """Elements every per-rank slice is padded to, for the gather and the reduction."""

@@ -34,6 +34,7 @@ import, the kernels run on CPU tensors through Triton's interpreter (used by the
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -402,6 +403,95 @@ def _tile_config(layout: PayloadLayout) -> tuple[int, int, int]:
     return rows, cols, num_warps
 
 
+# ---- launch specifications: the one place that says how each kernel is launched ------------
+
+_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+class LaunchSpec(NamedTuple):
+    """One compiled variant of a kernel, as the host launches it.
+
+    ``signature`` maps every runtime argument, in order, to its Triton type ("*fp16",
+    "*u8", "i32", ...); ``constants`` are the constexpr arguments. The host launches from
+    these, and the compile check (``zeropp.kernels.compile_check``) compiles exactly these
+    for real GPUs, so the variants it checks are the variants that run.
+    """
+
+    kernel: str
+    signature: dict[str, str]
+    constants: dict[str, int | bool]
+    num_warps: int
+    label: str = ""
+
+    @property
+    def function(self):
+        return globals()[self.kernel]
+
+
+def _spec_quantize(layout: PayloadLayout, dtype: torch.dtype) -> LaunchSpec:
+    rows, cols, num_warps = _tile_config(layout)
+    return LaunchSpec(
+        "quantize_kernel",
+        {"x_ptr": "*" + _TRITON_TYPES[dtype], "codes_ptr": "*u8", "scale_bytes_ptr": "*u8",
+         "numel": "i64", "nblocks": "i64", "block_size": "i32"},
+        {"QMAX": qmax_for_bits(layout.bits), "BITS": layout.bits,
+         "PACK_NIBBLES": _packs_in_kernel(layout) and layout.bits == 4,
+         "ROWS": rows, "COLS": cols},
+        num_warps, f"quantize {_TRITON_TYPES[dtype]} -> int{layout.bits}")
+
+
+def _spec_dequantize(layout: PayloadLayout, dtype: torch.dtype) -> LaunchSpec:
+    rows, cols, num_warps = _tile_config(layout)
+    return LaunchSpec(
+        "dequantize_kernel",
+        {"payload_ptr": "*u8", "out_ptr": "*" + _TRITON_TYPES[dtype], "payload_stride": "i64",
+         "out_stride": "i64", "numel": "i64", "nblocks": "i64", "block_size": "i32",
+         "data_nbytes": "i64"},
+        {"BITS": layout.bits, "ROWS": rows, "COLS": cols},
+        num_warps, f"dequantize int{layout.bits} -> {_TRITON_TYPES[dtype]}")
+
+
+def _spec_dequantize_reduce(layout: PayloadLayout) -> LaunchSpec:
+    rows, cols, num_warps = _tile_config(layout)
+    return LaunchSpec(
+        "_dequantize_reduce_kernel",
+        {"payload_ptr": "*u8", "out_ptr": "*fp32", "payload_stride": "i64", "k": "i32",
+         "numel": "i64", "nblocks": "i64", "block_size": "i32", "data_nbytes": "i64"},
+        {"BITS": layout.bits, "ROWS": rows, "COLS": cols},
+        num_warps, f"dequantize-reduce int{layout.bits} -> fp32")
+
+
+def _spec_dequantize_reduce_quantize(layout_in: PayloadLayout,
+                                     layout_out: PayloadLayout) -> LaunchSpec:
+    rows, cols, num_warps = _tile_config(layout_out)
+    return LaunchSpec(
+        "dequantize_reduce_quantize_kernel",
+        {"payload_ptr": "*u8", "codes_ptr": "*u8", "scale_bytes_ptr": "*u8",
+         "payload_stride": "i64", "k": "i32", "numel": "i64", "nblocks": "i64",
+         "block_size": "i32", "data_nbytes_in": "i64"},
+        {"BITS_IN": layout_in.bits, "QMAX_OUT": qmax_for_bits(layout_out.bits),
+         "BITS_OUT": layout_out.bits,
+         "PACK_NIBBLES": _packs_in_kernel(layout_out) and layout_out.bits == 4,
+         "ROWS": rows, "COLS": cols},
+        num_warps, f"dequantize-reduce-quantize int{layout_in.bits} -> int{layout_out.bits}")
+
+
+def launch_specs(block_size: int, bits: int, dtype: torch.dtype) -> list[LaunchSpec]:
+    """Every kernel variant the host launches for payloads of ``bits`` at ``block_size``
+    with values in ``dtype`` (the quantized input, the dequantized output); the qgZ
+    kernels read and write payloads only, so they are the same for every dtype."""
+    layout = reference.payload_layout(block_size, bits, block_size)
+    return [_spec_quantize(layout, dtype), _spec_dequantize(layout, dtype),
+            _spec_dequantize_reduce(layout), _spec_dequantize_reduce_quantize(layout, layout)]
+
+
+def _launch(spec: LaunchSpec, grid: tuple[int, ...], *args) -> None:
+    if len(args) != len(spec.signature):
+        raise TypeError(f"{spec.kernel}: {len(args)} arguments for {list(spec.signature)}")
+    spec.function[grid](*args, **spec.constants, num_warps=spec.num_warps,
+                        enable_fp_fusion=False)
+
+
 def _packs_in_kernel(layout: PayloadLayout) -> bool:
     return layout.bits == 8 or layout.block_size % 2 == 0
 
@@ -431,21 +521,8 @@ def quantize_blockwise(x: Tensor, bits: int, block_size: int) -> Tensor:
     rows, cols, num_warps = _tile_config(layout)
     codes_target = _codes_target(payload, layout)
     grid = (triton.cdiv(layout.nblocks, rows),)
-    quantize_kernel[grid](
-        x,
-        codes_target,
-        payload[layout.data_nbytes :],
-        layout.numel,
-        layout.nblocks,
-        layout.block_size,
-        QMAX=qmax_for_bits(bits),
-        BITS=bits,
-        PACK_NIBBLES=_packs_in_kernel(layout) and bits == 4,
-        ROWS=rows,
-        COLS=cols,
-        num_warps=num_warps,
-        enable_fp_fusion=False,
-    )
+    _launch(_spec_quantize(layout, x.dtype), grid, x, codes_target,
+            payload[layout.data_nbytes :], layout.numel, layout.nblocks, layout.block_size)
     _finish_codes(payload, codes_target, layout)
     return payload
 
@@ -454,21 +531,8 @@ def _dequantize_rows(payloads: Tensor, out: Tensor, layout: PayloadLayout) -> No
     """Dequantize each row of `payloads` (k, nbytes) into the row of `out` (k, numel)."""
     rows, cols, num_warps = _tile_config(layout)
     grid = (triton.cdiv(layout.nblocks, rows), payloads.shape[0])
-    dequantize_kernel[grid](
-        payloads,
-        out,
-        payloads.stride(0),
-        out.stride(0),
-        layout.numel,
-        layout.nblocks,
-        layout.block_size,
-        layout.data_nbytes,
-        BITS=layout.bits,
-        ROWS=rows,
-        COLS=cols,
-        num_warps=num_warps,
-        enable_fp_fusion=False,
-    )
+    _launch(_spec_dequantize(layout, out.dtype), grid, payloads, out, payloads.stride(0),
+            out.stride(0), layout.numel, layout.nblocks, layout.block_size, layout.data_nbytes)
 
 
 def dequantize_blockwise(
@@ -517,21 +581,8 @@ def dequantize_reduce(payloads: Tensor, numel: int, bits: int, block_size: int) 
         return total
     rows, cols, num_warps = _tile_config(layout)
     grid = (triton.cdiv(layout.nblocks, rows),)
-    _dequantize_reduce_kernel[grid](
-        payloads,
-        total,
-        payloads.stride(0),
-        payloads.shape[0],
-        numel,
-        layout.nblocks,
-        block_size,
-        layout.data_nbytes,
-        BITS=bits,
-        ROWS=rows,
-        COLS=cols,
-        num_warps=num_warps,
-        enable_fp_fusion=False,
-    )
+    _launch(_spec_dequantize_reduce(layout), grid, payloads, total, payloads.stride(0),
+            payloads.shape[0], numel, layout.nblocks, block_size, layout.data_nbytes)
     return total
 
 
@@ -549,24 +600,8 @@ def dequantize_reduce_quantize(
     rows, cols, num_warps = _tile_config(layout_out)
     codes_target = _codes_target(payload, layout_out)
     grid = (triton.cdiv(layout_out.nblocks, rows),)
-    dequantize_reduce_quantize_kernel[grid](
-        payloads,
-        codes_target,
-        payload[layout_out.data_nbytes :],
-        payloads.stride(0),
-        payloads.shape[0],
-        numel,
-        layout_out.nblocks,
-        block_size,
-        layout_in.data_nbytes,
-        BITS_IN=bits_in,
-        QMAX_OUT=qmax_for_bits(bits_out),
-        BITS_OUT=bits_out,
-        PACK_NIBBLES=_packs_in_kernel(layout_out) and bits_out == 4,
-        ROWS=rows,
-        COLS=cols,
-        num_warps=num_warps,
-        enable_fp_fusion=False,
-    )
+    _launch(_spec_dequantize_reduce_quantize(layout_in, layout_out), grid, payloads,
+            codes_target, payload[layout_out.data_nbytes :], payloads.stride(0),
+            payloads.shape[0], numel, layout_out.nblocks, block_size, layout_in.data_nbytes)
     _finish_codes(payload, codes_target, layout_out)
     return payload
