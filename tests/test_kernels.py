@@ -400,7 +400,10 @@ def triton_device():
     sys.modules.pop("zeropp.kernels.triton_kernels", None)
 
 
-TRITON_SHAPES = ((1, 1), (7, 3), (300, 6), (257, 64), (1000, 2048))
+# Blocks over 1024 values are walked in two passes ([Note: kernel tiles]): whole, partial,
+# non-power-of-two and odd large blocks (odd: int4 nibbles straddle blocks).
+TRITON_SHAPES = ((1, 1), (7, 3), (300, 6), (257, 64), (1000, 2048), (5000, 1500),
+                 (3000, 1025))
 
 
 def _assert_same_payload(actual: torch.Tensor, expected: torch.Tensor, layout) -> None:
@@ -458,7 +461,8 @@ def test_triton_handles_extremes_like_reference(triton_device) -> None:
             torch.testing.assert_close(restored, expected, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize(("numel", "block_size"), [(7, 3), (1000, 64), (300, 6)])
+@pytest.mark.parametrize(("numel", "block_size"),
+                         [(7, 3), (1000, 64), (300, 6), (5000, 2048), (3000, 1025)])
 def test_triton_reductions_match_reference(triton_device, numel, block_size) -> None:
     triton_kernels, device = triton_device
     for bits_in in (8, 4):
@@ -505,32 +509,20 @@ from triton.compiler import ASTSource
 
 from zeropp.kernels import triton_kernels as kernels
 
+import torch
+
 out_dir = Path(sys.argv[1])
-tile = {"ROWS": 2, "COLS": 2048}
-sizes = {"numel": "i64", "nblocks": "i64", "block_size": "i32"}
-jobs = {
-    "quantize": (kernels.quantize_kernel,
-                 {"x_ptr": "*bf16", "codes_ptr": "*u8", "scale_bytes_ptr": "*u8", **sizes},
-                 {"QMAX": 7, "BITS": 4, "PACK_NIBBLES": True}),
-    "dequantize": (kernels.dequantize_kernel,
-                   {"payload_ptr": "*u8", "out_ptr": "*bf16", "payload_stride": "i64",
-                    "out_stride": "i64", **sizes, "data_nbytes": "i64"},
-                   {"BITS": 4}),
-    "dequantize_reduce_quantize": (kernels.dequantize_reduce_quantize_kernel,
-                                   {"payload_ptr": "*u8", "codes_ptr": "*u8",
-                                    "scale_bytes_ptr": "*u8", "payload_stride": "i64",
-                                    "k": "i32", **sizes, "data_nbytes_in": "i64"},
-                                   {"BITS_IN": 4, "QMAX_OUT": 7, "BITS_OUT": 4,
-                                    "PACK_NIBBLES": True}),
-}
-for name, (kernel, signature, constexprs) in jobs.items():
-    constexprs = {**constexprs, **tile}
-    signature = {**signature, **{key: "constexpr" for key in constexprs}}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "enable_fp_fusion": False})
-    (out_dir / f"{name}.ptx").write_text(compiled.asm["ptx"])
-    (out_dir / f"{name}.cubin").write_bytes(compiled.asm["cubin"])
+# The host's own launch specs: one block that fits a tile, one walked in two passes.
+for block_size in (256, 2048):
+    for spec in kernels.launch_specs(block_size, 4, torch.bfloat16):
+        signature = {**spec.signature, **{key: "constexpr" for key in spec.constants}}
+        source = ASTSource(fn=spec.function, signature=signature, constexprs=spec.constants)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": spec.num_warps,
+                                           "enable_fp_fusion": False})
+        name = f"{spec.kernel.strip('_')}_{block_size}"
+        (out_dir / f"{name}.ptx").write_text(compiled.asm["ptx"])
+        (out_dir / f"{name}.cubin").write_bytes(compiled.asm["cubin"])
 """
 
 
@@ -552,8 +544,29 @@ def test_triton_kernels_compile_for_hopper_without_a_gpu(tmp_path: Path) -> None
         timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    quantize_ptx = (tmp_path / "quantize.ptx").read_text()
-    assert "div.rn.f32" in quantize_ptx and "div.full.f32" not in quantize_ptx
-    assert (tmp_path / "dequantize.cubin").stat().st_size > 0
-    fused_ptx = (tmp_path / "dequantize_reduce_quantize.ptx").read_text()
-    assert "fma.rn.f32" not in fused_ptx and "div.rn.f32" in fused_ptx
+    for block_size in (256, 2048):
+        quantize_ptx = (tmp_path / f"quantize_kernel_{block_size}.ptx").read_text()
+        assert "div.rn.f32" in quantize_ptx and "div.full.f32" not in quantize_ptx
+        assert (tmp_path / f"dequantize_kernel_{block_size}.cubin").stat().st_size > 0
+        fused_ptx = (tmp_path / f"dequantize_reduce_quantize_kernel_{block_size}.ptx").read_text()
+        assert "fma.rn.f32" not in fused_ptx and "div.rn.f32" in fused_ptx
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_triton_two_pass_blocks_find_non_finite_values_in_any_chunk(triton_device) -> None:
+    """A NaN or inf in a large block's later chunk still makes its whole block NaN."""
+    triton_kernels, device = triton_device
+    x = _sample(3 * 2048, torch.float32).to(device)
+    x[2048 + 1500] = float("nan")  # block 1, second chunk
+    x[2 * 2048 + 2047] = float("-inf")  # block 2, last value
+    for bits in (8, 4):
+        layout = kernels.payload_layout(x.numel(), bits, 2048)
+        payload = triton_kernels.quantize_blockwise(x, bits, 2048)
+        _assert_same_payload(payload, reference.quantize_blockwise(x, bits, 2048), layout)
+        scales = _payload_scales(payload.cpu(), x.numel(), bits, 2048)
+        assert np.isfinite(scales[0]) and np.isnan(scales[1:]).all()
+        payloads = torch.stack([payload, reference.quantize_blockwise(x.flip(0), bits, 2048)])
+        fused = triton_kernels.dequantize_reduce_quantize(payloads, x.numel(), bits, bits, 2048)
+        _assert_same_payload(
+            fused, reference.dequantize_reduce_quantize(payloads.cpu(), x.numel(), bits, bits,
+                                                        2048), layout)

@@ -3,12 +3,14 @@
 Same contracts and payload layout as `zeropp.kernels.reference` (read its module docstring),
 and bit-identical results: the reference is the specification, the tests compare the two.
 
-Kernel shape: one program owns ROWS whole quantization blocks as a [ROWS, COLS] register
-tile (COLS = next power of two >= block_size), so absmax, scale, rounding and int4 packing
-all happen in one pass over the input; the scale never round-trips through memory.
-Reductions loop over the k payloads inside the program and quantize the fp32 sum in the
-same tile, so qgZ's dequantize-sum-requantize reads each payload byte once and writes the
-result once.
+Kernel shape ([Note: kernel tiles]): one program owns ROWS whole quantization blocks and
+walks them in [ROWS, COLS] register tiles of 1024 values (8 per thread; 512 for the qgZ
+reductions). A block that fits a tile is one tile, so absmax, scale, rounding and int4 packing happen in one pass
+and the scale never round-trips through memory; a larger block is read twice (absmax, then
+quantize). Reductions loop over the k payloads inside the program and quantize the fp32 sum
+in the same tile, so qgZ's dequantize-sum-requantize reads each payload byte once (twice
+for blocks larger than a tile) and writes the result once. Element offsets inside a program are
+int32 from an int64 base: half the registers of int64 offsets.
 
 Bit-exactness with torch, and why each choice is needed:
 - x / scale and absmax / qmax use `tl.div_rn` (IEEE division); plain `/` may be approximate.
@@ -50,7 +52,16 @@ except ImportError:  # the module stays importable; is_available() reports the a
     tl = None
 
 MAX_BLOCK_SIZE = 16384  # one block must fit a register tile
-_TILE_ELEMENTS = 4096  # elements per program: several small blocks, or one large block
+# [Note: kernel tiles] 4 warps x 32 threads x 8 values: a tile of 1024 values. 8 fp32 values
+# a thread keep quantize and dequantize within 64 registers (>= 50% occupancy) on
+# sm_70/80/90 with two 16-byte loads a thread in flight. The qgZ reductions keep a running
+# fp32 sum and each payload's scales live across their loop over k payloads: at 8 values a
+# thread they need up to 96 registers on sm_70, at 4 at most 56, so they take tiles of 512.
+# Measured by `python -m scripts.bench.kernel_registers`.
+_NUM_WARPS = 4
+_VALUES_PER_THREAD = 8
+_REDUCTION_VALUES_PER_THREAD = 4
+_TILE_ELEMENTS = _NUM_WARPS * 32 * _VALUES_PER_THREAD
 
 
 def is_available() -> bool:
@@ -81,53 +92,88 @@ def _round_half_even(v):
 
 
 @_jit
-def _quantize_tile(values, QMAX: tl.constexpr):
-    """Signed codes (fp32) and per-row scales of an fp32 [ROWS, COLS] tile, zero-padded."""
+def _program_blocks(nblocks, ROWS: tl.constexpr):
+    """This program's first block (int64) and its [ROWS] row indices and row mask."""
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    rows = tl.arange(0, ROWS)
+    return first, rows, first + rows < nblocks
+
+
+@_jit
+def _elements_left(numel, first, block_size, ROWS: tl.constexpr):
+    """Elements from this program's first one to the end, capped at its tile (int32)."""
+    return tl.minimum(numel - first * block_size, ROWS * block_size).to(tl.int32)
+
+
+@_jit
+def _chunk(rows, c0, block_size, elements_left, row_valid, COLS: tl.constexpr):
+    """Offsets (int32, from the program's first element) of columns c0..c0+COLS of every
+    row, which lie in a block, and which lie in the tensor."""
+    cols = c0 + tl.arange(0, COLS)
+    local = rows[:, None] * block_size + cols[None, :]
+    in_block = row_valid[:, None] & (cols[None, :] < block_size)
+    return local, in_block, in_block & (local < elements_left)
+
+
+@_jit
+def _tile_stats(values):
+    """Per row: absmax (NaN ignored, as tl.max does on CUDA) and whether any is non-finite."""
     is_nonfinite = (values != values) | (tl.abs(values) == float("inf"))
-    has_nonfinite = tl.max(is_nonfinite.to(tl.int32), axis=1) > 0
-    absmax = tl.max(tl.abs(values), axis=1)
+    return tl.max(tl.abs(values), axis=1), tl.max(is_nonfinite.to(tl.int32), axis=1)
+
+
+@_jit
+def _block_scales(absmax, nonfinite, QMAX: tl.constexpr):
     scales = tl.div_rn(absmax, tl.zeros_like(absmax) + QMAX)
-    scales = tl.where(has_nonfinite, float("nan"), scales)
+    return tl.where(nonfinite > 0, float("nan"), scales)
+
+
+@_jit
+def _codes(values, scales, QMAX: tl.constexpr):
+    """Signed codes (fp32) of a [ROWS, COLS] tile under its rows' scales."""
     usable = scales > 0.0
     numerator, divisor = tl.broadcast(values, tl.where(usable, scales, 1.0)[:, None])
     codes = _round_half_even(tl.div_rn(numerator, divisor))
     codes = tl.minimum(tl.maximum(codes, -QMAX), QMAX)
-    codes = tl.where(usable[:, None], codes, 0.0)
-    return codes, scales
+    return tl.where(usable[:, None], codes, 0.0)
 
 
 @_jit
 def _store_codes(
     codes_ptr,
     codes,
-    block_ids,
-    offsets,
+    first,
+    rows,
+    c0,
+    local,
     in_block,
     row_valid,
     block_size,
     BITS: tl.constexpr,
     PACK_NIBBLES: tl.constexpr,
-    ROWS: tl.constexpr,
     COLS: tl.constexpr,
 ):
     if BITS == 8:
-        tl.store(codes_ptr + offsets, codes.to(tl.int8).to(tl.uint8, bitcast=True), mask=in_block)
+        tl.store(codes_ptr + first * block_size + local,
+                 codes.to(tl.int8).to(tl.uint8, bitcast=True), mask=in_block)
     elif PACK_NIBBLES:
         nibbles = (codes + _NIBBLE_BIAS).to(tl.uint8)
-        low, high = tl.split(tl.reshape(nibbles, [ROWS, COLS // 2, 2]))
-        pair_cols = tl.arange(0, COLS // 2)
+        low, high = tl.split(tl.reshape(nibbles, [nibbles.shape[0], COLS // 2, 2]))
         pairs_per_block = block_size // 2
-        byte_offsets = block_ids[:, None] * pairs_per_block + pair_cols[None, :]
+        pair_cols = c0 // 2 + tl.arange(0, COLS // 2)
+        byte_local = rows[:, None] * pairs_per_block + pair_cols[None, :]
         pair_mask = row_valid[:, None] & (pair_cols[None, :] < pairs_per_block)
-        tl.store(codes_ptr + byte_offsets, low | (high << 4), mask=pair_mask)
-    else:
-        tl.store(codes_ptr + offsets, (codes + _NIBBLE_BIAS).to(tl.uint8), mask=in_block)
+        tl.store(codes_ptr + first * pairs_per_block + byte_local, low | (high << 4),
+                 mask=pair_mask)
+    else:  # odd int4 blocks: one code per byte into scratch, packed by the host
+        tl.store(codes_ptr + first * block_size + local, (codes + _NIBBLE_BIAS).to(tl.uint8),
+                 mask=in_block)
 
 
 @_jit
-def _store_scales(scale_bytes_ptr, block_ids, scales, row_valid):
+def _store_scales(scale_bytes_ptr, first, rows, scales, row_valid):
     bits = scales.to(tl.uint32, bitcast=True)
-    base = scale_bytes_ptr + block_ids * 4
+    base = scale_bytes_ptr + (first + rows) * 4
     tl.store(base, (bits & 0xFF).to(tl.uint8), mask=row_valid)
     tl.store(base + 1, ((bits >> 8) & 0xFF).to(tl.uint8), mask=row_valid)
     tl.store(base + 2, ((bits >> 16) & 0xFF).to(tl.uint8), mask=row_valid)
@@ -135,8 +181,8 @@ def _store_scales(scale_bytes_ptr, block_ids, scales, row_valid):
 
 
 @_jit
-def _load_scales(scale_bytes_ptr, block_ids, row_valid):
-    base = scale_bytes_ptr + block_ids * 4
+def _load_scales(scale_bytes_ptr, first, rows, row_valid):
+    base = scale_bytes_ptr + (first + rows) * 4
     b0 = tl.load(base, mask=row_valid, other=0).to(tl.uint32)
     b1 = tl.load(base + 1, mask=row_valid, other=0).to(tl.uint32)
     b2 = tl.load(base + 2, mask=row_valid, other=0).to(tl.uint32)
@@ -145,22 +191,46 @@ def _load_scales(scale_bytes_ptr, block_ids, row_valid):
 
 
 @_jit
-def _load_values(
-    payload_ptr, data_nbytes, block_ids, offsets, in_block, row_valid, BITS: tl.constexpr
-):
-    """fp32 dequantized values of one payload over the tile (padding included)."""
-    scales = _load_scales(payload_ptr + data_nbytes, block_ids, row_valid)
+def _load_chunk(payload_ptr, scales, first, local, in_block, block_size, BITS: tl.constexpr):
+    """fp32 dequantized values of one payload over a chunk (padding included)."""
+    base = first * block_size
     if BITS == 8:
-        raw = tl.load(payload_ptr + offsets, mask=in_block, other=0)
+        raw = tl.load(payload_ptr + base + local, mask=in_block, other=0)
         codes = raw.to(tl.int8, bitcast=True).to(tl.float32)
     else:
-        # Two neighbours read the same byte; the loads coalesce, and this works for any
-        # block size because the nibble is picked by the global index.
-        packed = tl.load(payload_ptr + offsets // 2, mask=in_block, other=_NIBBLE_BIAS)
-        shift = ((offsets & 1) * 4).to(tl.int32)
-        nibble = (packed.to(tl.int32) >> shift) & 0xF
+        # Two neighbours read the same byte; the nibble is picked by the global index's
+        # parity, so any block size works.
+        index = local + (base & 1).to(tl.int32)
+        packed = tl.load(payload_ptr + base // 2 + index // 2, mask=in_block, other=_NIBBLE_BIAS)
+        nibble = (packed.to(tl.int32) >> ((index & 1) * 4)) & 0xF
         codes = (nibble - _NIBBLE_BIAS).to(tl.float32)
     return codes * scales[:, None]
+
+
+@_jit
+def _sum_chunk(
+    payload_ptr,
+    payload_stride,
+    k,
+    data_nbytes,
+    first,
+    rows,
+    local,
+    in_block,
+    row_valid,
+    block_size,
+    BITS: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
+    """fp32 sum over k payloads of one chunk; each payload's scales are read here, since k
+    is only known at run time."""
+    total = tl.zeros([ROWS, COLS], dtype=tl.float32)
+    for i in range(0, k):
+        payload = payload_ptr + i * payload_stride
+        scales = _load_scales(payload + data_nbytes, first, rows, row_valid)
+        total += _load_chunk(payload, scales, first, local, in_block, block_size, BITS)
+    return total
 
 
 @_jit
@@ -173,18 +243,20 @@ def _to_bfloat16_rtne(values):
 
 
 @_jit
-def _tile_indices(numel, nblocks, block_size, ROWS: tl.constexpr, COLS: tl.constexpr):
-    block_ids = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, COLS)
-    row_valid = block_ids < nblocks
-    in_block = row_valid[:, None] & (cols[None, :] < block_size)
-    offsets = block_ids[:, None] * block_size + cols[None, :]
-    in_range = in_block & (offsets < numel)
-    return block_ids, offsets, row_valid, in_block, in_range
+def _store_values(out_ptr, values, local, in_range):
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        tl.store(out_ptr + local, _to_bfloat16_rtne(values), mask=in_range)
+    else:
+        tl.store(out_ptr + local, values.to(out_ptr.dtype.element_ty), mask=in_range)
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernels.
+# Kernels. [Note: kernel tiles] A program owns ROWS whole blocks and walks them COLS columns
+# at a time (ROWS x COLS = 8 values a thread, 4 in the reductions). When a block fits one
+# chunk (SINGLE_PASS) its values stay in registers from absmax to store; a larger block is
+# read twice, once for its absmax and once to quantize (the second read mostly hits L2),
+# instead of holding up to
+# 16384 values per program in registers, which spilled.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -201,26 +273,34 @@ def quantize_kernel(
     PACK_NIBBLES: tl.constexpr,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
+    SINGLE_PASS: tl.constexpr,
 ):
-    block_ids, offsets, row_valid, in_block, in_range = _tile_indices(
-        numel, nblocks, block_size, ROWS, COLS
-    )
-    values = tl.load(x_ptr + offsets, mask=in_range, other=0.0).to(tl.float32)
-    codes, scales = _quantize_tile(values, QMAX)
-    _store_codes(
-        codes_ptr,
-        codes,
-        block_ids,
-        offsets,
-        in_block,
-        row_valid,
-        block_size,
-        BITS,
-        PACK_NIBBLES,
-        ROWS,
-        COLS,
-    )
-    _store_scales(scale_bytes_ptr, block_ids, scales, row_valid)
+    first, rows, row_valid = _program_blocks(nblocks, ROWS)
+    left = _elements_left(numel, first, block_size, ROWS)
+    x = x_ptr + first * block_size
+    if SINGLE_PASS:
+        local, in_block, in_range = _chunk(rows, 0, block_size, left, row_valid, COLS)
+        values = tl.load(x + local, mask=in_range, other=0.0).to(tl.float32)
+        absmax, nonfinite = _tile_stats(values)
+        scales = _block_scales(absmax, nonfinite, QMAX)
+        _store_codes(codes_ptr, _codes(values, scales, QMAX), first, rows, 0, local, in_block,
+                     row_valid, block_size, BITS, PACK_NIBBLES, COLS)
+    else:
+        absmax = tl.zeros([ROWS], dtype=tl.float32)
+        nonfinite = tl.zeros([ROWS], dtype=tl.int32)
+        for c0 in range(0, block_size, COLS):
+            local, in_block, in_range = _chunk(rows, c0, block_size, left, row_valid, COLS)
+            chunk_max, chunk_nonfinite = _tile_stats(
+                tl.load(x + local, mask=in_range, other=0.0).to(tl.float32))
+            absmax = tl.maximum(absmax, chunk_max)
+            nonfinite = tl.maximum(nonfinite, chunk_nonfinite)
+        scales = _block_scales(absmax, nonfinite, QMAX)
+        for c0 in range(0, block_size, COLS):
+            local, in_block, in_range = _chunk(rows, c0, block_size, left, row_valid, COLS)
+            values = tl.load(x + local, mask=in_range, other=0.0).to(tl.float32)
+            _store_codes(codes_ptr, _codes(values, scales, QMAX), first, rows, c0, local,
+                         in_block, row_valid, block_size, BITS, PACK_NIBBLES, COLS)
+    _store_scales(scale_bytes_ptr, first, rows, scales, row_valid)
 
 
 @_jit
@@ -237,52 +317,16 @@ def dequantize_kernel(
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
 ):
-    row = tl.program_id(1).to(tl.int64)
-    block_ids, offsets, row_valid, in_block, in_range = _tile_indices(
-        numel, nblocks, block_size, ROWS, COLS
-    )
-    values = _load_values(
-        payload_ptr + row * payload_stride,
-        data_nbytes,
-        block_ids,
-        offsets,
-        in_block,
-        row_valid,
-        BITS,
-    )
-    out_row_ptr = out_ptr + row * out_stride
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        tl.store(out_row_ptr + offsets, _to_bfloat16_rtne(values), mask=in_range)
-    else:
-        tl.store(out_row_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=in_range)
-
-
-@_jit
-def _sum_payloads(
-    payload_ptr,
-    payload_stride,
-    k,
-    data_nbytes,
-    block_ids,
-    offsets,
-    in_block,
-    row_valid,
-    BITS: tl.constexpr,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-):
-    total = tl.zeros([ROWS, COLS], dtype=tl.float32)
-    for i in range(0, k):
-        total += _load_values(
-            payload_ptr + i * payload_stride,
-            data_nbytes,
-            block_ids,
-            offsets,
-            in_block,
-            row_valid,
-            BITS,
-        )
-    return total
+    first, rows, row_valid = _program_blocks(nblocks, ROWS)
+    left = _elements_left(numel, first, block_size, ROWS)
+    payload_row = tl.program_id(1).to(tl.int64)
+    payload = payload_ptr + payload_row * payload_stride
+    out = out_ptr + payload_row * out_stride + first * block_size
+    scales = _load_scales(payload + data_nbytes, first, rows, row_valid)
+    for c0 in range(0, block_size, COLS):
+        local, in_block, in_range = _chunk(rows, c0, block_size, left, row_valid, COLS)
+        values = _load_chunk(payload, scales, first, local, in_block, block_size, BITS)
+        _store_values(out, values, local, in_range)
 
 
 @_jit
@@ -299,23 +343,14 @@ def _dequantize_reduce_kernel(
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
 ):
-    block_ids, offsets, row_valid, in_block, in_range = _tile_indices(
-        numel, nblocks, block_size, ROWS, COLS
-    )
-    total = _sum_payloads(
-        payload_ptr,
-        payload_stride,
-        k,
-        data_nbytes,
-        block_ids,
-        offsets,
-        in_block,
-        row_valid,
-        BITS,
-        ROWS,
-        COLS,
-    )
-    tl.store(out_ptr + offsets, total, mask=in_range)
+    first, rows, row_valid = _program_blocks(nblocks, ROWS)
+    left = _elements_left(numel, first, block_size, ROWS)
+    out = out_ptr + first * block_size
+    for c0 in range(0, block_size, COLS):
+        local, in_block, in_range = _chunk(rows, c0, block_size, left, row_valid, COLS)
+        total = _sum_chunk(payload_ptr, payload_stride, k, data_nbytes, first, rows, local,
+                           in_block, row_valid, block_size, BITS, ROWS, COLS)
+        tl.store(out + local, total, mask=in_range)
 
 
 @_jit
@@ -335,40 +370,42 @@ def dequantize_reduce_quantize_kernel(
     PACK_NIBBLES: tl.constexpr,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
+    SINGLE_PASS: tl.constexpr,
 ):
-    block_ids, offsets, row_valid, in_block, in_range = _tile_indices(
-        numel, nblocks, block_size, ROWS, COLS
-    )
-    total = _sum_payloads(
-        payload_ptr,
-        payload_stride,
-        k,
-        data_nbytes_in,
-        block_ids,
-        offsets,
-        in_block,
-        row_valid,
-        BITS_IN,
-        ROWS,
-        COLS,
-    )
-    # The reference requantizes a zero-padded sum; NaN scales would leak into the padding.
-    total = tl.where(in_range, total, 0.0)
-    codes, scales = _quantize_tile(total, QMAX_OUT)
-    _store_codes(
-        codes_ptr,
-        codes,
-        block_ids,
-        offsets,
-        in_block,
-        row_valid,
-        block_size,
-        BITS_OUT,
-        PACK_NIBBLES,
-        ROWS,
-        COLS,
-    )
-    _store_scales(scale_bytes_ptr, block_ids, scales, row_valid)
+    first, rows, row_valid = _program_blocks(nblocks, ROWS)
+    left = _elements_left(numel, first, block_size, ROWS)
+    # The reference requantizes a zero-padded sum; NaN scales would leak into the padding,
+    # hence the where() on every sum.
+    if SINGLE_PASS:
+        local, in_block, in_range = _chunk(rows, 0, block_size, left, row_valid, COLS)
+        total = _sum_chunk(payload_ptr, payload_stride, k, data_nbytes_in, first, rows, local,
+                           in_block, row_valid, block_size, BITS_IN, ROWS, COLS)
+        total = tl.where(in_range, total, 0.0)
+        absmax, nonfinite = _tile_stats(total)
+        scales = _block_scales(absmax, nonfinite, QMAX_OUT)
+        _store_codes(codes_ptr, _codes(total, scales, QMAX_OUT), first, rows, 0, local,
+                     in_block, row_valid, block_size, BITS_OUT, PACK_NIBBLES, COLS)
+    else:
+        # Two passes over the k payloads (see [Note: kernel tiles]): the sums are recomputed,
+        # in the same order, so both passes see the same fp32 values.
+        absmax = tl.zeros([ROWS], dtype=tl.float32)
+        nonfinite = tl.zeros([ROWS], dtype=tl.int32)
+        for c0 in range(0, block_size, COLS):
+            local, in_block, in_range = _chunk(rows, c0, block_size, left, row_valid, COLS)
+            total = _sum_chunk(payload_ptr, payload_stride, k, data_nbytes_in, first, rows,
+                               local, in_block, row_valid, block_size, BITS_IN, ROWS, COLS)
+            chunk_max, chunk_nonfinite = _tile_stats(tl.where(in_range, total, 0.0))
+            absmax = tl.maximum(absmax, chunk_max)
+            nonfinite = tl.maximum(nonfinite, chunk_nonfinite)
+        scales = _block_scales(absmax, nonfinite, QMAX_OUT)
+        for c0 in range(0, block_size, COLS):
+            local, in_block, in_range = _chunk(rows, c0, block_size, left, row_valid, COLS)
+            total = _sum_chunk(payload_ptr, payload_stride, k, data_nbytes_in, first, rows,
+                               local, in_block, row_valid, block_size, BITS_IN, ROWS, COLS)
+            total = tl.where(in_range, total, 0.0)
+            _store_codes(codes_ptr, _codes(total, scales, QMAX_OUT), first, rows, c0, local,
+                         in_block, row_valid, block_size, BITS_OUT, PACK_NIBBLES, COLS)
+    _store_scales(scale_bytes_ptr, first, rows, scales, row_valid)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,12 +432,20 @@ def _check_runnable(tensor: Tensor, layout: PayloadLayout) -> None:
         )
 
 
-def _tile_config(layout: PayloadLayout) -> tuple[int, int, int]:
-    """(ROWS, COLS, num_warps) for a layout: whole blocks per program, ~4K elements a tile."""
-    cols = triton.next_power_of_2(layout.block_size)
-    rows = max(1, _TILE_ELEMENTS // cols)
-    num_warps = min(16, max(4, rows * cols // 1024))
-    return rows, cols, num_warps
+class Tile(NamedTuple):
+    rows: int  # whole blocks per program
+    cols: int  # columns of a block handled at a time
+    num_warps: int
+    single_pass: bool  # the block fits one chunk: its values stay in registers
+
+
+def _tile_config(layout: PayloadLayout, values_per_thread: int = _VALUES_PER_THREAD) -> Tile:
+    """The host's tile for a layout ([Note: kernel tiles])."""
+    elements = _NUM_WARPS * 32 * values_per_thread
+    width = triton.next_power_of_2(layout.block_size)
+    cols = min(width, elements)
+    return Tile(rows=max(1, elements // cols), cols=cols, num_warps=_NUM_WARPS,
+                single_pass=width <= elements)
 
 
 # ---- launch specifications: the one place that says how each kernel is launched ------------
@@ -429,41 +474,41 @@ class LaunchSpec(NamedTuple):
 
 
 def _spec_quantize(layout: PayloadLayout, dtype: torch.dtype) -> LaunchSpec:
-    rows, cols, num_warps = _tile_config(layout)
+    tile = _tile_config(layout)
     return LaunchSpec(
         "quantize_kernel",
         {"x_ptr": "*" + _TRITON_TYPES[dtype], "codes_ptr": "*u8", "scale_bytes_ptr": "*u8",
          "numel": "i64", "nblocks": "i64", "block_size": "i32"},
         {"QMAX": qmax_for_bits(layout.bits), "BITS": layout.bits,
          "PACK_NIBBLES": _packs_in_kernel(layout) and layout.bits == 4,
-         "ROWS": rows, "COLS": cols},
-        num_warps, f"quantize {_TRITON_TYPES[dtype]} -> int{layout.bits}")
+         "ROWS": tile.rows, "COLS": tile.cols, "SINGLE_PASS": tile.single_pass},
+        tile.num_warps, f"quantize {_TRITON_TYPES[dtype]} -> int{layout.bits}")
 
 
 def _spec_dequantize(layout: PayloadLayout, dtype: torch.dtype) -> LaunchSpec:
-    rows, cols, num_warps = _tile_config(layout)
+    tile = _tile_config(layout)
     return LaunchSpec(
         "dequantize_kernel",
         {"payload_ptr": "*u8", "out_ptr": "*" + _TRITON_TYPES[dtype], "payload_stride": "i64",
          "out_stride": "i64", "numel": "i64", "nblocks": "i64", "block_size": "i32",
          "data_nbytes": "i64"},
-        {"BITS": layout.bits, "ROWS": rows, "COLS": cols},
-        num_warps, f"dequantize int{layout.bits} -> {_TRITON_TYPES[dtype]}")
+        {"BITS": layout.bits, "ROWS": tile.rows, "COLS": tile.cols},
+        tile.num_warps, f"dequantize int{layout.bits} -> {_TRITON_TYPES[dtype]}")
 
 
 def _spec_dequantize_reduce(layout: PayloadLayout) -> LaunchSpec:
-    rows, cols, num_warps = _tile_config(layout)
+    tile = _tile_config(layout, _REDUCTION_VALUES_PER_THREAD)
     return LaunchSpec(
         "_dequantize_reduce_kernel",
         {"payload_ptr": "*u8", "out_ptr": "*fp32", "payload_stride": "i64", "k": "i32",
          "numel": "i64", "nblocks": "i64", "block_size": "i32", "data_nbytes": "i64"},
-        {"BITS": layout.bits, "ROWS": rows, "COLS": cols},
-        num_warps, f"dequantize-reduce int{layout.bits} -> fp32")
+        {"BITS": layout.bits, "ROWS": tile.rows, "COLS": tile.cols},
+        tile.num_warps, f"dequantize-reduce int{layout.bits} -> fp32")
 
 
 def _spec_dequantize_reduce_quantize(layout_in: PayloadLayout,
                                      layout_out: PayloadLayout) -> LaunchSpec:
-    rows, cols, num_warps = _tile_config(layout_out)
+    tile = _tile_config(layout_out, _REDUCTION_VALUES_PER_THREAD)
     return LaunchSpec(
         "dequantize_reduce_quantize_kernel",
         {"payload_ptr": "*u8", "codes_ptr": "*u8", "scale_bytes_ptr": "*u8",
@@ -472,8 +517,8 @@ def _spec_dequantize_reduce_quantize(layout_in: PayloadLayout,
         {"BITS_IN": layout_in.bits, "QMAX_OUT": qmax_for_bits(layout_out.bits),
          "BITS_OUT": layout_out.bits,
          "PACK_NIBBLES": _packs_in_kernel(layout_out) and layout_out.bits == 4,
-         "ROWS": rows, "COLS": cols},
-        num_warps, f"dequantize-reduce-quantize int{layout_in.bits} -> int{layout_out.bits}")
+         "ROWS": tile.rows, "COLS": tile.cols, "SINGLE_PASS": tile.single_pass},
+        tile.num_warps, f"dequantize-reduce-quantize int{layout_in.bits} -> int{layout_out.bits}")
 
 
 def launch_specs(block_size: int, bits: int, dtype: torch.dtype) -> list[LaunchSpec]:
@@ -485,9 +530,11 @@ def launch_specs(block_size: int, bits: int, dtype: torch.dtype) -> list[LaunchS
             _spec_dequantize_reduce(layout), _spec_dequantize_reduce_quantize(layout, layout)]
 
 
-def _launch(spec: LaunchSpec, grid: tuple[int, ...], *args) -> None:
+def _launch(spec: LaunchSpec, layout: PayloadLayout, *args, payload_rows: int = 1) -> None:
+    """Launch ``spec`` over every block of ``layout`` (and, for dequantize, every row)."""
     if len(args) != len(spec.signature):
         raise TypeError(f"{spec.kernel}: {len(args)} arguments for {list(spec.signature)}")
+    grid = (triton.cdiv(layout.nblocks, spec.constants["ROWS"]), payload_rows)
     spec.function[grid](*args, **spec.constants, num_warps=spec.num_warps,
                         enable_fp_fusion=False)
 
@@ -518,10 +565,8 @@ def quantize_blockwise(x: Tensor, bits: int, block_size: int) -> Tensor:
     payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=x.device)
     if layout.numel == 0:
         return payload
-    rows, cols, num_warps = _tile_config(layout)
     codes_target = _codes_target(payload, layout)
-    grid = (triton.cdiv(layout.nblocks, rows),)
-    _launch(_spec_quantize(layout, x.dtype), grid, x, codes_target,
+    _launch(_spec_quantize(layout, x.dtype), layout, x, codes_target,
             payload[layout.data_nbytes :], layout.numel, layout.nblocks, layout.block_size)
     _finish_codes(payload, codes_target, layout)
     return payload
@@ -529,10 +574,9 @@ def quantize_blockwise(x: Tensor, bits: int, block_size: int) -> Tensor:
 
 def _dequantize_rows(payloads: Tensor, out: Tensor, layout: PayloadLayout) -> None:
     """Dequantize each row of `payloads` (k, nbytes) into the row of `out` (k, numel)."""
-    rows, cols, num_warps = _tile_config(layout)
-    grid = (triton.cdiv(layout.nblocks, rows), payloads.shape[0])
-    _launch(_spec_dequantize(layout, out.dtype), grid, payloads, out, payloads.stride(0),
-            out.stride(0), layout.numel, layout.nblocks, layout.block_size, layout.data_nbytes)
+    _launch(_spec_dequantize(layout, out.dtype), layout, payloads, out, payloads.stride(0),
+            out.stride(0), layout.numel, layout.nblocks, layout.block_size, layout.data_nbytes,
+            payload_rows=payloads.shape[0])
 
 
 def dequantize_blockwise(
@@ -579,9 +623,7 @@ def dequantize_reduce(payloads: Tensor, numel: int, bits: int, block_size: int) 
     total = torch.empty(numel, dtype=torch.float32, device=payloads.device)
     if numel == 0:
         return total
-    rows, cols, num_warps = _tile_config(layout)
-    grid = (triton.cdiv(layout.nblocks, rows),)
-    _launch(_spec_dequantize_reduce(layout), grid, payloads, total, payloads.stride(0),
+    _launch(_spec_dequantize_reduce(layout), layout, payloads, total, payloads.stride(0),
             payloads.shape[0], numel, layout.nblocks, block_size, layout.data_nbytes)
     return total
 
@@ -597,10 +639,8 @@ def dequantize_reduce_quantize(
     payload = torch.empty(layout_out.nbytes, dtype=torch.uint8, device=payloads.device)
     if numel == 0:
         return payload
-    rows, cols, num_warps = _tile_config(layout_out)
     codes_target = _codes_target(payload, layout_out)
-    grid = (triton.cdiv(layout_out.nblocks, rows),)
-    _launch(_spec_dequantize_reduce_quantize(layout_in, layout_out), grid, payloads,
+    _launch(_spec_dequantize_reduce_quantize(layout_in, layout_out), layout_out, payloads,
             codes_target, payload[layout_out.data_nbytes :], payloads.stride(0),
             payloads.shape[0], numel, layout_out.nblocks, block_size, layout_in.data_nbytes)
     _finish_codes(payload, codes_target, layout_out)
