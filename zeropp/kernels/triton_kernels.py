@@ -255,8 +255,7 @@ def _store_values(out_ptr, values, local, in_range):
 # at a time (ROWS x COLS = 8 values a thread, 4 in the reductions). When a block fits one
 # chunk (SINGLE_PASS) its values stay in registers from absmax to store; a larger block is
 # read twice, once for its absmax and once to quantize (the second read mostly hits L2),
-# instead of holding up to
-# 16384 values per program in registers, which spilled.
+# instead of holding up to 16384 values per program in registers, which spilled.
 # ---------------------------------------------------------------------------------------------
 
 
