@@ -133,6 +133,9 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
         # qgZ's carried quantization errors: this rank's, in this topology's buckets.
         "error_feedback": feedback.state_dict() if feedback is not None else None,
+        # The weight-delta gather's bases: this rank's, in this topology's shards.
+        "weight_bases": (engine.sharded.weight_deltas.state_dict()
+                         if engine.sharded.weight_deltas is not None else None),
         "rng": {"torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
         "client_state": client_state or {},
@@ -290,10 +293,18 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
         scalars = saved.get("optimizer_scalars", {"step": saved["adam_step"]})
         optimizer.load_shard(index, values["master"], state, scalars)
         unit.zero_grad_shard()
-    # Every derived copy of the weights (gathered buffers, hpZ secondary shards) is stale.
-    engine.sharded.refresh_after_update()
-
     mine = old.rank_state(engine.topology.rank) if engine.topology.rank < old.world_size else None
+    deltas = engine.sharded.weight_deltas
+    if deltas is not None:
+        saved_bases = mine.get("weight_bases") if mine is not None else None
+        same_layout = old.meta["topology"] == engine.topology.as_dict()
+        if saved_bases is not None and same_layout and not load_module_only:
+            deltas.load_state_dict(saved_bases, engine.sharded.device)
+        else:  # bases belong to one topology's shards: the next gathers send them exactly
+            deltas.load_state_dict({}, engine.sharded.device)
+    # Every derived copy of the weights (gathered buffers, hpZ secondary shards) is stale.
+    engine.sharded.refresh_after_update("load")
+
     reference = mine or old.rank_state(0)
     if load_optimizer_states:
         for group, saved in zip(optimizer.param_groups, reference["param_groups"],

@@ -691,15 +691,29 @@ class ZeroConfig(_Section):
     zeropp_loco_param: dict[str, Any] | None = _field(
         None, "LoCo error feedback for qgZ: err_beta (moving average), reset_T (steps)",
         _optional(_object))
+    zero_quantized_weight_deltas: bool = _field(
+        False, "forward gather sends each shard's change since the last step, quantized, "
+        "across nodes (needs hpZ over the node); replaces qwZ's gather", _boolean)
+    zero_quantized_weight_deltas_bits: int = _field(
+        4, "weight-delta integer width: 4 or 8", _one_of(4, 8))
+    zero_quantized_weight_deltas_block_size: int = _field(
+        2048, "elements per fp32 scale of a weight delta", _positive_int)
 
     def _check_combination(self) -> None:
         zeropp = {"zero_quantized_weights": ("qwZ", self.zero_quantized_weights),
                   "zero_hpz_partition_size": ("hpZ", self.zero_hpz_partition_size > 1),
-                  "zero_quantized_gradients": ("qgZ", self.zero_quantized_gradients)}
+                  "zero_quantized_gradients": ("qgZ", self.zero_quantized_gradients),
+                  "zero_quantized_weight_deltas": ("weight deltas",
+                                                   self.zero_quantized_weight_deltas)}
         for key, (name, enabled) in zeropp.items():
             if enabled and self.stage == 0:
                 raise ConfigError(f"zero_optimization.{key}: {name} extends ZeRO-3 and needs "
                                   f"stage 3, got stage {self.stage}")
+        if (self.zero_quantized_weight_deltas and self.stage == 3
+                and self.zero_hpz_partition_size == 1):
+            raise ConfigError("zero_optimization.zero_quantized_weight_deltas: needs "
+                              "zero_hpz_partition_size set to the ranks per node (each node "
+                              "keeps the weights the deltas apply to)")
         if self.zero_quantized_gradients_error_feedback and not self.zero_quantized_gradients:
             raise ConfigError("zero_optimization.zero_quantized_gradients_error_feedback: "
                               "needs zero_quantized_gradients true")
@@ -719,7 +733,8 @@ class ZeroConfig(_Section):
             return []
         enabled = {"zero_quantized_weights": self.zero_quantized_weights,
                    "zero_hpz_partition_size": self.zero_hpz_partition_size > 1,
-                   "zero_quantized_gradients": self.zero_quantized_gradients}
+                   "zero_quantized_gradients": self.zero_quantized_gradients,
+                   "zero_quantized_weight_deltas": self.zero_quantized_weight_deltas}
         return [f"zero_optimization.{key}" for key, on in enabled.items() if on]
 
     @property

@@ -231,7 +231,7 @@ class ZeroEngine:
             self.optimizer.skip_step()
         else:
             self.optimizer.step(grad_multiplier=inv * clip_coefficient(norm, self.gradient_clipping))
-        self.sharded.refresh_after_update()
+        self.sharded.refresh_after_update("step")
         return norm, overflow
 
     def close(self) -> None:

@@ -80,6 +80,10 @@ class QuantizationOptions:
     quantized_secondary: bool = True
     # qgZ error feedback as (err_beta, reset_T); None = off (ZeroConfig.error_feedback).
     error_feedback: tuple[float, int] | None = None
+    # The forward gather sends quantized weight deltas across nodes ([Note: weight deltas]).
+    weight_deltas: bool = False
+    delta_bits: int = 4
+    delta_block_size: int = 2048
 
 
 def _hpz_group(topology: Topology, residency: Residency) -> CommGroup | None:
@@ -118,7 +122,8 @@ def build_engine(
     init_distributed()
     sharding = sharding or ShardingOptions()
     quantization = quantization or QuantizationOptions()
-    topology = build_topology(ranks_per_node, quantization.hpz_size)
+    topology = build_topology(ranks_per_node, quantization.hpz_size,
+                              weight_deltas=quantization.weight_deltas)
     device = device or default_device()
     if param_init_fn is None and hasattr(model, "initial_value"):
         param_init_fn = model.initial_value
@@ -216,6 +221,9 @@ def options_from_config(zero, engine_config=None) -> tuple[ShardingOptions, Quan
         block_size=zero.zero_quantization_block_size,
         quantized_secondary=zero.zero_hpz_quantized_secondary,
         error_feedback=zero.error_feedback,
+        weight_deltas=zero.zero_quantized_weight_deltas,
+        delta_bits=zero.zero_quantized_weight_deltas_bits,
+        delta_block_size=zero.zero_quantized_weight_deltas_block_size,
     )
     return sharding, quantization
 

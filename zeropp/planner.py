@@ -38,6 +38,7 @@ from torch import nn
 
 from zeropp.comm.accounting import LOCALITIES, PHASES, all_reduce_bytes, locality
 from zeropp.comm.collectives import CommGroup
+from zeropp.comm.delta import DeltaWeightGather
 from zeropp.comm.registry import Collectives, collectives_for
 from zeropp.config import ZeroConfig
 from zeropp.flat_layout import FlatLayout, reduce_bucket_ranges
@@ -253,9 +254,14 @@ def plan_memory(units: Sequence[UnitPlan], zero: ZeroConfig, dtype_bytes: int,
                                                            micro_batches).itemsize,
         fp32_master_shards=shard_numel * FP32_BYTES,
         optimizer_moments=2 * shard_numel * FP32_BYTES,
-        hpz_secondary_shards=sum(collectives.secondary_nbytes(
-            u.padded_numel // hpz, _DTYPES[dtype_bytes], CommGroup(None, hpz, 0, False))
-            for u in secondaries),
+        hpz_secondary_shards=(
+            # weight deltas keep every unit's base between steps ([Note: weight deltas])
+            sum(collectives.gather.base_nbytes(u.padded_numel, _DTYPES[dtype_bytes])
+                for u in units)
+            if isinstance(collectives.gather, DeltaWeightGather) else
+            sum(collectives.secondary_nbytes(
+                u.padded_numel // hpz, _DTYPES[dtype_bytes], CommGroup(None, hpz, 0, False))
+                for u in secondaries)),
         gathered_parameters=gathered_numel * dtype_bytes,
         gradient_buffers=gradient_numel * dtype_bytes,
         gathered_forward=forward_gathered * dtype_bytes,
@@ -287,18 +293,20 @@ def plan_communication(units: Sequence[UnitPlan], cluster: ClusterShape, zero: Z
     secondary = CommGroup(None, hpz, 0, False)
     kept = kept_for_backward(units, zero)
     for unit in units:
-        world_gather = collectives.gather.bytes_sent(unit.shard_numel, dtype, world)
+        def world_gathers(calls: int, unit=unit) -> dict[str, int]:
+            return collectives.gather.step_bytes(unit.shard_numel, dtype, world, calls)
+
         if unit.persistent:  # re-gathered once, when the update refreshes it
-            volume.add("forward_all_gather", world_gather)
+            volume.add("forward_all_gather", world_gathers(1))
         else:
-            volume.add("forward_all_gather", world_gather, micro_batches)
+            volume.add("forward_all_gather", world_gathers(micro_batches))
             if unit.is_root or id(unit) in kept:  # gathered still when backward needs it
                 pass
             elif hpz > 1:
                 volume.add("backward_all_gather", collectives.secondary_gather.bytes_sent(
                     unit.padded_numel // hpz, dtype, secondary), micro_batches)
             else:
-                volume.add("backward_all_gather", world_gather, micro_batches)
+                volume.add("backward_all_gather", world_gathers(micro_batches))
         for lo, hi in reduce_bucket_ranges(unit.shard_numel, cluster.world_size,
                                            zero.reduce_bucket_size, collectives.reduce.alignment):
             volume.add("gradient_reduce", collectives.reduce.bytes_sent(hi - lo, dtype, world),

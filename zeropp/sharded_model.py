@@ -51,6 +51,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from zeropp.comm import CommGroup, CommStats
+from zeropp.comm.delta import DeltaWeightGather
 from zeropp.comm.registry import Collectives
 from zeropp.comm.streams import Execution
 from zeropp.flat_layout import FlatLayout
@@ -612,6 +613,12 @@ class ShardedModel:
         """qgZ's ``ErrorFeedback`` when it carries quantization errors, else None."""
         return self.comm.reduce.error_feedback
 
+    @property
+    def weight_deltas(self) -> DeltaWeightGather | None:
+        """The forward gather when it keeps per-unit bases ([Note: weight deltas])."""
+        gather = self.comm.gather
+        return gather if isinstance(gather, DeltaWeightGather) else None
+
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
@@ -655,10 +662,11 @@ class ShardedModel:
         for unit in self.units:
             unit.drop_gradients()
 
-    def refresh_after_update(self) -> None:
-        """The shards changed (optimizer step, checkpoint load): rebuild every derived copy."""
+    def refresh_after_update(self, cause: str = "edit") -> None:
+        """The shards changed (``cause``: "step", "load" or "edit", see
+        ``ShardedUnit.refresh_after_update``): rebuild every derived copy."""
         for unit in self.units:
-            unit.refresh_after_update()
+            unit.refresh_after_update(cause)
 
     def unit_index_of(self, param: torch.Tensor) -> int | None:
         """Index of the unit holding ``param`` (one of the model's parameters), else None."""

@@ -13,6 +13,8 @@ Groups, built once (``dist.new_group`` must be called by every rank in the same 
   all-to-all).
 - ``hpz``: ``hpz_size`` consecutive ranks inside a node that hold hpZ secondary shards
   together (the backward all-gather runs in it).
+- ``weight_inter``: the inter-node groups again, built only for weight deltas (their
+  forward gather, [Note: weight deltas]), so the gather and reduce lanes never share one.
 """
 
 from __future__ import annotations
@@ -90,6 +92,9 @@ class Topology(ClusterShape):
     intra_node_group: object = field(default=None, compare=False, repr=False)
     inter_node_group: object = field(default=None, compare=False, repr=False)
     hpz_group: object = field(default=None, compare=False, repr=False)
+    # The inter-node group again, for the weight-delta gather ([Note: weight deltas]): a
+    # communicator of its own, so the gather lane never shares one with qgZ's reduce lane.
+    weight_inter_group: object = field(default=None, compare=False, repr=False)
 
     @classmethod
     def planned(cls, shape: ClusterShape, hpz_size: int = 1) -> Topology:
@@ -129,8 +134,10 @@ def node_ranks(node: int, ranks_per_node: int) -> list[int]:
     return list(range(node * ranks_per_node, (node + 1) * ranks_per_node))
 
 
-def build_topology(ranks_per_node: int | None = None, hpz_size: int = 1) -> Topology:
-    """Build the topology and its process groups. Collective: every rank must call it."""
+def build_topology(ranks_per_node: int | None = None, hpz_size: int = 1,
+                   weight_deltas: bool = False) -> Topology:
+    """Build the topology and its process groups. Collective: every rank must call it.
+    ``weight_deltas`` adds the weight-delta gather's inter-node group."""
     if not dist.is_initialized():
         raise TopologyError("torch.distributed is not initialized; call zeropp.init_distributed()")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -158,5 +165,11 @@ def build_topology(ranks_per_node: int | None = None, hpz_size: int = 1) -> Topo
         group = dist.new_group(list(range(start, start + hpz_size)))
         if start <= rank < start + hpz_size:
             hpz = group
+    weight_inter = None
+    for local in range(per_node if weight_deltas else 0):
+        group = dist.new_group([node * per_node + local for node in range(num_nodes)])
+        if local == rank % per_node:
+            weight_inter = group
     return Topology(world_size=world_size, ranks_per_node=per_node, rank=rank, hpz_size=hpz_size,
-                    intra_node_group=intra, inter_node_group=inter, hpz_group=hpz)
+                    intra_node_group=intra, inter_node_group=inter, hpz_group=hpz,
+                    weight_inter_group=weight_inter)

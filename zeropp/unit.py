@@ -31,7 +31,6 @@ from torch import nn
 
 from zeropp.comm import CommGroup, CommStats, Pending, all_gather
 from zeropp.comm.collectives import AllGather, Collective
-from zeropp.comm.quantized import QuantizedSecondaryGather
 from zeropp.comm.streams import Execution
 from zeropp.flat_layout import FlatLayout, reduce_bucket_ranges
 
@@ -115,7 +114,7 @@ class ShardedUnit:
         # Units released between forward and backward keep a secondary shard (hpZ); with the
         # int8 one, its payload is taken from each forward gather as it lands.
         self._keeps_payload = (comm.hpz is not None and not (self.persistent or is_root)
-                               and isinstance(comm.secondary_gather, QuantizedSecondaryGather))
+                               and comm.secondary_gather.secondary_from_gather)
         self._forward_payload: torch.Tensor | None = None
         self.state = ShardState.SHARDED
         self._gather_pending: Pending | None = None
@@ -189,14 +188,14 @@ class ShardedUnit:
             # qwZ hands the unit its gathered payload when the int8 secondary is kept from it.
             keep = {"retain": self._retain_secondary_payload} if self._keeps_payload else {}
             pending = self.comm.gather(self.full, shard, self.comm.world, self.comm.stats,
-                                       phase, **keep)
+                                       phase, key=self.name, **keep)
         self._gather_pending = pending
 
     def _retain_secondary_payload(self, gathered: torch.Tensor) -> None:
-        """Keep this rank's node slice of qwZ's gathered payloads ([Note: int8 secondary])."""
-        rows = self.comm.secondary_gather.payload_rows(self.comm.hpz)
-        start = self.comm.hpz.rank * rows
-        self._forward_payload = gathered[start : start + rows].clone()
+        """Keep this rank's secondary shard out of the forward gather: its node slice of
+        qwZ's payloads ([Note: int8 secondary]) or the weight-delta base ([Note: weight
+        deltas])."""
+        self._forward_payload = self.comm.secondary_gather.take(gathered, self.comm.hpz)
 
     def wait_gather(self) -> None:
         if self._gather_pending is not None:
@@ -259,8 +258,16 @@ class ShardedUnit:
         if self.state is ShardState.SECONDARY:
             self.state = ShardState.SHARDED
 
-    def refresh_after_update(self) -> None:
-        """The shard changed (optimizer step, checkpoint load): drop every derived copy."""
+    def refresh_after_update(self, cause: str = "edit") -> None:
+        """The shard changed: drop every derived copy. ``cause`` tells a gather that keeps
+        state per unit how: "step" (the optimizer's update), "load" (a checkpoint, which
+        restored that state itself) or "edit" (anything else)."""
+        if cause == "step":
+            self.comm.gather.mark_updated(self.name)
+        elif cause == "edit":
+            self.comm.gather.forget(self.name)
+        elif cause != "load":
+            raise ValueError(f"refresh_after_update: unknown cause {cause!r}")
         self.drop_secondary()
         if self.replicated and self.comm.world.size == 1:
             return  # stage 0: the update was written into the whole weights themselves

@@ -155,6 +155,9 @@ class GatheredParameters:
                                          unit.full.numel() * unit.full.element_size()
                                          * (world - 1))
                 dist.broadcast(unit.full.view(torch.uint8), src=src)
+            # Any shard may have changed, and whether one did is a per-rank fact: every rank
+            # forgets every written unit's weight-delta base alike ([Note: weight deltas]).
+            unit.comm.gather.forget(unit.name)
             mine = unit.full[unit.shard_start : unit.shard_end]
             if unit.replicated:  # ``mine`` is the shard itself
                 changed = not torch.equal(mine, saved)

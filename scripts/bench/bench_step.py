@@ -8,6 +8,7 @@ Systems (all fp32 compute, AdamW, gradient clipping 1.0, the same model and glob
     zero3          this project's engine, ZeRO-3
     qwz, hpz, qgz  this engine with one ZeRO++ optimization (hpZ group = ranks per node)
     zeropp         this engine with all three
+    zeropp_deltas  zeropp with weight deltas (4-bit changes across nodes) instead of qwZ
     fsdp2          torch.distributed.fsdp.fully_shard on every block, then the root
     fsdp2_hybrid   fully_shard on a 2-D mesh (replicate across nodes, shard inside a node):
                    HSDP, PyTorch's nearest relative of hpZ
@@ -77,6 +78,7 @@ OUR_SYSTEMS = {
     "hpz": {"hpz": True},
     "qgz": {"quantized_gradients": True},
     "zeropp": {"quantized_weights": True, "hpz": True, "quantized_gradients": True},
+    "zeropp_deltas": {"weight_deltas": True, "hpz": True, "quantized_gradients": True},
 }
 FSDP_SYSTEMS = {"fsdp2": False, "fsdp2_hybrid": True}
 DEEPSPEED_SYSTEMS = {
@@ -143,6 +145,7 @@ class OurEngine(TrainingSystem):
             quantized_weights=switches.get("quantized_weights", False),
             hpz_size=layout.ranks_per_node if switches.get("hpz") else 1,
             quantized_gradients=switches.get("quantized_gradients", False),
+            weight_deltas=switches.get("weight_deltas", False),
         )
         self.engine = build_engine(
             model, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY,

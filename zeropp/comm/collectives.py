@@ -62,6 +62,9 @@ class Collective(abc.ABC):
     alignment: int = 1
     output_dtype: torch.dtype | None = None
     error_feedback = None
+    # A secondary gather whose secondary shard a unit takes from its forward gather
+    # (``take``), not from the gathered weights.
+    secondary_from_gather: ClassVar[bool] = False
 
     def __init__(self, execution: Execution = SYNCHRONOUS) -> None:
         self.execution = execution
@@ -74,6 +77,20 @@ class Collective(abc.ABC):
     def __call__(self, output: torch.Tensor, input: torch.Tensor, group: CommGroup,
                  stats: CommStats, phase: str, key: object = None) -> Pending:
         """Issue the collective; ``key`` names the buffer (for error feedback)."""
+
+    def step_bytes(self, numel: int, dtype: torch.dtype, group: CommGroup,
+                   calls: int) -> dict[str, int]:
+        """{locality: bytes} of ``calls`` calls on one buffer within one optimizer step (a
+        stateful gather sends less after the first, [Note: weight deltas])."""
+        return {where: nbytes * calls for where, nbytes in self.bytes_sent(numel, dtype,
+                                                                            group).items()}
+
+    # A gather that keeps state per unit ([Note: weight deltas]) hears of its shards here.
+    def mark_updated(self, key: object) -> None:  # noqa: B027 (stateless ones ignore it)
+        """The unit's shards changed by an optimizer step."""
+
+    def forget(self, key: object) -> None:  # noqa: B027
+        """The unit's shards changed in any other way (edited, loaded from elsewhere)."""
 
     def _record(self, stats: CommStats, phase: str, numel: int, dtype: torch.dtype,
                 group: CommGroup) -> None:

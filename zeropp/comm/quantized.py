@@ -118,6 +118,7 @@ class QuantizedSecondaryGather(Collective):
     """
 
     lane = "gather"
+    secondary_from_gather = True
 
     def __init__(self, world_size: int, bits: int = 8, block_size: int = 256,
                  execution: Execution = SYNCHRONOUS) -> None:
@@ -132,6 +133,12 @@ class QuantizedSecondaryGather(Collective):
             raise ValueError(f"hpZ group of {group.size} does not divide the world of "
                              f"{self.world_size}")
         return self.world_size // group.size
+
+    def take(self, gathered: torch.Tensor, group: CommGroup) -> torch.Tensor:
+        """This rank's node slice of qwZ's gathered payloads ([group.size x rows, bytes]):
+        the secondary shard a unit keeps."""
+        rows = self.payload_rows(group)
+        return gathered[group.rank * rows : (group.rank + 1) * rows].clone()
 
     def payload_nbytes(self, numel: int, group: CommGroup) -> int:
         """Bytes of a secondary shard of ``numel`` elements (P / alpha): its N / alpha payloads."""

@@ -21,6 +21,7 @@ from zeropp.comm.collectives import (
     ReduceScatter,
     ReplicatedAllReduce,
 )
+from zeropp.comm.delta import DeltaSecondaryGather, DeltaWeightGather
 from zeropp.comm.quantized import (
     HierarchicalReduceScatter,
     QuantizedAllGather,
@@ -38,6 +39,8 @@ WEIGHT_GATHERS: dict[str, Factory] = {
     "exact": lambda quant, topology, execution: AllGather(execution),
     "qwZ": lambda quant, topology, execution: QuantizedAllGather(
         quant.weight_bits, quant.block_size, execution),
+    "weight_deltas": lambda quant, topology, execution: DeltaWeightGather(
+        topology, quant.delta_bits, quant.delta_block_size, execution),
 }
 
 GRADIENT_REDUCTIONS: dict[str, Factory] = {
@@ -57,6 +60,9 @@ SECONDARY_GATHERS: dict[str, Factory] = {
     # hpZ with qwZ: the secondary shard is the forward's int8 payload
     "int8": lambda quant, topology, execution: QuantizedSecondaryGather(
         topology.world_size, quant.weight_bits, quant.block_size, execution),
+    # weight deltas: the secondary shard is the gather's base ([Note: weight deltas])
+    "weight_deltas": lambda quant, topology, execution: DeltaSecondaryGather(
+        topology, execution),
 }
 
 
@@ -100,6 +106,8 @@ def collectives_for(stage: int, quant: QuantizationOptions, topology: Topology,
         reduce = "qgZ" if quant.quantized_gradients else "exact"
     secondary = ("int8" if quant.quantized_weights and quant.quantized_secondary
                  and quant.hpz_size > 1 else "exact")
+    if quant.weight_deltas and stage == 3:
+        gather = secondary = "weight_deltas"
     return Collectives(
         gather=WEIGHT_GATHERS[gather](quant, topology, execution),
         reduce=GRADIENT_REDUCTIONS[reduce](quant, topology, execution),

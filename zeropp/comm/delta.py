@@ -1,0 +1,239 @@
+"""Weight deltas: the forward gather sends each shard's change since the last gather, 4-bit.
+
+[Note: weight deltas]
+qwZ sends every rank's whole shard (int8) to every other rank at every forward, across the
+nodes' links: 85% of ZeRO++'s inter-node bytes. Between two steps a weight moves by one
+optimizer update, which 4 bits per value (one fp32 scale per block of 2048, as SDP4Bit
+groups them) carry well. So the forward gather becomes, on N = n nodes x a ranks per node
+with hpZ over the node (``zero_hpz_partition_size`` = a):
+
+1. Every rank keeps a *base*: the weights of the shards of the n ranks with its local index
+   (one per node), as last reconstructed, in the working dtype. Together, the a ranks of a
+   node hold the whole unit: the base is the hpZ secondary shard, kept across steps.
+2. Inter-node (ranks with the same local index): each rank sends Q4(shard - base of its own
+   shard); every receiver, the sender included, adds the dequantized delta to its base with
+   the same kernel and the same fp32 arithmetic, so all copies of a base stay bit-identical.
+   The rounding error is not carried forward as error: the next delta is taken against the
+   reconstructed base, so a base is always within one delta's quantization error of the
+   master's working weights and never drifts.
+3. Intra-node: the a ranks all-gather their bases (the working dtype, over the fast link) and
+   every rank computes with the base, in forward and, as hpZ's secondary, in backward.
+
+Which step a gather takes: the first gather of a unit (or one after ``forget``: a checkpoint
+from another topology, weights edited by hand) sends the exact shards instead (step 2 with
+raw values); a gather after ``mark_updated`` (the optimizer step) sends deltas; any other
+(further micro-batches, recomputation, evaluation) is step 3 alone. Every rank makes the same
+choice, because these calls happen on every rank at the same point of the program.
+
+Inter-node bytes per rank and gather: (n - 1) x a 4-bit payload of one shard, against qwZ's
+(N - 1) x an int8 one. The bases cost (working dtype) x P / a per rank for every unit, held
+between steps (the 16-bit hpZ secondary, kept); ``bytes_sent`` and ``base_nbytes`` answer for
+the planner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from zeropp import kernels
+from zeropp.comm.accounting import CommStats, all_gather_bytes, locality
+from zeropp.comm.collectives import Collective, CommGroup, all_gather_into_tensor
+from zeropp.comm.streams import SYNCHRONOUS, Execution, Pending
+from zeropp.topology import Topology
+
+LOCAL, DELTA, EXACT = "local", "delta", "exact"
+
+
+class _Base:
+    """One unit's base on this rank: [n, S] weights, and whether it matches the shards now."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.values = values
+        self.current = True
+
+
+def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group: CommGroup, async_op: bool):
+    if group.size == 1:
+        output.copy_(tensor.reshape(-1))
+        return None
+    return all_gather_into_tensor(output, tensor.reshape(-1), group=group.group, async_op=async_op)
+
+
+class DeltaWeightGather(Collective):
+    """``AllGather``'s contract (output = every rank's shard, in rank order, as all ranks will
+    compute with it) through [Note: weight deltas]. ``key`` names the unit; calls without
+    one are refused, since the base belongs to a unit."""
+
+    lane = "gather"
+
+    def __init__(self, topology: Topology, bits: int = 4, block_size: int = 2048,
+                 execution: Execution = SYNCHRONOUS) -> None:
+        super().__init__(execution)
+        if topology.hpz_size != topology.ranks_per_node:
+            raise ValueError(
+                f"weight deltas keep each node's weights split over its ranks: they need "
+                f"zero_hpz_partition_size = ranks per node ({topology.ranks_per_node}), "
+                f"got {topology.hpz_size}")
+        self.nodes = topology.num_nodes
+        self.per_node = topology.ranks_per_node
+        self.inter = CommGroup(topology.weight_inter_group, self.nodes, topology.node_index,
+                               topology.num_nodes > 1)
+        self.intra = CommGroup(topology.hpz_group, self.per_node, topology.local_rank, False)
+        self.bits = bits
+        self.block_size = block_size
+        self.bases: dict[str, _Base] = {}
+
+    # ---- what each call costs ----------------------------------------------------------
+    def _bytes(self, mode: str, numel: int, dtype: torch.dtype) -> dict[str, int]:
+        sent = {"intra_node": all_gather_bytes(self.nodes * numel * dtype.itemsize,
+                                               self.per_node), "inter_node": 0}
+        if mode == DELTA:
+            payload = kernels.quantized_nbytes(numel, self.bits, self.block_size)
+        elif mode == EXACT:
+            payload = numel * dtype.itemsize
+        else:
+            return sent
+        sent[locality(self.inter.spans_nodes)] += all_gather_bytes(payload, self.nodes)
+        return sent
+
+    def bytes_sent(self, numel, dtype, group):
+        """A training step's gather: the deltas (the first, exact gather is not counted)."""
+        return self._bytes(DELTA, numel, dtype)
+
+    def step_bytes(self, numel, dtype, group, calls):
+        """The first gather of a step sends the deltas; the others assemble the bases."""
+        sent = self._bytes(DELTA, numel, dtype)
+        for where, nbytes in self._bytes(LOCAL, numel, dtype).items():
+            sent[where] += nbytes * (calls - 1)
+        return sent
+
+    def base_nbytes(self, unit_numel: int, dtype: torch.dtype) -> int:
+        """Bytes of one unit's base on a rank: its node slice, held between steps."""
+        return unit_numel // self.per_node * dtype.itemsize
+
+    # ---- base bookkeeping (called on every rank at the same point) -----------------------
+    def mark_updated(self, key: object) -> None:
+        """The unit's shards changed by an optimizer step: the next gather sends deltas."""
+        base = self.bases.get(str(key))
+        if base is not None:
+            base.current = False
+
+    def forget(self, key: object) -> None:
+        """The shards changed arbitrarily: the next gather sends them exactly."""
+        self.bases.pop(str(key), None)
+
+    def secondary(self, key: object) -> torch.Tensor:
+        """The unit's base, flat: the hpZ secondary shard of [Note: weight deltas]."""
+        return self.bases[str(key)].values.view(-1)
+
+    def state_dict(self) -> dict:
+        return {name: {"values": base.values.detach().cpu(), "current": base.current}
+                for name, base in self.bases.items()}
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        self.bases = {}
+        for name, saved in state.items():
+            self.bases[name] = _Base(saved["values"].to(device))
+            self.bases[name].current = bool(saved["current"])
+
+    # ---- the gather -----------------------------------------------------------------------
+    def __call__(self, output: torch.Tensor, shard: torch.Tensor, group: CommGroup,
+                 stats: CommStats, phase: str, key: object = None,
+                 retain: Callable[[torch.Tensor], None] | None = None) -> Pending:
+        """``retain``, if given, is handed the unit's base once it is up to date (hpZ keeps it
+        as the secondary shard)."""
+        if key is None:
+            raise ValueError("weight-delta gather: a key naming the unit is required")
+        numel, name = shard.numel(), str(key)
+        if output.numel() != numel * self.nodes * self.per_node:
+            raise ValueError(f"weight-delta gather: output has {output.numel()} elements, "
+                             f"expected {self.nodes * self.per_node} x {numel}")
+        base = self.bases.get(name)
+        if base is not None and base.values.shape != (self.nodes, numel):
+            base = None  # another layout (a checkpoint of other shapes): start exactly
+        mode = EXACT if base is None else (LOCAL if base.current else DELTA)
+        for where, nbytes in self._bytes(mode, numel, shard.dtype).items():
+            stats.record(phase, where == "inter_node", nbytes)
+        received: dict[str, torch.Tensor] = {}
+
+        def issue(async_op: bool):
+            if mode == EXACT:
+                received["exact"] = torch.empty(self.nodes, numel, dtype=shard.dtype,
+                                                device=shard.device)
+                return _all_gather(received["exact"].view(-1), shard, self.inter, async_op)
+            if mode == DELTA:
+                own = base.values[self.inter.rank]
+                delta = kernels.quantize_blockwise(shard.float() - own.float(), self.bits,
+                                                   self.block_size)
+                received["delta"] = torch.empty(self.nodes, delta.numel(), dtype=torch.uint8,
+                                                device=shard.device)
+                return _all_gather(received["delta"].view(-1), delta, self.inter, async_op)
+            received["bases"] = _new_gathered(base.values, self.per_node)
+            return _all_gather(received["bases"].view(-1), base.values, self.intra, async_op)
+
+        def finish() -> None:
+            nonlocal base
+            if mode == EXACT:
+                base = self.bases[name] = _Base(received.pop("exact"))
+            elif mode == DELTA:
+                deltas = kernels.dequantize_blockwise_many(
+                    received.pop("delta"), numel, self.bits, self.block_size, torch.float32)
+                base.values.copy_(base.values.float() + deltas)
+                base.current = True
+            if mode != LOCAL:  # the node's bases changed: gather them now (the fast link)
+                received["bases"] = _new_gathered(base.values, self.per_node)
+                work = _all_gather(received["bases"].view(-1), base.values, self.intra, False)
+                if work is not None:
+                    work.wait()
+            _rank_order(output, received.pop("bases"))
+            if retain is not None:
+                retain(base.values.view(-1))
+
+        return self.execution.launch(self.lane, issue, finish=finish, keep=(output, shard))
+
+
+def _new_gathered(base: torch.Tensor, ranks: int) -> torch.Tensor:
+    return torch.empty(ranks, *base.shape, dtype=base.dtype, device=base.device)
+
+
+def _rank_order(output: torch.Tensor, gathered: torch.Tensor) -> None:
+    """Local rank l's base holds the shards of ranks m * a + l (m = 0..n-1): the node's
+    gathered [a, n, S] bases are the unit in rank order once transposed to [n, a, S]."""
+    per_node, nodes, numel = gathered.shape
+    output.view(nodes, per_node, numel).copy_(gathered.transpose(0, 1))
+
+
+class DeltaSecondaryGather(Collective):
+    """hpZ's backward gather when the secondary shard is the base of [Note: weight deltas]:
+    the node's bases gathered inside the node and laid out in rank order. ``bytes_sent``
+    takes the secondary's element count (P / a), as for the exact gather."""
+
+    lane = "gather"
+    secondary_from_gather = True
+
+    def __init__(self, topology: Topology, execution: Execution = SYNCHRONOUS) -> None:
+        super().__init__(execution)
+        self.nodes = topology.num_nodes
+
+    def bytes_sent(self, numel, dtype, group):
+        return {locality(group.spans_nodes): all_gather_bytes(numel * dtype.itemsize,
+                                                              group.size)}
+
+    def take(self, base: torch.Tensor, group: CommGroup) -> torch.Tensor:
+        """The secondary shard a unit keeps from its forward gather: the base itself (the
+        gather owns it between steps; no copy)."""
+        return base
+
+    def __call__(self, output: torch.Tensor, secondary: torch.Tensor, group: CommGroup,
+                 stats: CommStats, phase: str, key: object = None) -> Pending:
+        if output.numel() != secondary.numel() * group.size:
+            raise ValueError(f"weight-delta secondary gather: output has {output.numel()} "
+                             f"elements, expected {group.size} x {secondary.numel()}")
+        self._record(stats, phase, secondary.numel(), output.dtype, group)
+        base = secondary.view(self.nodes, -1)
+        gathered = _new_gathered(base, group.size)
+        return self.execution.launch(
+            self.lane, lambda async_op: _all_gather(gathered.view(-1), base, group, async_op),
+            finish=lambda: _rank_order(output, gathered), keep=(output, secondary, gathered))
