@@ -213,3 +213,22 @@ def test_stages_1_and_2_on_16_gpus_follow_nccl_rules_and_deepspeeds_formulas(tmp
     held = peak["model states"] + (peak.get("gradients in flight", 0) if stage == 1 else 0)
     assert abs(held / formula - 1) < 0.10, (held, formula)
     assert peak.get("gathered weights", 0) == 0  # the weights are whole: nothing is gathered
+
+
+def test_weight_deltas_follow_nccl_rules_and_the_plan(tmp_path):
+    """[Note: weight deltas] on 2 x 4 simulated GPUs through training, save and resume:
+    NCCL's rules, the same order on the first and last rank, two host syncs; the planner's
+    inter-node forward bytes and the bases' memory agree with what the rank did and held."""
+    argv = [a.format(layers=2) for a in SMALL] + ["--deepspeed_config", ds_config(
+        tmp_path, zero_hpz_partition_size=4, zero_quantized_weight_deltas=True,
+        stage3_param_persistence_threshold=1000)]
+    cluster = simulate_cluster(argv, nodes=2, gpus_per_node=4)
+    for rank in (cluster.first, cluster.last):
+        assert rank.violations == []
+        assert functions(rank.host_syncs_per_iteration) == dict.fromkeys(ALLOWED_SYNCS, 1)
+    assert cluster.order_mismatches == []
+    report = build_report(parse_args(argv + ["--dry-run", "--dry-run-nodes", "2",
+                                              "--dry-run-gpus-per-node", "4"]))
+    bases = report.plans[1].memory.hpz_secondary_shards
+    measured = cluster.first.category_peaks["hpZ secondary shards"]
+    assert bases > 0 and measured == pytest.approx(bases, rel=0.05), (measured, bases)

@@ -340,11 +340,12 @@ def plan_system(name: str, unit_numels: Sequence[int], cluster: ClusterShape, ze
 
 
 def zero3_baseline(zero: ZeroConfig) -> ZeroConfig:
-    """The same config with qwZ, hpZ and qgZ off: the ZeRO-3 run ZeRO++ is compared with."""
+    """The same config with qwZ, hpZ, qgZ and weight deltas off: the ZeRO-3 run ZeRO++ is
+    compared with."""
     return dataclasses.replace(
         zero, stage=3, zero_quantized_weights=False, zero_hpz_partition_size=1,
         zero_quantized_gradients=False, zero_quantized_gradients_error_feedback=False,
-        zeropp_loco_param=None)
+        zeropp_loco_param=None, zero_quantized_weight_deltas=False)
 
 
 def plan_zero3_and_zeropp(unit_numels: Sequence[int], world_size: int, ranks_per_node: int,

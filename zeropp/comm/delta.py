@@ -160,8 +160,7 @@ class DeltaWeightGather(Collective):
 
         def issue(async_op: bool):
             if mode == EXACT:
-                received["exact"] = torch.empty(self.nodes, numel, dtype=shard.dtype,
-                                                device=shard.device)
+                received["exact"] = _new_base(self.nodes, shard)
                 return _all_gather(received["exact"].view(-1), shard, self.inter, async_op)
             if mode == DELTA:
                 own = base.values[self.inter.rank]
@@ -192,6 +191,12 @@ class DeltaWeightGather(Collective):
                 retain(base.values.view(-1))
 
         return self.execution.launch(self.lane, issue, finish=finish, keep=(output, shard))
+
+
+def _new_base(nodes: int, shard: torch.Tensor) -> torch.Tensor:
+    """A unit's base ([n, S], held between steps; the simulated cluster counts it as hpZ's
+    secondary by this function's name)."""
+    return torch.empty(nodes, shard.numel(), dtype=shard.dtype, device=shard.device)
 
 
 def _new_gathered(base: torch.Tensor, ranks: int) -> torch.Tensor:

@@ -63,6 +63,7 @@ CATEGORY_RULES: list[Rule] = [
     _rule("zeropp/comm/quantized.py", "quantization buffers"),
     _rule("zeropp/unit.py", "gathered weights", "_alloc_full"),
     _rule("zeropp/unit.py", "hpZ secondary shards", "release", "_retain_secondary_payload"),
+    _rule("zeropp/comm/delta.py", "hpZ secondary shards", "_new_base", "load_state_dict"),
     _rule("zeropp/unit.py", "gradients in flight", "_open_gradient_buffer", "on_grad_ready",
           "start_reduce",
           "finish_reduce"),
