@@ -346,6 +346,10 @@ def _add_dry_run_args(group: argparse._ArgumentGroup) -> None:
                        "dgx2_800g, dgx_a100, dgx_h100), by replaying the simulated rank's "
                        "iteration (needs --dry-run-simulate). Default: every built-in cluster "
                        "with as many GPUs per node as planned.")
+    group.add_argument("--dry-run-kernel-rates", default=None, metavar="PATH",
+                       help="Predict with the quantization kernels' bytes/s measured by the "
+                       "GPU check (its gpu_check.json, from scripts/gpu_check.sh) instead of "
+                       "the memory roofline (needs --dry-run-simulate).")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -170,15 +170,46 @@ def named_cluster(args: argparse.Namespace):
     return None if name is None else CLUSTERS[name]
 
 
-def predicted_clusters(args: argparse.Namespace, ranks_per_node: int) -> list:
+def predicted_clusters(args: argparse.Namespace, ranks_per_node: int,
+                       kernel_rates=None) -> list:
     """The clusters to predict the step time on: the one ``--dry-run-cluster`` names, else
-    every built-in one with ``ranks_per_node`` GPUs per node."""
-    from zeropp.step_time import CLUSTERS
+    every built-in one with ``ranks_per_node`` GPUs per node; with ``kernel_rates``
+    (``zeropp.step_time.MeasuredKernelRates``) their kernels run at the measured rates."""
+    from zeropp.step_time import CLUSTERS, with_kernel_rates
 
     named = named_cluster(args)
-    if named is not None:
-        return [named]
-    return [c for c in CLUSTERS.values() if c.ranks_per_node == ranks_per_node]
+    clusters = ([named] if named is not None
+                else [c for c in CLUSTERS.values() if c.ranks_per_node == ranks_per_node])
+    if kernel_rates is not None:
+        clusters = [with_kernel_rates(c, kernel_rates) for c in clusters]
+    return clusters
+
+
+def measured_kernel_rates(args: argparse.Namespace):
+    """The GPU check's kernel rates ``--dry-run-kernel-rates`` names, or None (raises
+    ``zeropp.step_time.KernelRatesError``, a ValueError, with one line)."""
+    from zeropp.step_time import load_kernel_rates
+
+    path = getattr(args, "dry_run_kernel_rates", None)
+    return None if path is None else load_kernel_rates(path)
+
+
+def kernel_rate_lines(kernel_rates, clusters: list) -> list[str]:
+    """Where the measured rates come from, and a note for each cluster whose GPUs' memory
+    differs from the measured device's by more than 15% (the rates are used as measured)."""
+    peak = kernel_rates.peak_memory_bandwidth
+    lines = [f"  quantization kernels at the rates measured on {kernel_rates.device}"
+             + (f" (peak {peak / 1e12:.2f} TB/s)" if peak else "")
+             + f", from {kernel_rates.path}:"]
+    lines += [f"    {op:<44} {rate / 1e9:8.0f} GB/s"
+              for op, rate in sorted(kernel_rates.rates.items())]
+    if peak:
+        for cluster in clusters:
+            if abs(cluster.memory_bandwidth / peak - 1) > 0.15:
+                lines.append(f"  note: {cluster.name}'s GPUs have "
+                             f"{cluster.memory_bandwidth / 1e12:.2f} TB/s of memory bandwidth, "
+                             f"the measured device {peak / 1e12:.2f} TB/s: rates used as measured")
+    return lines
 
 
 def zero_config(args: argparse.Namespace) -> ZeroConfig:
@@ -289,11 +320,15 @@ def _row(label: str, values: list[str]) -> str:
 def _system_options(plan: SystemPlan) -> str:
     zero = plan.zero
     parts = []
-    if zero.zero_quantized_weights:
+    deltas = zero.zero_quantized_weight_deltas
+    if deltas:
+        parts.append(f"weight deltas int{zero.zero_quantized_weight_deltas_bits}")
+    elif zero.zero_quantized_weights:
         parts.append(f"qwZ int{zero.zero_quantized_weights_bits}")
     if zero.zero_hpz_partition_size > 1:
         int8 = zero.zero_quantized_weights and zero.zero_hpz_quantized_secondary
-        parts.append(f"hpZ {zero.zero_hpz_partition_size}" + (" (int8 secondary)" if int8 else ""))
+        kept = " (bases kept)" if deltas else (" (int8 secondary)" if int8 else "")
+        parts.append(f"hpZ {zero.zero_hpz_partition_size}{kept}")
     if zero.zero_quantized_gradients:
         parts.append(f"qgZ int{zero.zero_quantized_gradients_bits}")
     return f"{plan.name}: " + (", ".join(parts) if parts else "no ZeRO++ option on")
@@ -390,6 +425,7 @@ def baseline_ds_config(args: argparse.Namespace) -> dict:
                 zero_quantized_gradients=False)
     zero.pop("zero_quantized_gradients_error_feedback", None)
     zero.pop("zeropp_loco_param", None)
+    zero.pop("zero_quantized_weight_deltas", None)
     return {**config, "zero_optimization": zero}
 
 
@@ -407,9 +443,11 @@ def simulate_plans(args: argparse.Namespace, argv: list[str], report: DryRunRepo
                                     save_dir=None, trace=True)]
 
 
-def predicted_lines(report: DryRunReport, measurements: list, clusters: list) -> list[str]:
+def predicted_lines(report: DryRunReport, measurements: list, clusters: list,
+                    kernel_rates=None) -> list[str]:
     """Seconds per iteration and TFLOPs per GPU of each plan's traced iteration, replayed on
-    each cluster by zeropp.step_time.predict (datasheet rates; see its notes)."""
+    each cluster by zeropp.step_time.predict (datasheet rates, or the measured kernel rates
+    where given; see its notes)."""
     from zeropp.step_time import predict
 
     header = [label for plan in report.plans for label in (f"{plan.name} s", "TFLOPs")]
@@ -425,6 +463,8 @@ def predicted_lines(report: DryRunReport, measurements: list, clusters: list) ->
                      "name one with --dry-run-cluster")
     lines.append("  replay of rank 0's traced iteration (zeropp.step_time) with datasheet rates "
                  "and assumed efficiencies: a comparison, not a promise")
+    if kernel_rates is not None:
+        lines += kernel_rate_lines(kernel_rates, clusters)
     return lines
 
 
@@ -461,6 +501,11 @@ def run_dry_run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         if args.dry_run_cluster is not None and not args.dry_run_simulate:
             raise ArgumentError(f"--dry-run-cluster {args.dry_run_cluster} predicts from the "
                                 "simulated rank's iteration; drop --no-dry-run-simulate")
+        if getattr(args, "dry_run_kernel_rates", None) is not None and not args.dry_run_simulate:
+            raise ArgumentError("--dry-run-kernel-rates predicts from the simulated rank's "
+                                "iteration; drop --no-dry-run-simulate")
+        # Read now: a bad file should fail before minutes of simulation, not after them.
+        kernel_rates = measured_kernel_rates(args)
         report = build_report(args)
     except (ArgumentError, ConfigError, TopologyError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
@@ -474,7 +519,8 @@ def run_dry_run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print("", flush=True)
         measurements = simulate_plans(args, argv, report)
         print("\n".join(measured_lines(report, measurements)), flush=True)
-        clusters = predicted_clusters(args, report.cluster.ranks_per_node)
+        clusters = predicted_clusters(args, report.cluster.ranks_per_node, kernel_rates)
         print("", flush=True)
-        print("\n".join(predicted_lines(report, measurements, clusters)), flush=True)
+        print("\n".join(predicted_lines(report, measurements, clusters, kernel_rates)),
+              flush=True)
     return 0

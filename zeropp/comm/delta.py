@@ -124,10 +124,6 @@ class DeltaWeightGather(Collective):
         """The shards changed arbitrarily: the next gather sends them exactly."""
         self.bases.pop(str(key), None)
 
-    def secondary(self, key: object) -> torch.Tensor:
-        """The unit's base, flat: the hpZ secondary shard of [Note: weight deltas]."""
-        return self.bases[str(key)].values.view(-1)
-
     def state_dict(self) -> dict:
         return {name: {"values": base.values.detach().cpu(), "current": base.current}
                 for name, base in self.bases.items()}

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The GPU check (README "GPU check"): the Triton kernels against the reference and at HBM
+# rate, the engine on NCCL against CPU/gloo, its streams' overlap and its host overhead, on
+# one CUDA device in under 10 minutes. Arguments go to scripts/bench/gpu_check.py:
+#   scripts/gpu_check.sh [--out DIR] [--quick] [--sections abcde] [--budget-s S]
+# No set-up here: the GPU machine may have no network. PYTHON overrides the interpreter
+# (default: the repository's .venv, which needs a CUDA build of torch and triton).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
+if [[ ! -x "$PYTHON" ]]; then
+  echo "error: $PYTHON not found: run scripts/setup.sh first, or set PYTHON" >&2
+  exit 2
+fi
+cd "$ROOT"
+exec "$PYTHON" -m scripts.bench.gpu_check "$@"
