@@ -1,0 +1,192 @@
+"""The Triton kernels compiled for real GPUs (sm_70, sm_80, sm_90) without a GPU: no
+variant spills, and at the default block size every kernel keeps >= 50% occupancy.
+
+The interpreter tests (test_kernels.py) check results only; these check what a GPU would
+run. Needs Triton with its bundled ptxas, not a GPU. Every variant is compiled once, in two
+worker processes, and the results are shared by the tests (48 variants an arch; about 25 s
+on 2 cores with an empty Triton cache, under 10 s with a warm one).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from zeropp.kernels import compile_check
+from zeropp.kernels.compile_check import ARCHS, REQUIRED_ARCHS, KernelResources
+
+# The smallest block (odd: the int4 scratch path too), the default, and the largest.
+# 2, 7, 64 and 2048 are in the bench table; they add compile time and no kernel shape
+# these do not already cover (2048 and 16384 are the same two-pass variant).
+SUITE_BLOCK_SIZES = (1, 256, 16384)
+DEFAULT_BLOCK_SIZE = 256
+MAX_REGISTERS_AT_DEFAULT = 64  # 4 warps a program: 8 programs, 50% occupancy
+
+_missing = compile_check.ptxas_missing_reason()
+needs_compiler = pytest.mark.skipif(_missing is not None,
+                                    reason=f"cannot compile for GPUs here: {_missing}")
+
+
+def _describe(variant, result: KernelResources) -> str:
+    constants = variant.spec.constants
+    where = (f"{result.arch} {variant.spec.label} block {variant.block_size}"
+             f" [ROWS x COLS {constants['ROWS']} x {constants['COLS']}, "
+             f"{variant.spec.num_warps} warps]")
+    if result.error is not None:
+        return f"{where}: did not compile: {result.error.splitlines()[0]}"
+    return (f"{where}: {result.registers} registers, {result.spill_store_bytes} B spill "
+            f"stores, {result.spill_load_bytes} B spill loads, {result.occupancy:.1%} occupancy")
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """(variant, KernelResources) for every suite variant on every required arch."""
+    variants = list(compile_check.enumerate_variants(SUITE_BLOCK_SIZES, per_block_size=True))
+    jobs = [(variant.spec, arch) for variant in variants for arch in REQUIRED_ARCHS]
+    results = compile_check.compile_specs(jobs, workers=2)
+    pairs = [(variant, arch) for variant in variants for arch in REQUIRED_ARCHS]
+    return [(variant, result) for (variant, _), result in zip(pairs, results, strict=True)]
+
+
+# ---- (a) everything compiles, nothing spills ---------------------------------------------
+
+
+@needs_compiler
+def test_every_variant_compiles_without_spills(compiled):
+    offenders = [_describe(variant, result) for variant, result in compiled
+                 if result.error is not None or result.spill_bytes]
+    if offenders:  # pytest.fail: one line an offender, without the list's repr
+        pytest.fail(f"{len(offenders)} of {len(compiled)} kernel compiles spill or fail:\n  "
+                    + "\n  ".join(offenders), pytrace=False)
+
+
+def test_suite_covers_the_host_block_size_range():
+    assert SUITE_BLOCK_SIZES[0] == min(compile_check.DEFAULT_BLOCK_SIZES) == 1
+    assert SUITE_BLOCK_SIZES[-1] == compile_check.triton_kernels.MAX_BLOCK_SIZE
+    assert DEFAULT_BLOCK_SIZE in SUITE_BLOCK_SIZES
+
+
+# ---- (b) registers and occupancy at the default block size --------------------------------
+
+
+@needs_compiler
+def test_default_block_size_keeps_half_occupancy(compiled):
+    at_default = [(variant, result) for variant, result in compiled
+                  if variant.block_size == DEFAULT_BLOCK_SIZE]
+    kernels = {variant.spec.kernel for variant, _ in at_default}
+    assert len(kernels) == 4, kernels
+    offenders = [_describe(variant, result) for variant, result in at_default
+                 if result.error is not None or result.registers > MAX_REGISTERS_AT_DEFAULT
+                 or result.occupancy < 0.5]
+    if offenders:
+        pytest.fail(
+            f"{len(offenders)} of {len(at_default)} kernels at block {DEFAULT_BLOCK_SIZE} use "
+            f"more than {MAX_REGISTERS_AT_DEFAULT} registers a thread (under 50% occupancy):\n  "
+            + "\n  ".join(offenders), pytrace=False)
+
+
+# ---- (c) ptxas parsing and occupancy arithmetic --------------------------------------------
+
+PTXAS_SPILLING = """\
+ptxas info    : 11 bytes gmem, 8 bytes cmem[4]
+ptxas info    : Compiling entry function 'quantize_kernel' for 'sm_70'
+ptxas info    : Function properties for quantize_kernel
+    96 bytes stack frame, 96 bytes spill stores, 104 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers, 2048 bytes smem, 440 bytes cmem[0]
+ptxas info    : Compile time = 25.943 ms
+"""
+
+PTXAS_CLEAN = """\
+ptxas-blackwell info    : 11 bytes gmem
+ptxas-blackwell info    : Compiling entry function 'dequantize_kernel' for 'sm_90a'
+ptxas-blackwell info    : Function properties for dequantize_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas-blackwell info    : Used 40 registers, used 1 barriers
+"""
+
+
+def test_parse_ptxas_output():
+    assert compile_check.parse_ptxas_output(PTXAS_SPILLING) == (128, 96, 104, 2048)
+    assert compile_check.parse_ptxas_output(PTXAS_CLEAN) == (40, 0, 0, 0)
+    with pytest.raises(ValueError, match="no register"):
+        compile_check.parse_ptxas_output("ptxas fatal   : Unsupported .version 9.4")
+
+
+@pytest.mark.parametrize(
+    "arch, registers, threads, shared, programs, occupancy",
+    [
+        ("sm_70", 255, 128, 0, 2, 0.125),  # 8192 registers a warp: 8 warps an SM
+        ("sm_70", 64, 128, 0, 8, 0.5),
+        ("sm_90", 32, 128, 0, 16, 1.0),
+        ("sm_80", 65, 128, 0, 7, 0.4375),  # 2080 registers a warp round up to 2304
+        ("sm_70", 96, 128, 0, 5, 0.3125),  # 3072 registers a warp: 20 warps
+        ("sm_70", 96, 32, 0, 20, 0.3125),  # 5 warps a sub-partition, not 65536 // 3072 = 21
+        ("sm_70", 128, 512, 0, 1, 0.25),
+        ("sm_80", 16, 32, 0, 32, 0.5),  # 32 programs an SM at most
+        ("sm_70", 32, 128, 48 * 1024, 2, 0.125),  # 96 KiB of shared memory
+        ("sm_80", 32, 128, 48 * 1024, 3, 0.1875),  # 164 KiB, 1 KiB reserved a program
+        ("sm_70", 255, 1024, 0, 0, 0.0),  # a program that cannot launch at all
+    ],
+)
+def test_occupancy_arithmetic(arch, registers, threads, shared, programs, occupancy):
+    limits = ARCHS[arch]
+    assert compile_check.programs_per_sm(registers, threads, shared, limits) == programs
+    assert compile_check.occupancy(registers, threads, shared, limits) == pytest.approx(occupancy)
+
+
+# ---- (d) the bench's table and JSON ----------------------------------------------------------
+
+
+@needs_compiler
+def test_bench_table_and_json(tmp_path, capsys):
+    from scripts.bench import kernel_registers
+
+    out = tmp_path / "registers.md"
+    code = kernel_registers.main(["--block-sizes", "256", "--archs", "sm_80",
+                                  "--out", str(out)])
+    assert code == 0
+    text = out.read_text()
+    assert text == capsys.readouterr().out
+    assert "python -m scripts.bench.kernel_registers --block-sizes 256 --archs sm_80" in text
+    lines = text.splitlines()
+    header = lines.index("| kernel | dtype | bits | block | ROWS x COLS / warps | sm_80 |")
+    rows = [line for line in lines[header + 2:] if line.startswith("|")]
+    variants = list(compile_check.enumerate_variants([256], per_block_size=True))
+    assert len(rows) == len(variants) == 16
+    for row, variant in zip(rows, variants, strict=True):
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert cells[:4] == [variant.spec.kernel, variant.dtype, str(variant.bits), "256"]
+        assert re.fullmatch(r"\d+ x \d+ / \d+", cells[4])
+        assert re.fullmatch(r"(\*\*)?\d+ / \d+\+\d+ / [\d.]+%(\*\*)?", cells[5]), cells[5]
+
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert record["archs"] == ["sm_80"] and record["unsupported_archs"] == {}
+    assert record["triton"] and record["command"].startswith("python -m ")
+    assert len(record["rows"]) == 16
+    first = record["rows"][0]
+    assert {"kernel", "dtype", "bits", "block_size", "constants", "num_warps"} <= set(first)
+    assert isinstance(first["archs"]["sm_80"]["registers"], int)
+    assert 0 < first["archs"]["sm_80"]["occupancy"] <= 1
+
+
+def test_bench_marks_an_unsupported_arch():
+    from scripts.bench import kernel_registers
+    from zeropp.kernels.triton_kernels import LaunchSpec
+
+    spec = LaunchSpec("quantize_kernel", {"x_ptr": "*fp32"}, {"ROWS": 4, "COLS": 256}, 4, "q")
+    variant = compile_check.Variant("fp32", 8, 256, spec)
+    done = KernelResources("sm_90", spec.kernel, "q", spec.constants, 4, registers=40,
+                           spill_store_bytes=8, spill_load_bytes=8, shared_bytes=0,
+                           programs_per_sm=12, occupancy=0.75)
+    refused = KernelResources("sm_100", spec.kernel, "q", spec.constants, 4,
+                              error="no ptxas takes sm_100a", arch_unsupported=True)
+    results = {"sm_90": [done], "sm_100": [refused]}
+    facts = {"triton": "x", "ptxas": "y", "kernels_sha256": "z"}
+    text = kernel_registers.markdown("cmd", None, [variant], ["sm_90", "sm_100"], results, facts)
+    assert "| quantize_kernel | fp32 | 8 | 256 | 4 x 256 / 4 | **40 / 8+8 / 75%** | unsupported |" \
+        in text
+    assert "- sm_100: not compiled, the toolchain refused it (no ptxas takes sm_100a)" in text
+    record = kernel_registers.record("cmd", None, [variant], ["sm_90", "sm_100"], results, facts)
+    assert record["unsupported_archs"] == {"sm_100": "no ptxas takes sm_100a"}

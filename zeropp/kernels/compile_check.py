@@ -1,0 +1,323 @@
+"""Compile the Triton quantization kernels for real GPUs without a GPU, and read what
+ptxas gives them: registers a thread, spill bytes, shared memory, theoretical occupancy.
+
+Why: without a GPU the kernels only ever run under Triton's CPU interpreter, which checks
+their results and says nothing about registers or spills: a kernel can pass every
+interpreter test and need 255 registers a thread and spill on sm_70. Triton's compiler
+needs a target, not a GPU, so this compiles exactly the variants the host launches
+(`triton_kernels.launch_specs`) for a chosen compute capability and assembles the PTX with
+Triton's bundled ptxas.
+
+Why ptxas is run here: a CompiledKernel's `n_regs` and `n_spills` are filled in by the
+CUDA driver when the kernel is loaded, so they stay unset without a GPU, and Triton runs
+`ptxas -v` itself but throws the log away (and skips ptxas on a disk-cache hit). The flags
+mirror Triton's own (`--fmad=false` for enable_fp_fusion=False, `--regAllocOptLevel=2`)
+so the counts are those of the cubin that would run.
+
+Compiles run in spawned worker processes: under TRITON_INTERPRET=1 (the test suite) every
+`@triton.jit` function is an interpreter object that cannot be compiled, and the switch
+is read when a kernel is decorated, so only a fresh process without it can compile.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import torch
+
+from zeropp.kernels import triton_kernels
+from zeropp.kernels.triton_kernels import LaunchSpec
+
+
+@dataclass(frozen=True)
+class ArchLimits:
+    """Per-SM limits of one architecture (CUDA programming guide, compute capabilities)."""
+
+    name: str  # "sm_80"
+    capability: int
+    shared_bytes_per_sm: int
+    reserved_shared_per_program: int  # the CUDA runtime keeps 1 KiB a block from sm_80 on
+    registers_per_sm: int = 65536
+    max_warps_per_sm: int = 64
+    max_programs_per_sm: int = 32
+    # Registers go to a warp in units of 256, and each warp lives on one of the SM's four
+    # sub-partitions (a quarter of the register file each).
+    register_unit: int = 256
+    subpartitions: int = 4
+
+
+ARCHS = {
+    "sm_70": ArchLimits("sm_70", 70, 96 * 1024, 0),
+    "sm_80": ArchLimits("sm_80", 80, 164 * 1024, 1024),
+    "sm_90": ArchLimits("sm_90", 90, 228 * 1024, 1024),
+    "sm_100": ArchLimits("sm_100", 100, 228 * 1024, 1024),
+}
+REQUIRED_ARCHS = ("sm_70", "sm_80", "sm_90")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+BITS = (8, 4)
+# The smallest block the host accepts, odd blocks (int4 packs them on the host), powers
+# of two up to the largest block a tile takes.
+DEFAULT_BLOCK_SIZES = (1, 2, 7, 64, 256, 2048, triton_kernels.MAX_BLOCK_SIZE)
+
+
+class PtxasReport(NamedTuple):
+    registers: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    static_shared_bytes: int
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    """What one kernel variant costs on one architecture; `error` is set instead of the
+    numbers when it did not compile (`arch_unsupported` when the toolchain refused the arch)."""
+
+    arch: str
+    kernel: str
+    label: str
+    constants: dict
+    num_warps: int
+    registers: int | None = None
+    spill_store_bytes: int | None = None
+    spill_load_bytes: int | None = None
+    shared_bytes: int | None = None
+    programs_per_sm: int | None = None
+    occupancy: float | None = None  # active warps / the SM's maximum
+    ptxas: str | None = None
+    error: str | None = None
+    arch_unsupported: bool = False
+
+    @property
+    def spill_bytes(self) -> int:
+        return (self.spill_store_bytes or 0) + (self.spill_load_bytes or 0)
+
+
+class UnsupportedArchError(RuntimeError):
+    """No bundled ptxas takes this architecture (or this PTX version for it)."""
+
+
+class Variant(NamedTuple):
+    dtype: str  # "fp32" | "fp16" | "bf16", or "any" for kernels that never see the dtype
+    bits: int
+    block_size: int
+    spec: LaunchSpec
+
+
+def spec_key(spec: LaunchSpec) -> tuple:
+    """What makes two specs the same compiled kernel (the label does not)."""
+    return (spec.kernel, tuple(spec.signature.items()), tuple(sorted(spec.constants.items())),
+            spec.num_warps)
+
+
+def enumerate_variants(block_sizes: Iterable[int] = DEFAULT_BLOCK_SIZES,
+                       per_block_size: bool = False) -> Iterator[Variant]:
+    """Every distinct kernel variant the host launches at these block sizes, ordered by
+    kernel, bits, dtype, block size. A variant is listed once, at the first block size and
+    dtype that launches it: "any" when every dtype does (the qgZ kernels), and blocks
+    larger than a tile share one variant (block_size is a runtime argument), unless
+    `per_block_size` lists it again at each block size (for tables; compiles are cached)."""
+    first_seen: dict[tuple, Variant] = {}
+    dtypes_seen: dict[tuple, set[str]] = {}
+    position: dict[str, int] = {}  # kernel -> its place in launch_specs' list
+    for block_size in block_sizes:
+        for bits in BITS:
+            for dtype_name, dtype in DTYPES.items():
+                for index, spec in enumerate(triton_kernels.launch_specs(block_size, bits, dtype)):
+                    position.setdefault(spec.kernel, index)
+                    key = spec_key(spec) + ((block_size,) if per_block_size else ())
+                    first_seen.setdefault(key, Variant(dtype_name, bits, block_size, spec))
+                    dtypes_seen.setdefault(key, set()).add(dtype_name)
+    variants = [variant._replace(dtype="any") if len(dtypes_seen[key]) == len(DTYPES) else variant
+                for key, variant in first_seen.items()]
+    dtype_rank = {"any": -1, **{name: rank for rank, name in enumerate(DTYPES)}}
+    yield from sorted(variants, key=lambda v: (position[v.spec.kernel], -v.bits,
+                                               dtype_rank[v.dtype], v.block_size))
+
+
+# ---- ptxas ----------------------------------------------------------------------------------
+
+_REGISTERS = re.compile(r"Used (\d+) registers")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_SHARED = re.compile(r"(\d+) bytes smem")
+_REFUSED = ("Unsupported .version", "is not defined for option 'gpu-name'", "Unknown option")
+
+
+def parse_ptxas_output(text: str) -> PtxasReport:
+    """The counts in `ptxas -v` output for a PTX file with one kernel."""
+    registers = _REGISTERS.search(text)
+    spills = _SPILLS.search(text)
+    if registers is None or spills is None:
+        raise ValueError(f"no register or spill counts in ptxas output:\n{text}")
+    shared = _SHARED.search(text)
+    return PtxasReport(int(registers.group(1)), int(spills.group(1)), int(spills.group(2)),
+                       int(shared.group(1)) if shared else 0)
+
+
+def _ptxas_candidates() -> list[str]:
+    """Triton's plain ptxas first (it refuses PTX newer than its CUDA), then the newer
+    ptxas-blackwell, which Triton itself uses from sm_90 on."""
+    import triton
+
+    paths = []
+    for tool in ("ptxas", "ptxas_blackwell"):
+        try:
+            paths.append(getattr(triton.knobs.nvidia, tool).path)
+        except (RuntimeError, AttributeError):
+            pass
+    return paths
+
+
+def ptxas_missing_reason() -> str | None:
+    """Why nothing can be compiled here, or None."""
+    if not triton_kernels.is_available():
+        return "triton is not installed"
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        return "triton has no nvidia backend"
+    if not _ptxas_candidates():
+        return "neither ptxas nor ptxas-blackwell was found in triton's nvidia backend"
+    return None
+
+
+def run_ptxas(ptx: str, arch: ArchLimits) -> tuple[PtxasReport, str]:
+    """Assemble `ptx` with the first ptxas that takes it; the report and that ptxas' name."""
+    gpu_name = f"sm_{arch.capability}" + ("a" if arch.capability >= 90 else "")  # as Triton
+    refusals = []
+    with tempfile.TemporaryDirectory() as folder:
+        source = os.path.join(folder, "kernel.ptx")
+        with open(source, "w") as handle:
+            handle.write(ptx)
+        for ptxas in _ptxas_candidates():
+            done = subprocess.run(
+                [ptxas, "-v", "--fmad=false", "--regAllocOptLevel=2", f"--gpu-name={gpu_name}",
+                 source, "-o", os.path.join(folder, "kernel.cubin")],
+                capture_output=True, text=True)
+            log = done.stdout + done.stderr
+            if done.returncode == 0:
+                return parse_ptxas_output(log), os.path.basename(ptxas)
+            if not any(marker in log for marker in _REFUSED):
+                raise RuntimeError(f"{os.path.basename(ptxas)} failed for {gpu_name}:\n{log}")
+            refusals.append(f"{os.path.basename(ptxas)}: {log.strip().splitlines()[-1]}")
+    raise UnsupportedArchError(f"no ptxas takes {gpu_name}: " + "; ".join(refusals))
+
+
+# ---- occupancy ------------------------------------------------------------------------------
+
+
+def programs_per_sm(registers: int, threads: int, shared_bytes: int, arch: ArchLimits) -> int:
+    """How many programs (CUDA blocks) of this shape fit on one SM at once."""
+    warps = -(-threads // 32)
+    unit = arch.register_unit
+    registers_per_warp = -(-max(registers, 1) * 32 // unit) * unit
+    warps_by_registers = (arch.subpartitions
+                          * (arch.registers_per_sm // arch.subpartitions // registers_per_warp))
+    limits = [warps_by_registers // warps, arch.max_warps_per_sm // warps,
+              arch.max_programs_per_sm]
+    shared_per_program = shared_bytes + arch.reserved_shared_per_program
+    if shared_per_program:
+        limits.append(arch.shared_bytes_per_sm // shared_per_program)
+    return max(0, min(limits))
+
+
+def occupancy(registers: int, threads: int, shared_bytes: int, arch: ArchLimits) -> float:
+    """Theoretical occupancy: active warps on an SM over the most it can hold."""
+    warps = -(-threads // 32)
+    return programs_per_sm(registers, threads, shared_bytes, arch) * warps / arch.max_warps_per_sm
+
+
+# ---- compiling ------------------------------------------------------------------------------
+
+
+def _compile_here(spec: LaunchSpec, arch_name: str) -> KernelResources:
+    """Compile in this process (which must not be interpreting Triton)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    arch = ARCHS[arch_name]
+    fn = spec.function
+    unknown = (set(spec.signature) | set(spec.constants)) - set(fn.arg_names)
+    if unknown:
+        raise ValueError(f"{spec.kernel} has no arguments {sorted(unknown)}")
+    # ASTSource wants every argument in order, constexprs typed "constexpr" (a KeyError
+    # here is an argument the spec forgot).
+    signature = {name: "constexpr" if name in spec.constants else spec.signature[name]
+                 for name in fn.arg_names}
+    source = triton.compiler.ASTSource(fn, signature=signature, constexprs=spec.constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch.capability, 32),
+                              options={"num_warps": spec.num_warps, "enable_fp_fusion": False})
+    report, ptxas = run_ptxas(compiled.asm["ptx"], arch)
+    # Triton's shared memory is dynamic (metadata.shared); ptxas counts only static smem.
+    shared = compiled.metadata.shared + report.static_shared_bytes
+    threads = spec.num_warps * 32
+    return KernelResources(
+        arch=arch_name, kernel=spec.kernel, label=spec.label, constants=dict(spec.constants),
+        num_warps=spec.num_warps, registers=report.registers,
+        spill_store_bytes=report.spill_store_bytes, spill_load_bytes=report.spill_load_bytes,
+        shared_bytes=shared, ptxas=ptxas,
+        programs_per_sm=programs_per_sm(report.registers, threads, shared, arch),
+        occupancy=occupancy(report.registers, threads, shared, arch))
+
+
+def _compile_job(spec: LaunchSpec, arch_name: str) -> KernelResources:
+    """Worker entry point: a failure becomes a result, so one bad variant is reported with
+    the others instead of ending the run."""
+    try:
+        return _compile_here(spec, arch_name)
+    except Exception as error:  # noqa: BLE001 - reported per variant
+        message = str(error) if isinstance(error, UnsupportedArchError) else \
+            f"{type(error).__name__}: {error}".strip()[:2000]
+        return KernelResources(arch=arch_name, kernel=spec.kernel, label=spec.label,
+                               constants=dict(spec.constants), num_warps=spec.num_warps,
+                               error=message,
+                               arch_unsupported=isinstance(error, UnsupportedArchError))
+
+
+@contextmanager
+def _without_interpreter() -> Iterator[None]:
+    """Workers inherit the environment when they start, so they start without the switch."""
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+_cache: dict[tuple, KernelResources] = {}
+
+
+def compile_specs(jobs: Iterable[tuple[LaunchSpec, str]], workers: int = 2
+                  ) -> list[KernelResources]:
+    """KernelResources of each (spec, arch name), in order; cached for the process.
+
+    Workers are spawned, not forked (a forked child would inherit the interpreter's
+    kernels), so a script that calls this needs the `if __name__ == "__main__":` guard."""
+    jobs = list(jobs)
+    for _, arch_name in jobs:
+        if arch_name not in ARCHS:
+            raise ValueError(f"unknown arch {arch_name!r}; known: {', '.join(ARCHS)}")
+    keys = [spec_key(spec) + (arch_name,) for spec, arch_name in jobs]
+    todo = {key: job for key, job in zip(keys, jobs, strict=True) if key not in _cache}
+    if todo:
+        with _without_interpreter(), ProcessPoolExecutor(
+                max(1, min(workers, len(todo))), mp_context=multiprocessing.get_context("spawn")
+        ) as pool:
+            specs, archs = zip(*todo.values(), strict=True)
+            _cache.update(zip(todo, pool.map(_compile_job, specs, archs), strict=True))
+    return [replace(_cache[key], label=spec.label)
+            for key, (spec, _) in zip(keys, jobs, strict=True)]
+
+
+def compile_spec(spec: LaunchSpec, arch_name: str) -> KernelResources:
+    """KernelResources of one spec on one arch (see compile_specs)."""
+    return compile_specs([(spec, arch_name)], workers=1)[0]
