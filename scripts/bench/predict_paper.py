@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if options.out is not None:
         options.out.parent.mkdir(parents=True, exist_ok=True)
-        options.out.write_text(table)
+        options.out.write_text(table + kept_section(options.out))
         options.out.with_suffix(".json").write_text(json.dumps(
             {"gemm_fraction": gemm, "network_efficiency": net, "cells": results}, indent=1))
     if options.plot is not None:
@@ -221,6 +221,20 @@ def main(argv: list[str] | None = None) -> int:
         lab = json.loads(options.lab.read_text())["rows"] if options.lab.exists() else []
         print(f"plot: {predicted_vs_reference(results, lab, options.plot)}")
     return 0
+
+
+# Text below this line in the output file is written by hand (predictions of configurations
+# beyond the paper's, with the commands that made them) and kept when the table is rewritten.
+KEPT_MARKER = "<!-- beyond the paper: kept when regenerated -->"
+
+
+def kept_section(out: Path) -> str:
+    """The hand-written part of an existing ``out`` (from KEPT_MARKER on), else ''."""
+    if not out.exists():
+        return ""
+    text = out.read_text()
+    index = text.find(KEPT_MARKER)
+    return "" if index < 0 else "\n" + text[index:]
 
 
 def render(results: list[dict], gemm: float, net: float) -> str:
