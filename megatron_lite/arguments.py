@@ -254,6 +254,9 @@ def _add_checkpointing_args(group: argparse._ArgumentGroup) -> None:
                        "exit cleanly (what schedulers send before killing a job).")
     group.add_argument("--no-load-optim", action="store_true",
                        help="Load only the weights from --load, not optimizer states.")
+    group.add_argument("--no-load-fallback", action="store_true",
+                       help="Stop when the latest checkpoint in --load is incomplete or fails "
+                       "its checksums, instead of resuming from the newest one that verifies.")
     group.add_argument("--ckpt-format", default="torch",
                        choices=("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"),
                        help="Accepted, no effect: checkpoints are always this engine's "

@@ -59,6 +59,7 @@ class CheckpointConfig:
     save_interval: int | None = None  # iterations between saves
     save_error: str = "stop"  # "stop" or "continue" past a storage failure
     no_load_optim: bool = False  # resume the weights only
+    no_load_fallback: bool = False  # a latest checkpoint that fails verification stops the run
     exit_signal_handler: bool = False  # save and stop on SIGTERM
     exit_on_nan: int = 0  # stop after this many consecutive non-finite losses; 0 = never
     exit_duration_in_mins: float | None = None  # save and stop once training ran this long
@@ -108,8 +109,12 @@ class RunControl:
         # Before the load, on every rank alike: a model of another architecture would fail in
         # it on some tensor's shape, on some ranks only, while the others wait in a gather.
         # The client state is memory-mapped, so this reads no weights.
+        # Every file of the checkpoint is verified first; a latest one that fails falls back
+        # to the newest that verifies ([Note: checkpoint checksums]), unless refused.
+        tag = self.engine.checkpoint_to_load(
+            self.config.load, fallback=not self.config.no_load_fallback, log=trainer.log)
         try:
-            saved = client_state(self.config.load)
+            saved = client_state(self.config.load, tag)
         except (CheckpointError, OSError, RuntimeError, KeyError):
             saved = None  # no readable checkpoint there: the load below says why
         if saved is not None:
@@ -119,7 +124,7 @@ class RunControl:
         imported = bool(saved and saved.get("imported_from_hf"))
         weights_only = self.config.no_load_optim or imported
         path, client = self.engine.load_checkpoint(
-            self.config.load, load_optimizer_states=not weights_only
+            self.config.load, tag=tag, load_optimizer_states=not weights_only
         )
         trainer.load_state_dict(client)
         if not weights_only and client.get("lr_scheduler"):

@@ -6,7 +6,9 @@
                                      working dtype, loss scaler, RNG states, client state
     DIR/TAG/meta.json                world size, topology, unit layouts, engine config
 
-A save writes everything under ``DIR/TAG.tmp``; after every rank has written (a barrier),
+Every file is checksummed as it is written and verified before a load; ``--load`` falls
+back to the newest checkpoint that verifies ([Note: checkpoint checksums] in
+``zeropp/checkpoint_integrity.py``). A save writes everything under ``DIR/TAG.tmp``; after every rank has written (a barrier),
 rank 0 renames the directory to ``DIR/TAG`` and only then replaces ``latest`` (temp file +
 rename). A crash at any point leaves ``latest`` naming the previous complete checkpoint.
 
@@ -28,6 +30,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from zeropp.checkpoint_integrity import gather_checksums, save_checksummed
 
 SHARD_FORMAT = "zeropp-shard-v1"
 
@@ -55,7 +59,9 @@ def shard_file(tag_dir: Path, rank: int) -> Path:
     return tag_dir / f"zero_rank{rank:05d}.pt"
 
 
-def read_latest(load_dir: str | os.PathLike) -> str:
+def read_latest(load_dir: str | os.PathLike, must_exist: bool = True) -> str:
+    """The tag ``DIR/latest`` names; ``must_exist=False`` returns it even when that
+    directory is gone (a fallback then looks further)."""
     root = Path(load_dir)
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory {root} does not exist")
@@ -65,7 +71,7 @@ def read_latest(load_dir: str | os.PathLike) -> str:
             f"{root} has no 'latest' file: not a checkpoint directory, or no save completed"
         )
     tag = latest.read_text().strip()
-    if not (root / tag).is_dir():
+    if must_exist and not (root / tag).is_dir():
         raise CheckpointError(f"{latest} names {tag!r}, but {root / tag} does not exist")
     return tag
 
@@ -140,8 +146,15 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
                 "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
         "client_state": client_state or {},
     }
+    crc, nbytes = 0, 0
     try:
-        torch.save(state, shard_file(tmp_dir, rank))
+        crc, nbytes = save_checksummed(state, shard_file(tmp_dir, rank))
+    except Exception as exc:
+        error = exc
+    _agree_or_raise(error, device, f"cannot write checkpoint shard in {tmp_dir}")
+    # [Note: checkpoint checksums]: computed while writing, recorded by rank 0.
+    checksums = gather_checksums(crc, nbytes, device)
+    try:
         if rank == 0:
             meta = {
                 "format": SHARD_FORMAT,
@@ -152,11 +165,13 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
                 "units": [[u.name, u.layout.numel, u.layout.padded_numel]
                           for u in engine.sharded.units],
                 "config": engine.config.to_dict() if engine.config is not None else None,
+                # Per rank file: [crc32, bytes] as written.
+                "checksums": checksums,
             }
             _atomic_write_text(tmp_dir / "meta.json", json.dumps(meta, indent=1))
     except Exception as exc:
         error = exc
-    _agree_or_raise(error, device, f"cannot write checkpoint shard in {tmp_dir}")
+    _agree_or_raise(error, device, f"cannot write checkpoint metadata in {tmp_dir}")
 
     try:
         if rank == 0:

@@ -11,6 +11,7 @@ import contextlib
 import math
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -290,21 +291,44 @@ class ZeroEngine:
 
         return checkpoint.save(self, save_dir, tag or f"global_step{self.global_steps}", client_state)
 
+    def checkpoint_to_load(self, load_dir, fallback: bool = True, log=None) -> str:
+        """The tag a load of ``load_dir`` without one takes: ``latest``'s if every file
+        verifies, else (``fallback``) the newest checkpoint that does, said in one line
+        through ``log`` (rank 0 prints by default). Collective."""
+        from zeropp import checkpoint, checkpoint_integrity
+
+        root = Path(load_dir)
+        latest = checkpoint.read_latest(root, must_exist=False)
+        if log is None:
+            log = print if self.topology.rank == 0 else (lambda message: None)
+        tag = checkpoint_integrity.choose(root, latest, self.sharded.device, fallback, log)
+        self._verified_checkpoint = (root.resolve(), tag)
+        return tag
+
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False):
+                        load_module_only: bool = False, load_fallback: bool = True):
         """Load a checkpoint saved at any world size; returns ``(path, client_state)``.
 
         DeepSpeed's signature: ``load_module_only`` takes the weights alone,
-        ``load_lr_scheduler_states=False`` keeps this run's schedule.
+        ``load_lr_scheduler_states=False`` keeps this run's schedule. Every file is verified
+        against its checksum first; without ``tag``, a latest checkpoint that fails falls
+        back to the newest one that verifies (``load_fallback=False``: raise instead).
         """
-        from zeropp import checkpoint
+        from zeropp import checkpoint, checkpoint_integrity
 
         if not load_module_strict:
             raise ValueError("load_checkpoint(load_module_strict=False) is not supported: "
                              "every parameter of the model must be in the checkpoint")
-        tag = tag or checkpoint.read_latest(load_dir)
+        root = Path(load_dir)
+        if tag is None:
+            tag = self.checkpoint_to_load(root, load_fallback)
+        elif getattr(self, "_verified_checkpoint", None) != (root.resolve(), tag):
+            problem = checkpoint_integrity.verify(root / tag, self.sharded.device)
+            if problem is not None:
+                raise checkpoint.CheckpointError(f"checkpoint {root / tag}: {problem}")
+        self._verified_checkpoint = None
         state = checkpoint.load(self, load_dir, tag, load_optimizer_states,
                                 load_lr_scheduler_states, load_module_only)
         return str(load_dir) + "/" + tag, state

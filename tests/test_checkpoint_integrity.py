@@ -1,0 +1,99 @@
+"""Checkpoints that went bad on disk ([Note: checkpoint checksums]): a flipped block, a
+truncated file, a missing rank file, an unfinished save; the fallback to the newest good one,
+the refusal of it, and checkpoints from before checksums."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.test_pretrain_cli import read_metrics, run
+from tests.test_resilience import data_prefix, train_args  # noqa: F401 (module fixture)
+
+
+@pytest.fixture(scope="module")
+def saved_runs(data_prefix, tmp_path_factory):  # noqa: F811
+    """An 8-iteration run stopped at 6 after saving at 2, 4 and 6, and the losses of the
+    same 8 iterations uninterrupted."""
+    base = tmp_path_factory.mktemp("integrity")
+    ckpt, metrics = base / "ckpt", base / "full.jsonl"
+    result = run(train_args(data_prefix, base, 8, "--save", str(ckpt), "--save-interval", "2",
+                            "--exit-interval", "6"))
+    assert result.returncode == 0, result.stderr
+    assert (ckpt / "latest").read_text() == "iter_0000006"
+    result = run(train_args(data_prefix, base, 8, "--metrics-file", str(metrics)))
+    assert result.returncode == 0, result.stderr
+    losses = {r["iteration"]: r["lm_loss"] for r in read_metrics(metrics)[0]}
+    return base, ckpt, losses
+
+
+def resume(data_prefix, tmp_path, ckpt, *extra):  # noqa: F811
+    metrics = tmp_path / "resumed.jsonl"
+    result = run(train_args(data_prefix, tmp_path, 8, "--load", str(ckpt), "--metrics-file",
+                            str(metrics), *extra))
+    return result, metrics
+
+
+def damaged_copy(saved_runs, tmp_path):
+    _base, ckpt, losses = saved_runs
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    return copy, losses
+
+
+def test_checksums_are_recorded_for_every_file(saved_runs):
+    _base, ckpt, _ = saved_runs
+    meta = json.loads((ckpt / "iter_0000006" / "meta.json").read_text())
+    size = (ckpt / "iter_0000006" / "zero_rank00000.pt").stat().st_size
+    assert len(meta["checksums"]) == 1 and meta["checksums"][0][1] == size
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "missing_meta"])
+def test_a_damaged_latest_checkpoint_falls_back(data_prefix, saved_runs, tmp_path, damage):  # noqa: F811
+    """The run resumes from iteration 4 and continues exactly as an uninterrupted run would;
+    the damaged checkpoint stays as it was."""
+    ckpt, losses = damaged_copy(saved_runs, tmp_path)
+    shard = ckpt / "iter_0000006" / "zero_rank00000.pt"
+    if damage == "flip":
+        data = bytearray(shard.read_bytes())
+        middle = len(data) // 2
+        data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+        shard.write_bytes(bytes(data))
+    elif damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-1000])
+    else:
+        (ckpt / "iter_0000006" / "meta.json").unlink()
+    damaged = shard.read_bytes() if shard.exists() else None
+    result, metrics = resume(data_prefix, tmp_path, ckpt)
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stdout.splitlines() if "newest one that verifies" in line]
+    assert len(notes) == 1 and "iter_0000006" in notes[0] and "iter_0000004" in notes[0]
+    got = {r["iteration"]: r["lm_loss"] for r in read_metrics(metrics)[0]}
+    assert sorted(got) == [5, 6, 7, 8] and all(got[i] == losses[i] for i in got)
+    assert (shard.read_bytes() if shard.exists() else None) == damaged  # nothing overwritten
+
+
+def test_no_fallback_stops_with_one_line(data_prefix, saved_runs, tmp_path):  # noqa: F811
+    ckpt, _ = damaged_copy(saved_runs, tmp_path)
+    shard = ckpt / "iter_0000006" / "zero_rank00000.pt"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    result, _ = resume(data_prefix, tmp_path, ckpt, "--no-load-fallback")
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert "iter_0000006" in last and "zero_rank00000.pt" in last and "truncated" in last
+
+
+def test_a_checkpoint_from_before_checksums_still_loads(data_prefix, saved_runs, tmp_path):  # noqa: F811
+    ckpt, losses = damaged_copy(saved_runs, tmp_path)
+    for tag in ("iter_0000002", "iter_0000004", "iter_0000006"):
+        meta_path = ckpt / tag / "meta.json"
+        meta = json.loads(meta_path.read_text())
+        del meta["checksums"]
+        meta_path.write_text(json.dumps(meta))
+    result, metrics = resume(data_prefix, tmp_path, ckpt)
+    assert result.returncode == 0, result.stderr
+    assert "predates checksums: loaded unverified" in result.stdout
+    got = {r["iteration"]: r["lm_loss"] for r in read_metrics(metrics)[0]}
+    assert sorted(got) == [7, 8] and all(got[i] == losses[i] for i in got)
