@@ -50,6 +50,7 @@ from megatron_lite.checkpointing import (
 from megatron_lite.dry_run import describe_count, run_dry_run
 from megatron_lite.ds_config import engine_config, optimizer_params, read_ds_config
 from megatron_lite.metrics import MetricsWriter
+from megatron_lite.supervise import note_usage_error
 from megatron_lite.model import GPTModel, lm_loss
 from megatron_lite.training import (
     LoaderFactory,
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         training = build_training(args)
         print_run_description(args, training.model, training.engine.topology.describe())
     except USAGE_ERRORS as error:
+        note_usage_error()  # a supervisor (megatron_lite.supervise) must not restart this
         return fail(error, status=2, destroy=owns_process_group)
     except (FileNotFoundError, ValueError) as error:
         return fail(error, status=1, destroy=owns_process_group)

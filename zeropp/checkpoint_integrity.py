@@ -168,3 +168,13 @@ def choose(root: Path, latest: str | None, device: torch.device, fallback: bool,
         raise CheckpointError(f"no checkpoint in {root} verifies; the newest: "
                               f"{failures[0][0]}: {failures[0][1]}")
     raise CheckpointError(f"{root} holds no checkpoint")
+
+
+def newest_verified(root: Path) -> str | None:
+    """In one process (no ranks): the tag ``--load root`` would resume from, or None."""
+    latest_file = root / "latest"
+    latest = latest_file.read_text().strip() if latest_file.is_file() else None
+    for tag in candidates(root, latest):
+        if _problem(root / tag, 0, 1) is None:
+            return tag
+    return None

@@ -26,6 +26,9 @@
 #   DATA_PATH        indexed dataset prefix (default cache/data/pile_text_document)
 #   RUN_DIR          where metrics files go (default cache/runs/paper)
 #   DEEPSPEED, PYTHON  the launcher and the interpreter (default: .venv's when present)
+#   RESTARTS=N       relaunch a failed run up to N times from its latest verified checkpoint
+#                    (python -m megatron_lite.supervise; needs --save DIR --load DIR)
+#   BACKOFF          seconds between relaunches (default 10)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
@@ -117,6 +120,12 @@ else
   [ -f "$HOSTFILE" ] || die "no hostfile $HOSTFILE (set HOSTFILE, or NODES to 1, 2, 4, 8, 16 or 24)"
   COMMAND=("$DEEPSPEED" --hostfile "$HOSTFILE" --num_nodes "$NODES" --num_gpus "$GPUS_PER_NODE"
            "$ROOT/pretrain_zeropp_gpt.py" "${FLAGS[@]}" "$@")
+fi
+
+if [ "${RESTARTS:-0}" != 0 ] && [ "${DRY_RUN:-0}" != 1 ]; then
+  [[ "$RESTARTS" =~ ^[0-9]+$ ]] || die "RESTARTS must be a count of relaunches, got '$RESTARTS'"
+  COMMAND=("$PYTHON" -m megatron_lite.supervise --restarts "$RESTARTS"
+           --backoff "${BACKOFF:-10}" -- "${COMMAND[@]}")
 fi
 
 if [ "${PRINT_ONLY:-0}" = 1 ]; then

@@ -1,0 +1,78 @@
+"""megatron_lite.supervise: a job killed mid-run comes back from its latest verified checkpoint
+and ends as an uninterrupted run would; usage errors are not restarted; bad commands are
+refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from tests.test_pretrain_cli import ROOT, read_metrics, run
+from tests.test_resilience import data_prefix, train_args  # noqa: F401 (module fixture)
+
+SUPERVISE = [sys.executable, "-m", "megatron_lite.supervise"]
+# As tests.test_pretrain_cli.run: one thread, so losses compare bit for bit between runs.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+# Launches the training it is given and, on its first attempt only, SIGKILLs it as soon as
+# the metrics file shows iteration 5 (after the save at 4): a rank lost mid-run.
+KILL_ONCE = textwrap.dedent('''
+    import os, signal, subprocess, sys, time
+    from pathlib import Path
+    marker, metrics, command = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+    child = subprocess.Popen(command)
+    if marker.exists():
+        sys.exit(child.wait())
+    marker.write_text("killed once")
+    while child.poll() is None:
+        if metrics.exists() and '"iteration": 5,' in metrics.read_text():
+            os.kill(child.pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    sys.exit(child.wait() or 137)
+''')
+
+
+def test_a_killed_job_is_relaunched_and_ends_as_if_uninterrupted(data_prefix, tmp_path):  # noqa: F811
+    full, metrics, ckpt = tmp_path / "full.jsonl", tmp_path / "run.jsonl", tmp_path / "ckpt"
+    assert run(train_args(data_prefix, tmp_path, 8, "--metrics-file", str(full))).returncode == 0
+    wrapper = tmp_path / "kill_once.py"
+    wrapper.write_text(KILL_ONCE)
+    training = train_args(data_prefix, tmp_path, 8, "--metrics-file", str(metrics),
+                          "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2")
+    command = [*SUPERVISE, "--restarts", "2", "--backoff", "0", "--",
+               sys.executable, str(wrapper), str(tmp_path / "marker"), str(metrics), *training]
+    result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    restarts = [line for line in result.stderr.splitlines() if line.startswith("supervise:")]
+    assert len(restarts) == 1, restarts
+    assert "restart 1 of 2" in restarts[0] and "iteration 4" in restarts[0]
+    expected = {r["iteration"]: r["lm_loss"] for r in read_metrics(full)[0]}
+    records = read_metrics(metrics)[0]
+    last = {}
+    for record in records:  # the relaunch repeats iteration 5 onwards: keep the last of each
+        last[record["iteration"]] = record["lm_loss"]
+    assert sorted(last) == list(range(1, 9))
+    assert all(last[i] == expected[i] for i in last), [(i, last[i], expected[i]) for i in last if last[i] != expected[i]]
+
+
+def test_usage_errors_are_not_restarted(data_prefix, tmp_path):  # noqa: F811
+    ckpt = tmp_path / "ckpt"
+    training = train_args(data_prefix, tmp_path, 2, "--save", str(ckpt), "--load", str(ckpt),
+                          "--micro-batch-size", "-3")
+    result = subprocess.run([*SUPERVISE, "--restarts", "3", "--backoff", "0", "--", *training],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.startswith("supervise:")]
+    assert lines == ["supervise: exit status 2, a usage error: not restarting"]
+
+
+def test_commands_without_a_shared_checkpoint_dir_are_refused(tmp_path):
+    for extra in ([], ["--save", "a"], ["--save", "a", "--load", "b"]):
+        result = subprocess.run([*SUPERVISE, "--restarts", "1", "--", "python", "x.py", *extra],
+                                cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2
+        assert "--save DIR --load DIR with the same DIR" in result.stderr.splitlines()[-1]
