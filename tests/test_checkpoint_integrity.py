@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
+import torch
 
+from tests.distributed import run_ranks
 from tests.test_pretrain_cli import read_metrics, run
 from tests.test_resilience import data_prefix, train_args  # noqa: F401 (module fixture)
 
@@ -97,3 +100,39 @@ def test_a_checkpoint_from_before_checksums_still_loads(data_prefix, saved_runs,
     assert "predates checksums: loaded unverified" in result.stdout
     got = {r["iteration"]: r["lm_loss"] for r in read_metrics(metrics)[0]}
     assert sorted(got) == [7, 8] and all(got[i] == losses[i] for i in got)
+
+
+def missing_rank_file(rank, world, root):
+    import torch.distributed as dist
+
+    from tests.test_gradient_reduction import build, qgz_config, train_steps
+
+    engine = build(qgz_config())
+    train_steps(engine, rank, world, 2)
+    engine.save_checkpoint(root, tag="step2")
+    train_steps(engine, rank, world, 1, first_step=2)
+    engine.save_checkpoint(root, tag="step3")
+    expected = engine.full_state_dict()
+    engine.close()
+    dist.barrier()
+    if rank == 0:
+        (Path(root) / "step3" / "zero_rank00003.pt").unlink()  # one rank's file lost
+    dist.barrier()
+    resumed = build(qgz_config())
+    messages = []
+    path, _ = resumed.load_checkpoint(root, tag=None) if rank else (None, None)
+    if rank == 0:
+        tag = resumed.checkpoint_to_load(root, log=messages.append)
+        path, _ = resumed.load_checkpoint(root, tag=tag)
+    state = resumed.full_state_dict()
+    resumed.close()
+    return path, messages, any(not torch.equal(state[k], expected[k]) for k in state)
+
+
+def test_a_missing_rank_file_falls_back_on_every_rank(tmp_path):
+    """4 ranks; rank 3's file of the newest checkpoint is gone: every rank takes step2."""
+    results = run_ranks(missing_rank_file, 4, str(tmp_path))
+    for path, _messages, differs in results:
+        assert path.endswith("step2") and differs  # step2's weights, not step3's
+    messages = results[0][1]
+    assert len(messages) == 1 and "zero_rank00003.pt is missing" in messages[0]

@@ -9,15 +9,18 @@ import subprocess
 import sys
 import textwrap
 
-from tests.test_pretrain_cli import ROOT, read_metrics, run
+import pytest
+
+from tests.test_pretrain_cli import ROOT, read_metrics
 from tests.test_resilience import data_prefix, train_args  # noqa: F401 (module fixture)
 
 SUPERVISE = [sys.executable, "-m", "megatron_lite.supervise"]
 # As tests.test_pretrain_cli.run: one thread, so losses compare bit for bit between runs.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
-# Launches the training it is given and, on its first attempt only, SIGKILLs it as soon as
-# the metrics file shows iteration 5 (after the save at 4): a rank lost mid-run.
+# Launches the command it is given and, on its first attempt only, SIGKILLs a training
+# process as soon as the metrics file shows iteration 5 (after the save at 4): the launched
+# program itself, or under torchrun its last rank (a rank lost mid-run).
 KILL_ONCE = textwrap.dedent('''
     import os, signal, subprocess, sys, time
     from pathlib import Path
@@ -28,22 +31,33 @@ KILL_ONCE = textwrap.dedent('''
     marker.write_text("killed once")
     while child.poll() is None:
         if metrics.exists() and '"iteration": 5,' in metrics.read_text():
-            os.kill(child.pid, signal.SIGKILL)
+            ranks = subprocess.run(["pgrep", "-f", "-P", str(child.pid), "pretrain_zeropp_gpt"],
+                                   capture_output=True, text=True).stdout.split()
+            os.kill(int(ranks[-1]) if ranks else child.pid, signal.SIGKILL)
             break
         time.sleep(0.05)
     sys.exit(child.wait() or 137)
 ''')
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
-def test_a_killed_job_is_relaunched_and_ends_as_if_uninterrupted(data_prefix, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-process", "torchrun-2-ranks"])
+def test_a_killed_job_is_relaunched_and_ends_as_if_uninterrupted(data_prefix, tmp_path, ranks):  # noqa: F811
     full, metrics, ckpt = tmp_path / "full.jsonl", tmp_path / "run.jsonl", tmp_path / "ckpt"
-    assert run(train_args(data_prefix, tmp_path, 8, "--metrics-file", str(full))).returncode == 0
+    launcher = TORCHRUN if ranks == 2 else [sys.executable]
+
+    def training(*extra):
+        return [*launcher, *train_args(data_prefix, tmp_path, 8, *extra)[1:]]
+
+    reference = subprocess.run(training("--metrics-file", str(full)), cwd=ROOT, env=ENV,
+                               capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr[-2000:]
     wrapper = tmp_path / "kill_once.py"
     wrapper.write_text(KILL_ONCE)
-    training = train_args(data_prefix, tmp_path, 8, "--metrics-file", str(metrics),
-                          "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2")
+    supervised = training("--metrics-file", str(metrics), "--save", str(ckpt), "--load",
+                          str(ckpt), "--save-interval", "2", "--distributed-timeout-minutes", "1")
     command = [*SUPERVISE, "--restarts", "2", "--backoff", "0", "--",
-               sys.executable, str(wrapper), str(tmp_path / "marker"), str(metrics), *training]
+               sys.executable, str(wrapper), str(tmp_path / "marker"), str(metrics), *supervised]
     result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from zeropp.comm.collectives import all_gather_into_tensor
+
 CHUNK_BYTES = 8 << 20
 
 
@@ -82,7 +84,7 @@ def gather_checksums(crc: int, nbytes: int, device: torch.device) -> list[list[i
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [mine.tolist()]
     every = torch.empty(dist.get_world_size(), 2, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every.view(-1), mine)
+    all_gather_into_tensor(every.view(-1), mine)
     return every.tolist()
 
 
@@ -120,8 +122,8 @@ def has_checksums(tag_dir: Path) -> bool:
 
 
 def verify(tag_dir: Path, device: torch.device) -> str | None:
-    """Collective: None when every file of ``tag_dir`` verifies, else what failed (the
-    message of a rank that found it, or a pointer to the other ranks' output)."""
+    """Collective: None when every file of ``tag_dir`` verifies, else what failed (as the
+    first rank that found a problem saw it; the same text on every rank)."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     problem = _problem(tag_dir, rank, world)
@@ -130,7 +132,11 @@ def verify(tag_dir: Path, device: torch.device) -> str | None:
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if failed.item() == 0:
         return None
-    return problem or f"{tag_dir} failed verification on another rank (see its output)"
+    if distributed:  # rare: every rank learns the first rank's finding, to name the file
+        found: list = [None] * world
+        dist.all_gather_object(found, problem)
+        problem = next(p for p in found if p is not None)
+    return problem
 
 
 def candidates(root: Path, latest: str | None) -> list[str]:
