@@ -50,8 +50,8 @@ from megatron_lite.checkpointing import (
 from megatron_lite.dry_run import describe_count, run_dry_run
 from megatron_lite.ds_config import engine_config, optimizer_params, read_ds_config
 from megatron_lite.metrics import MetricsWriter
-from megatron_lite.supervise import note_usage_error
 from megatron_lite.model import GPTModel, lm_loss
+from megatron_lite.supervise import note_usage_error
 from megatron_lite.training import (
     LoaderFactory,
     LoopConfig,
