@@ -5,7 +5,9 @@ the refusal of it, and checkpoints from before checksums."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -136,3 +138,33 @@ def test_a_missing_rank_file_falls_back_on_every_rank(tmp_path):
         assert path.endswith("step2") and differs  # step2's weights, not step3's
     messages = results[0][1]
     assert len(messages) == 1 and "zero_rank00003.pt is missing" in messages[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None,
+                    reason="mounting a small tmpfs (a disk that fills up) needs root")
+def test_a_full_disk_during_save_keeps_the_previous_checkpoint(data_prefix, saved_runs,  # noqa: F811
+                                                               tmp_path):
+    """The disk fills up while iteration 4's checkpoint is written: the save fails, the run
+    goes on (--save-error continue), and --load still resumes from iteration 2's, verified."""
+    _base, ckpt, losses = saved_runs
+    size = sum(f.stat().st_size for f in (ckpt / "iter_0000002").iterdir())
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size * 1.5)}", "tmpfs",
+                              str(disk)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        save = disk / "ckpt"
+        result = run(train_args(data_prefix, tmp_path, 4, "--save", str(save),
+                                "--save-interval", "2", "--save-error", "continue"))
+        assert result.returncode == 0, result.stderr
+        assert "checkpoint save at iteration 4 failed" in result.stdout
+        assert (save / "latest").read_text() == "iter_0000002"
+        resumed, metrics = resume(data_prefix, tmp_path, save)
+        assert resumed.returncode == 0, resumed.stderr
+        assert "resumed from" in resumed.stdout and "verifies" not in resumed.stdout
+        got = {r["iteration"]: r["lm_loss"] for r in read_metrics(metrics)[0]}
+        assert sorted(got)[0] == 3
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
