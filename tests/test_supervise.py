@@ -5,9 +5,12 @@ refused."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +93,20 @@ def test_commands_without_a_shared_checkpoint_dir_are_refused(tmp_path):
                                 cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
         assert result.returncode == 2
         assert "--save DIR --load DIR with the same DIR" in result.stderr.splitlines()[-1]
+
+
+def test_ctrl_c_stops_the_job_and_the_supervisor(tmp_path):
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)", "--save", str(tmp_path),
+               "--load", str(tmp_path)]
+    process = subprocess.Popen([*SUPERVISE, "--restarts", "5", "--", *sleeper], cwd=ROOT,
+                               env=ENV, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True,
+                              text=True).stdout.split()
+    assert children, "the job did not start"
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130
+    assert "interrupted; the job was stopped" in err
+    for pid in children:  # the job went with it
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
