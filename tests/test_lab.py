@@ -245,6 +245,37 @@ def test_report_rejects_unknown_json(tmp_path, capsys):
         capsys.readouterr().err
 
 
+def test_recorded_commands_are_relative_to_the_repository():
+    from scripts.bench import run_lab
+
+    root = run_lab.ROOT
+    assert run_lab.command_line("scripts.bench.run_lab", [
+        "--rate", "100mbit", "--out", str(root / "cache" / "lab" / "a.json"),
+        f"--data-path={root / 'cache' / 'data' / 'x'}", "/elsewhere/y", "two words",
+    ]) == ("python -m scripts.bench.run_lab --rate 100mbit --out cache/lab/a.json "
+           "--data-path=cache/data/x /elsewhere/y 'two words'")
+
+
+def test_report_makes_old_recorded_commands_portable(tmp_path):
+    old = ("/srv/lab/.venv/bin/python /srv/lab/scripts/bench/run_lab.py --rate 1gbit "
+           "--out /srv/lab/cache/lab/b.json")
+    assert report.portable_command(old) == \
+        "python -m scripts.bench.run_lab --rate 1gbit --out cache/lab/b.json"
+    assert report.portable_command("/usr/bin/python3 -m scripts.bench.convergence --x 1") == \
+        "python -m scripts.bench.convergence --x 1"
+    assert report.portable_command("run_lab.py --rate 1gbit") == "run_lab.py --rate 1gbit"
+    assert report.portable_path("/srv/lab/cache/data/d", old) == "cache/data/d"
+    records = _write_results(tmp_path)
+    record = json.loads(records[0].read_text())
+    record["command"] = old
+    records[0].write_text(json.dumps(record))
+    doc = tmp_path / "docs" / "lab.md"
+    assert report.main([*map(str, records), "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert "`python -m scripts.bench.run_lab --rate 1gbit --out cache/lab/b.json`" in text
+    assert "/srv/lab" not in text
+
+
 # ---- the whole pipeline on a simulated cluster (root only) ---------------------------------------
 
 _UNAVAILABLE = cluster.unavailable_reason()

@@ -31,7 +31,13 @@ from pathlib import Path
 
 from scripts.bench import plots
 from scripts.bench.launch_ranks import LaunchError, describe_failure, launch
-from scripts.bench.run_lab import command_line, load_average, machine_description, write_json
+from scripts.bench.run_lab import (
+    command_line,
+    load_average,
+    machine_description,
+    repo_relative,
+    write_json,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA_PREFIX = ROOT / "cache" / "data" / "pile_sample_text_document"
@@ -199,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                   "ranks_per_node": args.ranks_per_node, "train_iters": args.train_iters,
                   "num_layers": args.num_layers, "hidden_size": args.hidden_size,
                   "seq_length": args.seq_length, "global_batch_size": args.global_batch_size,
-                  "data_path": str(args.data_path)},
+                  "data_path": repo_relative(str(args.data_path))},
         "variants": {},
     }
     for name in args.variants:

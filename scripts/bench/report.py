@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from scripts.bench import plots
+from scripts.bench.run_lab import ROOT, repo_relative
 
 # The begin marker names the generator's file; documents already carry this exact line, so it
 # stays as it is (a changed marker would no longer be found, and the results added twice).
@@ -195,7 +198,8 @@ def convergence_section(record: dict, image: str | None) -> list[str]:
              f"({setup.get('ranks_per_node', '?')} per node), {setup.get('num_layers', '?')} "
              f"layers, hidden {setup.get('hidden_size', '?')}, sequence "
              f"{setup.get('seq_length', '?')}, global batch "
-             f"{setup.get('global_batch_size', '?')}, data `{setup.get('data_path', '?')}`.", ""]
+             f"{setup.get('global_batch_size', '?')}, data "
+             f"`{portable_path(setup.get('data_path', '?'), record.get('command', ''))}`.", ""]
     lines += table(["variant", "final validation loss", "gap vs `zero3`", "seconds", "status"],
                    rows)
     if image:
@@ -214,6 +218,51 @@ def kernels_section(record: dict) -> list[str]:
             + table(["backend", "op", "dtype", "bits", "MiB", "GB/s", "vs copy"], rows) + [""])
 
 
+_SCRIPT = re.compile(r"^(?P<root>/.*?)/(?P<module>scripts/bench/\w+)\.py$")
+
+
+def _checkout(command: str) -> Path | None:
+    """The checkout an old-style record's command ran from (``/x`` in ``/x/scripts/...py``)."""
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return None
+    script = _SCRIPT.match(words[1]) if len(words) > 1 else None
+    return None if script is None else Path(script["root"])
+
+
+def portable_path(path: str, command: str = "") -> str:
+    """``path`` relative to the repository root when it lies under this checkout or under the
+    one ``command`` was recorded in."""
+    for base in (_checkout(command), ROOT):
+        if base is not None:
+            path = repo_relative(path, base)
+    return path
+
+
+def portable_command(command: str) -> str:
+    """A recorded command as typed from the repository root on any machine.
+
+    Records written before commands were recorded that way hold the interpreter and the
+    checkout of the machine that ran them (``/x/.venv/bin/python /x/scripts/bench/run_lab.py
+    --out /x/cache/lab/a.json``); they become ``python -m scripts.bench.run_lab --out
+    cache/lab/a.json``. Anything not of that shape is kept as it is."""
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return command
+    if len(words) < 2 or not Path(words[0]).name.startswith("python"):
+        return command
+    script = _SCRIPT.match(words[1])
+    if words[1] == "-m" and len(words) > 2:
+        words = ["python", "-m", *words[2:]]
+    elif script is not None:
+        words = ["python", "-m", script["module"].replace("/", "."), *words[2:]]
+    else:
+        return command
+    return shlex.join([words[0], *(portable_path(word, command) for word in words[1:])])
+
+
 def provenance_section(inputs: Inputs) -> list[str]:
     records = [*inputs.throughput, *([inputs.convergence] if inputs.convergence else [])]
     lines = ["### Machine and commands", ""]
@@ -227,7 +276,8 @@ def provenance_section(inputs: Inputs) -> list[str]:
         label = record.get("rate", record.get("kind"))
         lines.append(f"- {label}: {record.get('date', '?')}, load average before "
                      f"{record.get('load_average_before')} after "
-                     f"{record.get('load_average_after')}: `{record.get('command', '?')}`")
+                     f"{record.get('load_average_after')}: "
+                     f"`{portable_command(record.get('command', '?'))}`")
     return lines + [""]
 
 

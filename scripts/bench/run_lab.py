@@ -163,9 +163,31 @@ def run_system(args: argparse.Namespace, system: str, cluster: SimCluster | None
     return result
 
 
+def repo_relative(argument: str, root: Path = ROOT) -> str:
+    """``argument`` with an absolute path under ``root`` written relative to it (also the
+    value of ``--option=PATH``); anything else unchanged. Records and documents name files the
+    way a user types them from the repository root, not where one machine kept its checkout."""
+    option, equals, value = ("", "", argument)
+    if argument.startswith("-"):
+        option, equals, value = argument.partition("=")
+    path = Path(value)
+    if not path.is_absolute():
+        return argument
+    for base in dict.fromkeys((root, root.resolve())):
+        try:
+            relative = Path(os.path.normpath(path)).relative_to(base)
+        except ValueError:
+            continue
+        return option + equals + (relative.as_posix() or ".")
+    return argument
+
+
 def command_line(module: str, argv: list[str] | None) -> str:
-    """The command that repeats this run: ``python -m module`` with the same arguments."""
-    return shlex.join([sys.executable, "-m", module, *(sys.argv[1:] if argv is None else argv)])
+    """The command that repeats this run from the repository root: ``python -m module`` with
+    the same arguments, paths under the repository relative to it (not this machine's
+    interpreter and checkout)."""
+    arguments = sys.argv[1:] if argv is None else argv
+    return shlex.join(["python", "-m", module, *(repo_relative(a) for a in arguments)])
 
 
 def write_json(path: Path, record: dict) -> None:
