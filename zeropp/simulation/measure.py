@@ -60,6 +60,8 @@ DEFAULT_CATEGORY = "activations"  # autograd's saved tensors, activation and par
 # Checked per frame, innermost frame first; within a frame, the first matching rule wins.
 CATEGORY_RULES: list[Rule] = [
     _rule("zeropp/kernels/", "quantization buffers"),
+    # hpZ's int8 secondary: the payload rows a unit keeps (QuantizedSecondaryGather.take)
+    _rule("zeropp/comm/quantized.py", "hpZ secondary shards", "take"),
     _rule("zeropp/comm/quantized.py", "quantization buffers"),
     _rule("zeropp/unit.py", "gathered weights", "_alloc_full"),
     _rule("zeropp/unit.py", "hpZ secondary shards", "release", "_retain_secondary_payload"),
