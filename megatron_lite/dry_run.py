@@ -64,7 +64,7 @@ from megatron_lite.arguments import (
     validate_args,
 )
 from megatron_lite.ds_config import read_ds_config
-from megatron_lite.model import GPTConfig, GPTModel
+from megatron_lite.model import GPTConfig, GPTModel, describe_count
 from zeropp.config import ConfigError, ZeroConfig, read_json_config
 from zeropp.planner import SystemPlan, plan_zero3_and_zeropp, unit_parameter_counts
 from zeropp.topology import ClusterShape, TopologyError
@@ -380,10 +380,6 @@ def communication_lines(report: DryRunReport) -> list[str]:
         shown = "one node: nothing crosses nodes"
     lines.append(f"  inter-node volume, ZeRO-3 / ZeRO++: {shown}")
     return lines
-
-
-def describe_count(count: int) -> str:
-    return f"{count:,} ({count / 1e9:.2f}B)" if count >= 1e9 else f"{count:,} ({count / 1e6:.1f}M)"
 
 
 def render(report: DryRunReport) -> str:

@@ -5,7 +5,7 @@
         --micro-batch-size 1 --global-batch-size 64 --fp16 --checkpoint-activations \\
         --deepspeed_config configs/ds_zeropp_config.json
 
-The real entry point (``pretrain_zeropp_gpt.main``) runs with ``--mock-data`` as one rank of
+The real program (``megatron_lite.pretrain_gpt.main``) runs with ``--mock-data`` as one rank of
 the cluster, under ``zeropp.simulation``: torch's process-group machinery with a backend that
 moves no data but enforces NCCL's rules, tensors on the meta device (the engine then takes
 its CUDA execution model, with no real streams), a memory tracker and a host-sync counter.
@@ -169,7 +169,7 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
     iteration 2 of the first run (from the start of its ``train_step`` to the start of the
     next, like the host syncs: the loss logging is in it) as ``RankMeasurement.trace``.
     """
-    import pretrain_zeropp_gpt
+    from megatron_lite import pretrain_gpt
     from megatron_lite.training import Trainer
     from zeropp.comm.accounting import CommStats
     from zeropp.engine import ZeroEngine
@@ -271,7 +271,7 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
             gc.collect()  # the previous run's engine is garbage: not this run's memory
             measuring["on"] = False
             try:
-                statuses.append(pretrain_zeropp_gpt.main(training_argv(
+                statuses.append(pretrain_gpt.main(training_argv(
                     argv, gpus_per_node, iterations, config_path,
                     save_dir=None if save_to is None else str(save_to),
                     load_dir=None if load_from is None else str(load_from))))

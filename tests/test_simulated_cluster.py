@@ -1,6 +1,6 @@
 """The real program on the simulated GPU cluster: NCCL's rules, memory, host syncs.
 
-Each test runs ``pretrain_zeropp_gpt.main`` as ranks of a cluster of GPUs that do not
+Each test runs ``megatron_lite.pretrain_gpt.main`` as ranks of a cluster of GPUs that do not
 exist (meta tensors, the simulated process group), so the GPU path (the CUDA execution
 model) is what is checked, not the CPU one.
 """

@@ -31,18 +31,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from zeropp.checkpoint_files import CheckpointError, CheckpointStorageError, shard_file
 from zeropp.checkpoint_integrity import gather_checksums, save_checksummed
 
 SHARD_FORMAT = "zeropp-shard-v1"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or read (one-line message)."""
-
-
-class CheckpointStorageError(CheckpointError):
-    """A save failed because storage did (disk full, permissions, a read-only file system):
-    the run itself is sound, so ``--save-error continue`` may train on."""
 
 
 def _is_storage_failure(error: BaseException) -> bool:
@@ -53,10 +45,6 @@ def _is_storage_failure(error: BaseException) -> bool:
     text = str(error)
     return isinstance(error, RuntimeError) and (
         "PytorchStreamWriter" in text or "inline_container" in text)
-
-
-def shard_file(tag_dir: Path, rank: int) -> Path:
-    return tag_dir / f"zero_rank{rank:05d}.pt"
 
 
 def read_latest(load_dir: str | os.PathLike, must_exist: bool = True) -> str:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from zeropp.checkpoint_files import CheckpointError, shard_file
 from zeropp.comm.collectives import all_gather_into_tensor
 
 CHUNK_BYTES = 8 << 20
@@ -90,8 +91,6 @@ def gather_checksums(crc: int, nbytes: int, device: torch.device) -> list[list[i
 
 def _problem(tag_dir: Path, rank: int, world: int) -> str | None:
     """What is wrong with this rank's share of ``tag_dir``'s files, or None."""
-    from zeropp.checkpoint import shard_file
-
     try:
         meta = json.loads((tag_dir / "meta.json").read_text())
     except FileNotFoundError:
@@ -155,8 +154,6 @@ def candidates(root: Path, latest: str | None) -> list[str]:
 def choose(root: Path, latest: str | None, device: torch.device, fallback: bool,
            log=print) -> str:
     """The tag to load (collective; see [Note: checkpoint checksums])."""
-    from zeropp.checkpoint import CheckpointError
-
     failures = []
     for tag in candidates(root, latest):
         problem = verify(root / tag, device)

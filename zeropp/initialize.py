@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zeropp.comm import CommGroup
+from zeropp.comm.options import QuantizationOptions
 from zeropp.comm.registry import collectives_for
 from zeropp.comm.streams import execution_for
 from zeropp.engine import ZeroEngine
@@ -63,27 +63,6 @@ def default_device() -> torch.device:
     if torch.cuda.is_available() and backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-@dataclass(frozen=True)
-class QuantizationOptions:
-    """ZeRO++ switches and their precision (defaults are the paper's)."""
-
-    quantized_weights: bool = False  # qwZ
-    hpz_size: int = 1  # hpZ (1 = off)
-    quantized_gradients: bool = False  # qgZ
-    weight_bits: int = 8
-    gradient_bits: int = 4
-    block_size: int = 256
-    # hpZ with qwZ: secondary shards kept as the forward's int8 payload, not 16-bit values
-    # ([Note: int8 secondary]); the same weights either way.
-    quantized_secondary: bool = True
-    # qgZ error feedback as (err_beta, reset_T); None = off (ZeroConfig.error_feedback).
-    error_feedback: tuple[float, int] | None = None
-    # The forward gather sends quantized weight deltas across nodes ([Note: weight deltas]).
-    weight_deltas: bool = False
-    delta_bits: int = 4
-    delta_block_size: int = 2048
 
 
 def _hpz_group(topology: Topology, residency: Residency) -> CommGroup | None:

@@ -1,6 +1,6 @@
 """The Megatron GPT-2 model: configuration, module tree, initialization and LM loss."""
 
-from megatron_lite.model.config import GPTConfig, flops_per_token
+from megatron_lite.model.config import GPTConfig, describe_count, flops_per_token
 from megatron_lite.model.gpt import (
     MLP,
     Embedding,
@@ -17,6 +17,7 @@ __all__ = [
     "GPTModel",
     "SelfAttention",
     "TransformerLayer",
+    "describe_count",
     "flops_per_token",
     "lm_loss",
 ]

@@ -247,3 +247,7 @@ def _require_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
 def _require_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def describe_count(count: int) -> str:
+    return f"{count:,} ({count / 1e9:.2f}B)" if count >= 1e9 else f"{count:,} ({count / 1e6:.1f}M)"

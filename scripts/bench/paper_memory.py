@@ -5,8 +5,8 @@
 For every paper model (18B, 49B, 91B, 138B), 1K and 2K tokens per GPU, ZeRO-3 and ZeRO++
 (qwZ + hpZ 16 + qgZ, the tutorial's config), on 1-24 DGX-2 nodes of 16 GPUs: the planner's
 per-GPU peak (``--dry-run``'s total), and rank 0 of the cluster run for real on meta tensors
-by ``megatron_lite.simulate`` (3 iterations of ``pretrain_zeropp_gpt.main`` with the paper's
-flags). Memory per GPU falls as nodes are added, so each (model, tokens, system) is measured
+by ``megatron_lite.simulate`` (3 iterations of ``megatron_lite.pretrain_gpt.main`` with the
+paper's flags). Memory per GPU falls as nodes are added, so each (model, tokens, system) is measured
 where the planner puts the edge: the fewest nodes it says fit, and the node count below;
 ``--measure all`` measures every cell (hours for the 138B), ``--measure-nodes 24`` these node
 counts as well (every cell the paper trained: ``--measure none --measure-nodes 24``). ``--budget-minutes`` stops

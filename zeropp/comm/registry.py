@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +21,7 @@ from zeropp.comm.collectives import (
     ReplicatedAllReduce,
 )
 from zeropp.comm.delta import DeltaSecondaryGather, DeltaWeightGather
+from zeropp.comm.options import QuantizationOptions
 from zeropp.comm.quantized import (
     HierarchicalReduceScatter,
     QuantizedAllGather,
@@ -29,9 +29,6 @@ from zeropp.comm.quantized import (
 )
 from zeropp.comm.streams import SYNCHRONOUS, Execution
 from zeropp.topology import Topology
-
-if TYPE_CHECKING:
-    from zeropp.initialize import QuantizationOptions
 
 Factory = Callable[["QuantizationOptions", Topology, Execution], Collective]
 
