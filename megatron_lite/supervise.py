@@ -86,7 +86,9 @@ def run_once(command: list[str], status_file: Path) -> int:
     def stop(signum, frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    # Both installed explicitly: a shell that started this in the background may have left
+    # SIGINT ignored, and Ctrl-C must still end the job.
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return process.wait()
     except KeyboardInterrupt:
@@ -100,7 +102,8 @@ def run_once(command: list[str], status_file: Path) -> int:
                 continue
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def supervise(command: list[str], restarts: int, backoff: float, log=print) -> int:

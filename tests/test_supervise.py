@@ -98,8 +98,10 @@ def test_commands_without_a_shared_checkpoint_dir_are_refused(tmp_path):
 def test_ctrl_c_stops_the_job_and_the_supervisor(tmp_path):
     sleeper = [sys.executable, "-c", "import time; time.sleep(120)", "--save", str(tmp_path),
                "--load", str(tmp_path)]
+    # As from a terminal: SIGINT at its default even if this suite runs in the background.
     process = subprocess.Popen([*SUPERVISE, "--restarts", "5", "--", *sleeper], cwd=ROOT,
-                               env=ENV, stderr=subprocess.PIPE, text=True)
+                               env=ENV, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(3)
     children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True,
                               text=True).stdout.split()
