@@ -10,14 +10,7 @@ Also launched by plain ``python`` (one rank) or ``deepspeed --num_nodes 1 --num_
 (which appends ``--local_rank=N``; on a machine without GPUs DeepSpeed 0.19 falls back to
 its CPU accelerator and still starts N processes, which then use gloo).
 
-The steps, in order: command line -> process group -> DeepSpeed JSON reconciled with the
-command line -> validation for this world size -> tokenizer -> datasets and this rank's
-loaders -> GPT config -> model on the meta device -> engine (each rank materializes only
-its shard) -> lr schedule -> training loop -> final validation loss.
-The test split of ``--split`` is held out: no sample of it is read.
-
-Errors in the command line or the DeepSpeed config print one ``error: ...`` line and exit
-with status 2; other bad input (missing data, too small a dataset) exits with status 1.
+The program itself, its steps and its exit statuses: ``megatron_lite/pretrain_gpt.py``.
 """
 
 from __future__ import annotations
