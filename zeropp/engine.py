@@ -47,6 +47,9 @@ class ZeroEngine:
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self.last_step_overflowed = False
+        # (directory, tag) that checkpoint_to_load has just verified: load_checkpoint does
+        # not read its files a second time.
+        self._verified_checkpoint: tuple[Path, str] | None = None
         # DeepSpeed's own printouts and monitors (steps_per_print, wall_clock_breakdown, ...).
         self.reports = None
         if config is not None:
@@ -324,7 +327,7 @@ class ZeroEngine:
         root = Path(load_dir)
         if tag is None:
             tag = self.checkpoint_to_load(root, load_fallback)
-        elif getattr(self, "_verified_checkpoint", None) != (root.resolve(), tag):
+        elif self._verified_checkpoint != (root.resolve(), tag):
             problem = checkpoint_integrity.verify(root / tag, self.sharded.device)
             if problem is not None:
                 raise checkpoint.CheckpointError(f"checkpoint {root / tag}: {problem}")

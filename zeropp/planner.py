@@ -38,7 +38,6 @@ from torch import nn
 
 from zeropp.comm.accounting import LOCALITIES, PHASES, all_reduce_bytes, locality
 from zeropp.comm.collectives import CommGroup
-from zeropp.comm.delta import DeltaWeightGather
 from zeropp.comm.registry import Collectives, collectives_for
 from zeropp.config import ZeroConfig
 from zeropp.flat_layout import FlatLayout, reduce_bucket_ranges
@@ -227,6 +226,18 @@ def peak_gathered_numel(units: Sequence[UnitPlan], zero: ZeroConfig, backward: b
     return peak
 
 
+def hpz_secondary_nbytes(units: Sequence[UnitPlan], secondaries: Sequence[UnitPlan],
+                         hpz: int, dtype: torch.dtype, collectives: Collectives) -> int:
+    """Secondary shards at the backward's peak: every unit's kept base with weight deltas,
+    else those of the units released between forward and backward."""
+    bases = [collectives.kept_bases_nbytes(u.padded_numel, dtype) for u in units]
+    if all(nbytes is not None for nbytes in bases):
+        return sum(bases)
+    group = CommGroup(None, hpz, 0, False)
+    return sum(collectives.secondary_nbytes(u.padded_numel // hpz, dtype, group)
+               for u in secondaries)
+
+
 def plan_memory(units: Sequence[UnitPlan], zero: ZeroConfig, dtype_bytes: int,
                 collectives: Collectives, micro_batches: int = 1) -> MemoryPlan:
     """Peak per-rank bytes of model states and of the engine's gathered buffers."""
@@ -254,14 +265,8 @@ def plan_memory(units: Sequence[UnitPlan], zero: ZeroConfig, dtype_bytes: int,
                                                            micro_batches).itemsize,
         fp32_master_shards=shard_numel * FP32_BYTES,
         optimizer_moments=2 * shard_numel * FP32_BYTES,
-        hpz_secondary_shards=(
-            # weight deltas keep every unit's base between steps ([Note: weight deltas])
-            sum(collectives.gather.base_nbytes(u.padded_numel, _DTYPES[dtype_bytes])
-                for u in units)
-            if isinstance(collectives.gather, DeltaWeightGather) else
-            sum(collectives.secondary_nbytes(
-                u.padded_numel // hpz, _DTYPES[dtype_bytes], CommGroup(None, hpz, 0, False))
-                for u in secondaries)),
+        hpz_secondary_shards=hpz_secondary_nbytes(units, secondaries, hpz,
+                                                  _DTYPES[dtype_bytes], collectives),
         gathered_parameters=gathered_numel * dtype_bytes,
         gradient_buffers=gradient_numel * dtype_bytes,
         gathered_forward=forward_gathered * dtype_bytes,

@@ -80,6 +80,13 @@ class Collectives:
             return self.secondary_gather.payload_nbytes(numel, group)
         return numel * dtype.itemsize
 
+    def kept_bases_nbytes(self, unit_numel: int, dtype: torch.dtype) -> int | None:
+        """Bytes of the base a weight-delta gather keeps for a unit between steps ([Note:
+        weight deltas]: it is then every unit's hpZ secondary); None for other gathers."""
+        if isinstance(self.gather, DeltaWeightGather):
+            return self.gather.base_nbytes(unit_numel, dtype)
+        return None
+
     def error_feedback_nbytes(self, unit_numel: int) -> int:
         """Bytes the reduction's stored quantization errors take for a unit of
         ``unit_numel`` (padded) elements; 0 without error feedback."""
