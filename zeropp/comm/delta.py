@@ -61,6 +61,27 @@ def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group: CommGroup, as
     return all_gather_into_tensor(output, tensor.reshape(-1), group=group.group, async_op=async_op)
 
 
+class _AllOf:
+    """Several collectives in flight, waited for together (``Pending`` takes one work)."""
+
+    def __init__(self, works: list) -> None:
+        self.works = [work for work in works if work is not None]
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def _gather_bases(output: torch.Tensor, base: torch.Tensor, group: CommGroup,
+                  async_op: bool) -> _AllOf:
+    """The node's bases, in rank order, straight into ``output``: local rank l's base row m
+    is the shard of rank m * a + l, so gathering row m of every base fills output's node-m
+    run [a, S] in rank order. One gather per node row instead of one gather and a transposing
+    copy of the whole unit (which cost as much as the gather itself on the host)."""
+    rows = output.view(base.shape[0], -1)
+    return _AllOf([_all_gather(rows[m], base[m], group, async_op) for m in range(base.shape[0])])
+
+
 class DeltaWeightGather(Collective):
     """``AllGather``'s contract (output = every rank's shard, in rank order, as all ranks will
     compute with it) through [Note: weight deltas]. ``key`` names the unit; calls without
@@ -165,8 +186,7 @@ class DeltaWeightGather(Collective):
                 received["delta"] = torch.empty(self.nodes, delta.numel(), dtype=torch.uint8,
                                                 device=shard.device)
                 return _all_gather(received["delta"].view(-1), delta, self.inter, async_op)
-            received["bases"] = _new_gathered(base.values, self.per_node)
-            return _all_gather(received["bases"].view(-1), base.values, self.intra, async_op)
+            return _gather_bases(output, base.values, self.intra, async_op)
 
         def finish() -> None:
             nonlocal base
@@ -175,14 +195,13 @@ class DeltaWeightGather(Collective):
             elif mode == DELTA:
                 deltas = kernels.dequantize_blockwise_many(
                     received.pop("delta"), numel, self.bits, self.block_size, torch.float32)
-                base.values.copy_(base.values.float() + deltas)
+                if base.values.dtype == torch.float32:
+                    base.values.add_(deltas)  # the same fp32 sum as below, without a copy
+                else:
+                    base.values.copy_(base.values.float() + deltas)
                 base.current = True
             if mode != LOCAL:  # the node's bases changed: gather them now (the fast link)
-                received["bases"] = _new_gathered(base.values, self.per_node)
-                work = _all_gather(received["bases"].view(-1), base.values, self.intra, False)
-                if work is not None:
-                    work.wait()
-            _rank_order(output, received.pop("bases"))
+                _gather_bases(output, base.values, self.intra, False).wait()
             if retain is not None:
                 retain(base.values.view(-1))
 
@@ -194,16 +213,6 @@ def _new_base(nodes: int, shard: torch.Tensor) -> torch.Tensor:
     secondary by this function's name)."""
     return torch.empty(nodes, shard.numel(), dtype=shard.dtype, device=shard.device)
 
-
-def _new_gathered(base: torch.Tensor, ranks: int) -> torch.Tensor:
-    return torch.empty(ranks, *base.shape, dtype=base.dtype, device=base.device)
-
-
-def _rank_order(output: torch.Tensor, gathered: torch.Tensor) -> None:
-    """Local rank l's base holds the shards of ranks m * a + l (m = 0..n-1): the node's
-    gathered [a, n, S] bases are the unit in rank order once transposed to [n, a, S]."""
-    per_node, nodes, numel = gathered.shape
-    output.view(nodes, per_node, numel).copy_(gathered.transpose(0, 1))
 
 
 class DeltaSecondaryGather(Collective):
@@ -234,7 +243,6 @@ class DeltaSecondaryGather(Collective):
                              f"elements, expected {group.size} x {secondary.numel()}")
         self._record(stats, phase, secondary.numel(), output.dtype, group)
         base = secondary.view(self.nodes, -1)
-        gathered = _new_gathered(base, group.size)
         return self.execution.launch(
-            self.lane, lambda async_op: _all_gather(gathered.view(-1), base, group, async_op),
-            finish=lambda: _rank_order(output, gathered), keep=(output, secondary, gathered))
+            self.lane, lambda async_op: _gather_bases(output, base, group, async_op),
+            keep=(output, secondary))
