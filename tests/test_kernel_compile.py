@@ -154,7 +154,9 @@ def test_bench_table_and_json(tmp_path, capsys):
     header = lines.index("| kernel | dtype | bits | block | ROWS x COLS / warps | sm_80 |")
     rows = [line for line in lines[header + 2:] if line.startswith("|")]
     variants = list(compile_check.enumerate_variants([256], per_block_size=True))
-    assert len(rows) == len(variants) == 16
+    # Per width (8, 4, 2): quantize and dequantize per dtype (3 + 3), the reduction, and
+    # the requantization to each width (3).
+    assert len(rows) == len(variants) == 3 * (3 + 3 + 1 + 3)
     for row, variant in zip(rows, variants, strict=True):
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         assert cells[:4] == [variant.spec.kernel, variant.dtype, str(variant.bits), "256"]
@@ -164,7 +166,7 @@ def test_bench_table_and_json(tmp_path, capsys):
     record = json.loads(out.with_suffix(".json").read_text())
     assert record["archs"] == ["sm_80"] and record["unsupported_archs"] == {}
     assert record["triton"] and record["command"].startswith("python -m ")
-    assert len(record["rows"]) == 16
+    assert len(record["rows"]) == len(variants)
     first = record["rows"][0]
     assert {"kernel", "dtype", "bits", "block_size", "constants", "num_warps"} <= set(first)
     assert isinstance(first["archs"]["sm_80"]["registers"], int)

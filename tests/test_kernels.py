@@ -56,11 +56,13 @@ def _numpy_quantize(x: torch.Tensor, bits: int, block_size: int) -> bytes:
     codes = codes.astype(np.int8).ravel()
     if bits == 8:
         data = codes.view(np.uint8)
-    else:
-        nibbles = (codes + 8).astype(np.uint8)
-        if nibbles.size % 2:
-            nibbles = np.append(nibbles, np.uint8(8))
-        data = nibbles[0::2] | (nibbles[1::2] << 4)
+    else:  # offset-binary codes, 8 // bits a byte, lowest index in the lowest bits
+        per_byte, offset = 8 // bits, 2 ** (bits - 1)
+        stored = (codes + offset).astype(np.uint8)
+        stored = np.append(stored, np.full(-stored.size % per_byte, offset, dtype=np.uint8))
+        data = np.zeros(stored.size // per_byte, dtype=np.uint8)
+        for slot in range(per_byte):
+            data |= stored[slot::per_byte] << np.uint8(bits * slot)
     return data.tobytes() + scales.astype("<f4").tobytes()
 
 
@@ -100,6 +102,8 @@ def _assert_within_block_bound(
         (1000, 8, 256, 4 * 256 + 4 * 4),
         (1000, 4, 256, 4 * 128 + 4 * 4),
         (7, 4, 3, 5 + 3 * 4),  # 9 padded nibbles -> 5 bytes
+        (1000, 2, 256, 4 * 64 + 4 * 4),
+        (7, 2, 3, 3 + 3 * 4),  # 9 padded 2-bit codes -> 3 bytes
         (1, 8, 2048, 2048 + 4),
         (0, 4, 64, 0),
     ],
@@ -111,7 +115,8 @@ def test_quantized_nbytes(numel: int, bits: int, block_size: int, expected: int)
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ((10, 2, 4), "bits"),
+        ((10, 3, 4), "bits"),
+        ((10, 1, 4), "bits"),
         ((10, 8, 0), "block_size"),
         ((-1, 8, 4), "numel"),
         ((10, 8.0, 4), "bits"),
@@ -152,12 +157,24 @@ def test_int4_odd_block_packs_across_block_boundary() -> None:
     assert restored.tolist() == [7.0, -7.0, 1.0, 14.0]
 
 
+def test_int2_layout_is_ternary_four_codes_a_byte() -> None:
+    # qmax 1: scale = absmax; codes -1, 0, +1 stored as q + 2, value i of a byte in bits 2i.
+    x = torch.tensor([2.0, -0.9, 1.1, -2.0, 0.0, 4.0, 1.9, -2.1, 3.0])
+    payload = kernels.quantize_blockwise(x, bits=2, block_size=4)
+    # Codes [1,0,1,-1 | 0,1,0,-1 | 1,pad,pad,pad] -> stored [3,2,3,1 | 2,3,2,1 | 3,2,2,2].
+    data = bytes([3 | 2 << 2 | 3 << 4 | 1 << 6, 2 | 3 << 2 | 2 << 4 | 1 << 6,
+                  3 | 2 << 2 | 2 << 4 | 2 << 6])
+    assert payload.numpy().tobytes() == data + struct.pack("<3f", 2.0, 4.0, 3.0)
+    restored = kernels.dequantize_blockwise(payload, 9, 2, 4, torch.float32)
+    assert restored.tolist() == [2.0, 0.0, 2.0, -2.0, 0.0, 4.0, 0.0, -4.0, 3.0]
+
+
 # ---------------------------------------------------------------------------------------------
 # Round trip and independent reference.
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_round_trip_bound_for_awkward_shapes(bits: int, dtype: torch.dtype) -> None:
     for seed, (numel, block_size) in enumerate(AWKWARD_SHAPES):
@@ -171,7 +188,7 @@ def test_round_trip_bound_for_awkward_shapes(bits: int, dtype: torch.dtype) -> N
         _assert_within_block_bound(x, restored, scales, block_size)
 
 
-@pytest.mark.parametrize(("bits", "block_size"), [(8, 2048), (4, 256)])
+@pytest.mark.parametrize(("bits", "block_size"), [(8, 2048), (4, 256), (2, 256)])
 def test_round_trip_of_a_large_odd_length(bits: int, block_size: int) -> None:
     x = _sample(1_000_003, torch.bfloat16, seed=7)
     payload = kernels.quantize_blockwise(x, bits, block_size)
@@ -207,7 +224,7 @@ def test_dequantize_writes_into_out() -> None:
 def test_all_zero_blocks_have_zero_scale_and_restore_exactly() -> None:
     x = _sample(64 * 5, torch.float32)
     x[64:192] = 0.0  # blocks 1 and 2
-    for bits in (8, 4):
+    for bits in (8, 4, 2):
         payload = kernels.quantize_blockwise(x, bits, 64)
         scales = _payload_scales(payload, x.numel(), bits, 64)
         assert scales[1] == 0.0 and scales[2] == 0.0 and (scales[[0, 3, 4]] > 0).all()
@@ -226,7 +243,7 @@ def test_non_finite_values_turn_their_block_into_nan(dtype: torch.dtype) -> None
     x = _sample(64 * 4, dtype)
     x[70] = float("nan")  # block 1
     x[200] = float("-inf")  # block 3
-    for bits in (8, 4):
+    for bits in (8, 4, 2):
         payload = kernels.quantize_blockwise(x, bits, 64)
         scales = _payload_scales(payload, x.numel(), bits, 64)
         assert np.isnan(scales[[1, 3]]).all() and np.isfinite(scales[[0, 2]]).all()
@@ -253,7 +270,7 @@ def _payload_batch(k: int, numel: int, bits: int, block_size: int) -> torch.Tens
     )
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize(("numel", "block_size"), [(1001, 64), (7, 3), (5, 2048)])
 def test_dequantize_many_equals_one_by_one(bits: int, numel: int, block_size: int) -> None:
     payloads = _payload_batch(3, numel, bits, block_size)
@@ -265,8 +282,8 @@ def test_dequantize_many_equals_one_by_one(bits: int, numel: int, block_size: in
         assert many.shape == (3, numel) and torch.equal(many, one_by_one)
 
 
-@pytest.mark.parametrize("bits_in", [8, 4])
-@pytest.mark.parametrize("bits_out", [8, 4])
+@pytest.mark.parametrize("bits_in", [8, 4, 2])
+@pytest.mark.parametrize("bits_out", [8, 4, 2])
 @pytest.mark.parametrize(("numel", "block_size"), [(1001, 64), (7, 3), (4096, 2048)])
 def test_reductions_equal_dequantize_then_sum(
     bits_in: int, bits_out: int, numel: int, block_size: int
@@ -416,7 +433,7 @@ def _assert_same_payload(actual: torch.Tensor, expected: torch.Tensor, layout) -
     torch.testing.assert_close(scales[0], scales[1], rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_triton_quantize_dequantize_match_reference(triton_device, bits, dtype) -> None:
     triton_kernels, device = triton_device
@@ -446,10 +463,12 @@ def test_triton_handles_extremes_like_reference(triton_device) -> None:
     x[128:192] = 0.0
     x[200] = float("nan")
     x[300] = float("inf")
-    for bits in (8, 4):
+    for bits in (8, 4, 2):
         # Scale exactly 1 and every other value a tie: checks round-half-to-even.
         qmax = 2 ** (bits - 1) - 1
-        x[320:] = torch.cat([torch.tensor([float(qmax)]), torch.arange(63) % 14 - 6.5]).to(device)
+        span = min(qmax, 7)
+        ties = torch.arange(63) % (2 * span) - (span - 0.5)
+        x[320:] = torch.cat([torch.tensor([float(qmax)]), ties]).to(device)
         layout = kernels.payload_layout(x.numel(), bits, 64)
         payload = triton_kernels.quantize_blockwise(x, bits, 64)
         _assert_same_payload(payload, reference.quantize_blockwise(x, bits, 64), layout)
@@ -465,7 +484,7 @@ def test_triton_handles_extremes_like_reference(triton_device) -> None:
                          [(7, 3), (1000, 64), (300, 6), (5000, 2048), (3000, 1025)])
 def test_triton_reductions_match_reference(triton_device, numel, block_size) -> None:
     triton_kernels, device = triton_device
-    for bits_in in (8, 4):
+    for bits_in in (8, 4, 2):
         payloads = _payload_batch(3, numel, bits_in, block_size).to(device)
         many = triton_kernels.dequantize_blockwise_many(
             payloads, numel, bits_in, block_size, torch.bfloat16
@@ -478,7 +497,7 @@ def test_triton_reductions_match_reference(triton_device, numel, block_size) -> 
         )
         total = triton_kernels.dequantize_reduce(payloads, numel, bits_in, block_size)
         assert torch.equal(total, reference.dequantize_reduce(payloads, numel, bits_in, block_size))
-        for bits_out in (8, 4):
+        for bits_out in (8, 4, 2):
             fused = triton_kernels.dequantize_reduce_quantize(
                 payloads, numel, bits_in, bits_out, block_size
             )
@@ -559,7 +578,7 @@ def test_triton_two_pass_blocks_find_non_finite_values_in_any_chunk(triton_devic
     x = _sample(3 * 2048, torch.float32).to(device)
     x[2048 + 1500] = float("nan")  # block 1, second chunk
     x[2 * 2048 + 2047] = float("-inf")  # block 2, last value
-    for bits in (8, 4):
+    for bits in (8, 4, 2):
         layout = kernels.payload_layout(x.numel(), bits, 2048)
         payload = triton_kernels.quantize_blockwise(x, bits, 2048)
         _assert_same_payload(payload, reference.quantize_blockwise(x, bits, 2048), layout)

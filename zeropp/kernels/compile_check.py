@@ -63,8 +63,8 @@ ARCHS = {
 }
 REQUIRED_ARCHS = ("sm_70", "sm_80", "sm_90")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-BITS = (8, 4)
-# The smallest block the host accepts, odd blocks (int4 packs them on the host), powers
+BITS = (8, 4, 2)
+# The smallest block the host accepts, odd blocks (int4/int2 pack them on the host), powers
 # of two up to the largest block a tile takes.
 DEFAULT_BLOCK_SIZES = (1, 2, 7, 64, 256, 2048, triton_kernels.MAX_BLOCK_SIZE)
 

@@ -14,12 +14,16 @@ Payload layout (one flat uint8 tensor, so that a single collective moves it):
   packed as one stream over all blocks (so with an odd block size a byte can straddle two
   blocks). The data region is ceil(padded_numel * bits / 8) bytes; an odd padded length
   leaves one spare high nibble that holds the code of zero.
+- int2: four values per byte the same way (value i of a byte in bits 2i..2i+1), stored
+  offset-binary (q + 2); with qmax = 1 the grid is ternary, {-scale, 0, +scale}, and spare
+  slots of the last byte hold the code of zero. Meant for sends whose error is fed back.
 - The last block is padded with zeros up to block_size before quantizing.
 - Scales are little-endian fp32 bytes right after the data. Their offset need not be a
   multiple of 4 (block size 3, say), so readers must not assume alignment.
 
 Quantization is symmetric and computed in fp32: scale = absmax(block) / qmax,
-q = round_half_to_even(x / scale) clamped to [-qmax, qmax], qmax = 127 (int8) or 7 (int4).
+q = round_half_to_even(x / scale) clamped to [-qmax, qmax], qmax = 127 (int8), 7 (int4) or
+1 (int2).
 
 Non-finite input (decision): a block holding any inf or NaN gets a NaN scale and all-zero
 codes, so every value of that block dequantizes to NaN. The overflow stays visible to the
@@ -38,15 +42,21 @@ import torch
 from torch import Tensor
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
-SUPPORTED_BITS: tuple[int, ...] = (4, 8)
+SUPPORTED_BITS: tuple[int, ...] = (2, 4, 8)
 INT4_OFFSET = 8  # offset-binary bias of int4 codes: stored nibble = q + 8
 SCALE_NBYTES = 4  # one fp32 scale per block
 
 
 def qmax_for_bits(bits: int) -> int:
-    """Largest code magnitude of the symmetric `bits`-bit grid (127 for int8, 7 for int4)."""
+    """Largest code magnitude of the symmetric `bits`-bit grid (127, 7, 1 for int8/4/2)."""
     _check_bits(bits)
     return (1 << (bits - 1)) - 1
+
+
+def code_offset(bits: int) -> int:
+    """Offset-binary bias of sub-byte codes (stored = q + offset): 8 for int4, 2 for int2."""
+    _check_bits(bits)
+    return 1 << (bits - 1)
 
 
 @dataclass(frozen=True)
@@ -96,7 +106,7 @@ def quantized_nbytes(numel: int, bits: int, block_size: int) -> int:
 
 def _check_bits(bits: int) -> None:
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+        raise ValueError(f"bits must be 2, 4 or 8, got {bits!r}")
 
 
 def check_float_dtype(dtype: torch.dtype, what: str) -> None:
@@ -201,10 +211,20 @@ def _pack_codes(codes: Tensor, bits: int) -> Tensor:
     """Data bytes of the payload from flat signed codes."""
     if bits == 8:
         return codes.view(torch.uint8)
-    nibbles = (codes + INT4_OFFSET).view(torch.uint8)
-    if nibbles.numel() % 2:
-        nibbles = torch.cat([nibbles, nibbles.new_full((1,), INT4_OFFSET)])
-    return nibbles[0::2] | (nibbles[1::2] << 4)
+    return pack_stored_codes((codes + code_offset(bits)).view(torch.uint8), bits)
+
+
+def pack_stored_codes(stored: Tensor, bits: int) -> Tensor:
+    """Data bytes from one offset-binary code per byte (int4/int2): 8 // bits codes a byte,
+    the lowest index in the lowest bits; a short last byte is filled with the code of zero."""
+    per_byte = 8 // bits
+    spare = -stored.numel() % per_byte
+    if spare:
+        stored = torch.cat([stored, stored.new_full((spare,), code_offset(bits))])
+    packed = stored[0::per_byte].clone()
+    for slot in range(1, per_byte):
+        packed |= stored[slot::per_byte] << (bits * slot)
+    return packed
 
 
 def _encode_blocks(blocks: Tensor, layout: PayloadLayout, overwrite: bool) -> Tensor:
@@ -239,8 +259,10 @@ def _unpack_codes(payloads: Tensor, layout: PayloadLayout) -> Tensor:
     if layout.bits == 8:
         codes = data.view(torch.int8)
     else:
-        nibbles = torch.stack((data & 0xF, data >> 4), dim=-1).view(k, -1)
-        codes = nibbles[:, : layout.padded_numel].view(torch.int8) - INT4_OFFSET
+        bits, mask = layout.bits, (1 << layout.bits) - 1
+        slots = [(data >> (bits * slot)) & mask for slot in range(8 // bits)]
+        stored = torch.stack(slots, dim=-1).view(k, -1)
+        codes = stored[:, : layout.padded_numel].view(torch.int8) - code_offset(bits)
     return codes.reshape(k, layout.nblocks, layout.block_size)
 
 

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from zeropp.kernels import reference
-from zeropp.kernels.reference import INT4_OFFSET, PayloadLayout, qmax_for_bits
+from zeropp.kernels.reference import PayloadLayout, code_offset, qmax_for_bits
 
 try:
     import triton
@@ -74,7 +74,8 @@ def _jit(fn):
 
 
 # Kernels may only read module globals that are constexpr.
-_NIBBLE_BIAS = tl.constexpr(INT4_OFFSET) if triton is not None else INT4_OFFSET
+_NIBBLE_BIAS = tl.constexpr(code_offset(4)) if triton is not None else code_offset(4)
+_CRUMB_BIAS = tl.constexpr(code_offset(2)) if triton is not None else code_offset(2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +157,7 @@ def _store_codes(
     if BITS == 8:
         tl.store(codes_ptr + first * block_size + local,
                  codes.to(tl.int8).to(tl.uint8, bitcast=True), mask=in_block)
-    elif PACK_NIBBLES:
+    elif PACK_NIBBLES and BITS == 4:
         nibbles = (codes + _NIBBLE_BIAS).to(tl.uint8)
         low, high = tl.split(tl.reshape(nibbles, [nibbles.shape[0], COLS // 2, 2]))
         pairs_per_block = block_size // 2
@@ -165,8 +166,21 @@ def _store_codes(
         pair_mask = row_valid[:, None] & (pair_cols[None, :] < pairs_per_block)
         tl.store(codes_ptr + first * pairs_per_block + byte_local, low | (high << 4),
                  mask=pair_mask)
-    else:  # odd int4 blocks: one code per byte into scratch, packed by the host
-        tl.store(codes_ptr + first * block_size + local, (codes + _NIBBLE_BIAS).to(tl.uint8),
+    elif PACK_NIBBLES:  # int2, blocks of whole bytes: four codes a byte, as for int4's two
+        crumbs = (codes + _CRUMB_BIAS).to(tl.uint8)
+        # Column 4g + 2i + j of the tile lands at [g, i, j]: split j, then i.
+        even, odd = tl.split(tl.reshape(crumbs, [crumbs.shape[0], COLS // 4, 2, 2]))
+        c0_codes, c2_codes = tl.split(even)
+        c1_codes, c3_codes = tl.split(odd)
+        packed = c0_codes | (c1_codes << 2) | (c2_codes << 4) | (c3_codes << 6)
+        quads_per_block = block_size // 4
+        quad_cols = c0 // 4 + tl.arange(0, COLS // 4)
+        byte_local = rows[:, None] * quads_per_block + quad_cols[None, :]
+        quad_mask = row_valid[:, None] & (quad_cols[None, :] < quads_per_block)
+        tl.store(codes_ptr + first * quads_per_block + byte_local, packed, mask=quad_mask)
+    else:  # blocks not of whole bytes: one code per byte into scratch, packed by the host
+        bias = _NIBBLE_BIAS if BITS == 4 else _CRUMB_BIAS
+        tl.store(codes_ptr + first * block_size + local, (codes + bias).to(tl.uint8),
                  mask=in_block)
 
 
@@ -197,13 +211,18 @@ def _load_chunk(payload_ptr, scales, first, local, in_block, block_size, BITS: t
     if BITS == 8:
         raw = tl.load(payload_ptr + base + local, mask=in_block, other=0)
         codes = raw.to(tl.int8, bitcast=True).to(tl.float32)
-    else:
+    elif BITS == 4:
         # Two neighbours read the same byte; the nibble is picked by the global index's
         # parity, so any block size works.
         index = local + (base & 1).to(tl.int32)
         packed = tl.load(payload_ptr + base // 2 + index // 2, mask=in_block, other=_NIBBLE_BIAS)
         nibble = (packed.to(tl.int32) >> ((index & 1) * 4)) & 0xF
         codes = (nibble - _NIBBLE_BIAS).to(tl.float32)
+    else:  # int2: four neighbours share a byte, picked by the global index modulo 4
+        index = local + (base & 3).to(tl.int32)
+        packed = tl.load(payload_ptr + base // 4 + index // 4, mask=in_block, other=_CRUMB_BIAS)
+        crumb = (packed.to(tl.int32) >> ((index & 3) * 2)) & 0x3
+        codes = (crumb - _CRUMB_BIAS).to(tl.float32)
     return codes * scales[:, None]
 
 
@@ -479,7 +498,7 @@ def _spec_quantize(layout: PayloadLayout, dtype: torch.dtype) -> LaunchSpec:
         {"x_ptr": "*" + _TRITON_TYPES[dtype], "codes_ptr": "*u8", "scale_bytes_ptr": "*u8",
          "numel": "i64", "nblocks": "i64", "block_size": "i32"},
         {"QMAX": qmax_for_bits(layout.bits), "BITS": layout.bits,
-         "PACK_NIBBLES": _packs_in_kernel(layout) and layout.bits == 4,
+         "PACK_NIBBLES": _packs_in_kernel(layout) and layout.bits < 8,
          "ROWS": tile.rows, "COLS": tile.cols, "SINGLE_PASS": tile.single_pass},
         tile.num_warps, f"quantize {_TRITON_TYPES[dtype]} -> int{layout.bits}")
 
@@ -515,7 +534,7 @@ def _spec_dequantize_reduce_quantize(layout_in: PayloadLayout,
          "block_size": "i32", "data_nbytes_in": "i64"},
         {"BITS_IN": layout_in.bits, "QMAX_OUT": qmax_for_bits(layout_out.bits),
          "BITS_OUT": layout_out.bits,
-         "PACK_NIBBLES": _packs_in_kernel(layout_out) and layout_out.bits == 4,
+         "PACK_NIBBLES": _packs_in_kernel(layout_out) and layout_out.bits < 8,
          "ROWS": tile.rows, "COLS": tile.cols, "SINGLE_PASS": tile.single_pass},
         tile.num_warps, f"dequantize-reduce-quantize int{layout_in.bits} -> int{layout_out.bits}")
 
@@ -523,10 +542,15 @@ def _spec_dequantize_reduce_quantize(layout_in: PayloadLayout,
 def launch_specs(block_size: int, bits: int, dtype: torch.dtype) -> list[LaunchSpec]:
     """Every kernel variant the host launches for payloads of ``bits`` at ``block_size``
     with values in ``dtype`` (the quantized input, the dequantized output); the qgZ
-    kernels read and write payloads only, so they are the same for every dtype."""
+    kernels read and write payloads only, so they are the same for every dtype. The
+    requantization between qgZ's hops may narrow the width (int4 in, int2 out), so it is
+    listed for every output width."""
     layout = reference.payload_layout(block_size, bits, block_size)
+    requantize = [_spec_dequantize_reduce_quantize(
+        layout, reference.payload_layout(block_size, bits_out, block_size))
+        for bits_out in reference.SUPPORTED_BITS]
     return [_spec_quantize(layout, dtype), _spec_dequantize(layout, dtype),
-            _spec_dequantize_reduce(layout), _spec_dequantize_reduce_quantize(layout, layout)]
+            _spec_dequantize_reduce(layout), *requantize]
 
 
 def _launch(spec: LaunchSpec, layout: PayloadLayout, *args, payload_rows: int = 1) -> None:
@@ -539,22 +563,22 @@ def _launch(spec: LaunchSpec, layout: PayloadLayout, *args, payload_rows: int = 
 
 
 def _packs_in_kernel(layout: PayloadLayout) -> bool:
-    return layout.bits == 8 or layout.block_size % 2 == 0
+    """Whether every block is whole bytes of codes (then each program packs its own)."""
+    return layout.bits == 8 or layout.block_size % (8 // layout.bits) == 0
 
 
 def _codes_target(payload: Tensor, layout: PayloadLayout) -> Tensor:
-    """Where the kernel writes codes: the payload, or one-nibble-per-byte scratch."""
+    """Where the kernel writes codes: the payload, or one-code-per-byte scratch."""
     if _packs_in_kernel(layout):
         return payload
-    # Pre-filled with the code of zero so the spare high nibble of an odd length is set.
-    return torch.full(
-        (2 * layout.data_nbytes,), INT4_OFFSET, dtype=torch.uint8, device=payload.device
-    )
+    # Pre-filled with the code of zero so the spare slots of the last byte are set.
+    return torch.full((8 // layout.bits * layout.data_nbytes,), code_offset(layout.bits),
+                      dtype=torch.uint8, device=payload.device)
 
 
 def _finish_codes(payload: Tensor, codes_target: Tensor, layout: PayloadLayout) -> None:
     if codes_target is not payload:
-        payload[: layout.data_nbytes] = codes_target[0::2] | (codes_target[1::2] << 4)
+        payload[: layout.data_nbytes] = reference.pack_stored_codes(codes_target, layout.bits)
 
 
 def quantize_blockwise(x: Tensor, bits: int, block_size: int) -> Tensor:
