@@ -330,7 +330,10 @@ def _system_options(plan: SystemPlan) -> str:
         kept = " (bases kept)" if deltas else (" (int8 secondary)" if int8 else "")
         parts.append(f"hpZ {zero.zero_hpz_partition_size}{kept}")
     if zero.zero_quantized_gradients:
-        parts.append(f"qgZ int{zero.zero_quantized_gradients_bits}")
+        inter = zero.zero_quantized_gradients_inter_node_bits
+        narrower = inter not in (None, zero.zero_quantized_gradients_bits)
+        across = f" (int{inter} across nodes)" if narrower else ""
+        parts.append(f"qgZ int{zero.zero_quantized_gradients_bits}{across}")
     return f"{plan.name}: " + (", ".join(parts) if parts else "no ZeRO++ option on")
 
 

@@ -71,8 +71,9 @@ def test_error_feedback_recovers_from_an_overflow_like_plain_qgz(error_feedback)
     assert with_feedback == plain  # the same skipped steps and final loss scale
 
 
-def resume_run(rank, world, save_dir, keep_errors):
+def resume_run(rank, world, save_dir, keep_errors, inter_node_bits=None):
     config = qgz_config(error_feedback="loco")
+    config["zero_optimization"]["zero_quantized_gradients_inter_node_bits"] = inter_node_bits
     engine = build(config)
     train_steps(engine, rank, world, 2)
     engine.save_checkpoint(save_dir, tag="step2")
@@ -92,11 +93,12 @@ def resume_run(rank, world, save_dir, keep_errors):
     return same
 
 
-def test_resume_with_error_feedback_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("inter_node_bits", [None, 2], ids=["int4", "int2-across-nodes"])
+def test_resume_with_error_feedback_is_bit_exact(tmp_path, inter_node_bits):
     """Errors are checkpointed (and reset_T's step count with them)."""
-    assert all(run_ranks(resume_run, 4, str(tmp_path / "a"), True))
+    assert all(run_ranks(resume_run, 4, str(tmp_path / "a"), True, inter_node_bits))
     # Without them the continuation differs: the check above can fail.
-    assert not any(run_ranks(resume_run, 4, str(tmp_path / "b"), False))
+    assert not any(run_ranks(resume_run, 4, str(tmp_path / "b"), False, inter_node_bits))
 
 
 def test_errors_are_stored_unscaled_in_int4():

@@ -96,3 +96,64 @@ def test_qgz_close_to_exact_reduce_scatter(per_node, bits, bound):
             rel = (hier - exact).norm() / exact.norm()
             assert rel < bound, (per_node, bits, dtype, rel.item())
             assert rel > 0  # it really was quantized
+
+
+# ---- qgZ with a narrower inter-node hop (int2, ternary) -------------------------------------
+def repeated_reduce_case(rank, world, per_node, slice_numel, inter_bits, feedback, repeats):
+    """The same gradients reduced ``repeats`` times (one bucket key): each output, the exact
+    reduce-scatter, and the bytes recorded against what ``bytes_sent`` promises."""
+    from zeropp.comm import CommGroup, CommStats, reduce_scatter_sum
+    from zeropp.comm.quantized import HierarchicalReduceScatter
+    from zeropp.topology import build_topology
+
+    topo = build_topology(per_node)
+    group = CommGroup(None, world, rank, topo.spans_nodes)
+    qgz = HierarchicalReduceScatter(topo, bits=4, block_size=64, inter_node_bits=inter_bits,
+                                    error_feedback=(0.0, 0) if feedback else None)
+    full = _shard(rank, world * slice_numel, torch.float32)
+    exact = torch.empty(slice_numel)
+    reduce_scatter_sum(exact, full, group, CommStats(), "gradient_reduce").wait()
+    stats, outputs = CommStats(), []
+    for _ in range(repeats):
+        out = torch.empty(slice_numel)
+        qgz(out, full, group, stats, "gradient_reduce", key="bucket").wait()
+        outputs.append(out)
+    promised = qgz.bytes_sent(slice_numel, torch.float32, group)
+    recorded = stats.snapshot()["gradient_reduce"]
+    return exact, torch.stack(outputs), promised, recorded, qgz.alignment
+
+
+def _relative(error: torch.Tensor, exact: torch.Tensor) -> float:
+    return (error.norm() / exact.norm()).item()
+
+
+def test_qgz_int2_inter_node_hop_bytes_and_error_feedback():
+    """int2 across nodes: a quarter of int8's bytes, half of int4's, on the inter-node hop
+    only; alone it is coarse, and error feedback sends what one reduction drops in the next
+    ones, so the mean of repeated reductions of one gradient closes on the exact sum."""
+    slice_numel, repeats = 256, 16
+    int4 = run_ranks(repeated_reduce_case, 4, 2, slice_numel, None, False, 1)
+    int2 = run_ranks(repeated_reduce_case, 4, 2, slice_numel, 2, False, repeats)
+    int2_fed = run_ranks(repeated_reduce_case, 4, 2, slice_numel, 2, True, repeats)
+    for rank in range(4):
+        exact, out4, promised4, recorded4, align4 = int4[rank]
+        _, out2, promised2, recorded2, align2 = int2[rank]
+        _, fed, _, _, _ = int2_fed[rank]
+        # Accounting: what was recorded per call is what bytes_sent promises.
+        assert recorded4["inter_node"] == promised4["inter_node"]
+        assert recorded2["inter_node"] == repeats * promised2["inter_node"]
+        assert recorded2["intra_node"] == repeats * promised4["intra_node"]  # hop 1 unchanged
+        # Each rank sends the other node its partial sum of one slice: codes and fp32 scales.
+        codes4, codes2 = slice_numel // 2, slice_numel // 4
+        scales = slice_numel // 64 * 4
+        assert promised4["inter_node"] == codes4 + scales
+        assert promised2["inter_node"] == codes2 + scales
+        assert (align4, align2) == (2 * 64, 4 * 64)
+        # Without feedback the ternary hop repeats the same error: coarser than int4.
+        error4, error2 = _relative(out4[0] - exact, exact), _relative(out2[0] - exact, exact)
+        assert error4 < error2 < 0.9
+        assert torch.equal(out2[0], out2[-1])
+        # With feedback the first reduction is the plain one; the mean error then shrinks.
+        assert torch.equal(fed[0], out2[0])
+        mean_error = _relative(fed.mean(0) - exact, exact)
+        assert mean_error < error2 / 4, (rank, error2, mean_error)

@@ -206,6 +206,29 @@ def test_bad_values_name_key_path_and_value(raw, message):
     assert error_of(raw) == message
 
 
+def test_inter_node_gradient_width():
+    """qgZ's inter-node hop may be narrower; int2 only with error feedback."""
+    from zeropp.initialize import options_from_config
+
+    key = "zero_optimization.zero_quantized_gradients_inter_node_bits"
+    qgz = {"stage": 3, "zero_quantized_gradients": True}
+    config = EngineConfig.from_json(zero(**qgz, zero_quantized_gradients_inter_node_bits=2,
+                                         zero_quantized_gradients_error_feedback=True))
+    _, quant = options_from_config(config.zero_optimization)
+    assert (quant.gradient_bits, quant.gradient_inter_node_bits) == (4, 2)
+    default = EngineConfig.from_json(zero(**qgz)).zero_optimization
+    assert default.zero_quantized_gradients_inter_node_bits is None
+    loco = zero(**qgz, zero_quantized_gradients_inter_node_bits=2,
+                zeropp_loco_param={"err_beta": 0.8, "reset_T": 1024})
+    assert EngineConfig.from_json(loco).zero_optimization.error_feedback == (0.8, 1024)
+    assert error_of(zero(**qgz, zero_quantized_gradients_inter_node_bits=2)).startswith(
+        f"{key}: 2-bit gradients need error feedback")
+    assert error_of(zero(stage=3, zero_quantized_gradients_inter_node_bits=4)) == (
+        f"{key}: needs zero_quantized_gradients true")
+    assert error_of(zero(**qgz, zero_quantized_gradients_inter_node_bits=3)) == (
+        f"{key}: expected one of 2, 4, 8, got 3")
+
+
 @pytest.mark.parametrize("block_size", [1, 3, 17, 100, 4096])
 def test_any_positive_block_size_is_accepted(block_size):
     config = EngineConfig.from_json(zero(stage=3, zero_quantization_block_size=block_size))

@@ -197,6 +197,7 @@ def options_from_config(zero, engine_config=None) -> tuple[ShardingOptions, Quan
         quantized_gradients=zero.zero_quantized_gradients,
         weight_bits=zero.zero_quantized_weights_bits,
         gradient_bits=zero.zero_quantized_gradients_bits,
+        gradient_inter_node_bits=zero.zero_quantized_gradients_inter_node_bits,
         block_size=zero.zero_quantization_block_size,
         quantized_secondary=zero.zero_hpz_quantized_secondary,
         error_feedback=zero.error_feedback,

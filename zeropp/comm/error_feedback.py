@@ -19,6 +19,11 @@ the two errors and the one that crosses the slow link. The first hop's error is 
 back. Errors are stored int4, block-quantized with one fp32 scale per block (the qgZ block
 size): at 4 nodes the size of a 16-bit gradient shard (0.55 GiB at the tutorial's 18B).
 
+With ``zero_quantized_gradients_inter_node_bits: 2`` that requantization is ternary (int2,
+{-s, 0, +s} per block): alone it would drop most of every partial sum (every value under
+half its block's absmax), which is why the engine refuses int2 without error feedback; with
+it, what one step drops is sent over the following steps.
+
 They start again from zero after a skipped (non-finite) step, since a NaN error would
 otherwise turn every later step into an overflow, and every ``reset_interval`` applied
 steps (LoCo's reset_T; 0 = never). They are part of a checkpoint: a resumed run continues

@@ -19,6 +19,8 @@ class QuantizationOptions:
     quantized_gradients: bool = False  # qgZ
     weight_bits: int = 8
     gradient_bits: int = 4
+    # qgZ's inter-node hop at its own width (2: ternary, with error feedback); None = gradient_bits
+    gradient_inter_node_bits: int | None = None
     block_size: int = 256
     # hpZ with qwZ: secondary shards kept as the forward's int8 payload, not 16-bit values
     # ([Note: int8 secondary]); the same weights either way.

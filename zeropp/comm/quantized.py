@@ -13,7 +13,8 @@ N = n nodes x a ranks per node; the input holds N slices of S elements, slice r 
 2. Quantize (int4), all-to-all inside the node: local rank l receives chunk l from each of
    the a ranks of its node.
 3. Dequantize, sum in fp32, requantize: the node's partial sums of the n slices that belong to
-   ranks with local index l (the fused kernel).
+   ranks with local index l (the fused kernel), at the inter-node width (the same, or
+   narrower: int2 with error feedback, [Note: error feedback]).
 4. All-to-all across nodes among ranks with the same local index: slice m goes to node m.
 5. Dequantize and sum in fp32: this rank's slice summed over all N ranks.
 Reductions happen in full precision between hops, so the error does not grow with N the way
@@ -214,8 +215,10 @@ class HierarchicalReduceScatter(Collective):
         block_size: int = 256,
         error_feedback: tuple[float, int] | None = None,
         execution: Execution = SYNCHRONOUS,
+        inter_node_bits: int | None = None,
     ) -> None:
-        """``error_feedback``: (beta, reset interval) of [Note: error feedback], None = off."""
+        """``error_feedback``: (beta, reset interval) of [Note: error feedback], None = off;
+        ``inter_node_bits``: the width of hop 2 (None = ``bits``)."""
         super().__init__(execution)
         self.nodes = topology.num_nodes
         self.per_node = topology.ranks_per_node
@@ -224,6 +227,7 @@ class HierarchicalReduceScatter(Collective):
             topology.inter_node_group, self.nodes, topology.node_index, topology.num_nodes > 1
         )
         self.bits = bits
+        self.inter_node_bits = bits if bits is None or inter_node_bits is None else inter_node_bits
         self.block_size = block_size
         # What the requantization of this rank's node partial sums dropped, per reduction
         # key, added back before the next requantization of the same chunk ([Note: error
@@ -235,8 +239,11 @@ class HierarchicalReduceScatter(Collective):
 
     @property
     def alignment(self) -> int:
-        """Slices are whole pairs of quantization blocks (two int4 codes per byte)."""
-        return 1 if self.bits is None else 2 * self.block_size
+        """Slices are whole pairs of quantization blocks (two int4 codes per byte), whole
+        quadruples with int2 (four codes per byte), so payloads split at slice bounds."""
+        if self.bits is None:
+            return 1
+        return (4 if min(self.bits, self.inter_node_bits) == 2 else 2) * self.block_size
 
     def __call__(
         self,
@@ -281,7 +288,8 @@ class HierarchicalReduceScatter(Collective):
             first, second = self.per_node * chunk_numel * dtype.itemsize, chunk_numel * 4
         else:
             first = self.per_node * kernels.quantized_nbytes(chunk_numel, self.bits, self.block_size)
-            second = self.nodes * kernels.quantized_nbytes(numel, self.bits, self.block_size)
+            second = self.nodes * kernels.quantized_nbytes(numel, self.inter_node_bits,
+                                                           self.block_size)
         sent = {"intra_node": all_to_all_bytes(first, self.per_node), "inter_node": 0}
         sent[locality(self.inter.spans_nodes)] += all_to_all_bytes(second, self.nodes)
         return sent
@@ -302,7 +310,7 @@ class HierarchicalReduceScatter(Collective):
             output.copy_(second.view(self.nodes, slice_numel).sum(0))
             return
 
-        bits, block = self.bits, self.block_size
+        bits, inter_bits, block = self.bits, self.inter_node_bits, self.block_size
         payload = kernels.quantize_blockwise(swizzled, bits, block)
         send = split_payload(payload, self.per_node, chunk_numel, bits, block)
         received = torch.empty_like(send)
@@ -310,16 +318,16 @@ class HierarchicalReduceScatter(Collective):
 
         feedback = self.error_feedback
         if feedback is None:
-            requantized = kernels.dequantize_reduce_quantize(received, chunk_numel, bits, bits,
-                                                             block)
+            requantized = kernels.dequantize_reduce_quantize(received, chunk_numel, bits,
+                                                             inter_bits, block)
         else:
             partial = feedback.compensate(
                 key, kernels.dequantize_reduce(received, chunk_numel, bits, block))
-            requantized = kernels.quantize_blockwise(partial, bits, block)
-            sent = kernels.dequantize_blockwise(requantized, chunk_numel, bits, block,
+            requantized = kernels.quantize_blockwise(partial, inter_bits, block)
+            sent = kernels.dequantize_blockwise(requantized, chunk_numel, inter_bits, block,
                                                 torch.float32)
             feedback.record(key, partial, sent)
-        send2 = split_payload(requantized, self.nodes, slice_numel, bits, block)
+        send2 = split_payload(requantized, self.nodes, slice_numel, inter_bits, block)
         received2 = torch.empty_like(send2)
         all_to_all(received2, send2, self.inter, untracked, "gradient_reduce")
-        output.copy_(kernels.dequantize_reduce(received2, slice_numel, bits, block))
+        output.copy_(kernels.dequantize_reduce(received2, slice_numel, inter_bits, block))

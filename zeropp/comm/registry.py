@@ -48,7 +48,8 @@ GRADIENT_REDUCTIONS: dict[str, Factory] = {
     "exact": lambda quant, topology, execution: ReduceScatter(execution),
     "qgZ": lambda quant, topology, execution: HierarchicalReduceScatter(
         topology, bits=quant.gradient_bits, block_size=quant.block_size,
-        error_feedback=quant.error_feedback, execution=execution),
+        error_feedback=quant.error_feedback, execution=execution,
+        inter_node_bits=quant.gradient_inter_node_bits),
 }
 
 

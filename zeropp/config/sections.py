@@ -155,6 +155,9 @@ class ZeroConfig(_Section):
         "weights, half the bytes); false keeps them 16-bit", _boolean)
     zero_quantized_weights_bits: int = _field(8, "qwZ integer width: 8 or 4", _one_of(8, 4))
     zero_quantized_gradients_bits: int = _field(4, "qgZ integer width: 4 or 8", _one_of(4, 8))
+    zero_quantized_gradients_inter_node_bits: int | None = _field(
+        None, "qgZ width of the inter-node hop alone: 2 (ternary; needs error feedback), 4 "
+        "or 8; null = zero_quantized_gradients_bits", _optional(_one_of(2, 4, 8)))
     zero_quantization_block_size: int = _field(
         256, "elements per fp32 scale in qwZ/qgZ; any positive size", _positive_int)
     zero_quantized_gradients_error_feedback: bool = _field(
@@ -188,6 +191,17 @@ class ZeroConfig(_Section):
         if self.zero_quantized_gradients_error_feedback and not self.zero_quantized_gradients:
             raise ConfigError("zero_optimization.zero_quantized_gradients_error_feedback: "
                               "needs zero_quantized_gradients true")
+        if self.zero_quantized_gradients_inter_node_bits is not None:
+            key = "zero_optimization.zero_quantized_gradients_inter_node_bits"
+            if not self.zero_quantized_gradients:
+                raise ConfigError(f"{key}: needs zero_quantized_gradients true")
+            if (self.zero_quantized_gradients_inter_node_bits == 2
+                    and not (self.zero_quantized_gradients_error_feedback
+                             or self.zeropp_loco_param is not None)):
+                raise ConfigError(f"{key}: 2-bit gradients need error feedback "
+                                  "(zero_quantized_gradients_error_feedback true or a "
+                                  "zeropp_loco_param block); without it most of each "
+                                  "gradient rounds to zero every step")
         if self.zeropp_loco_param is not None:
             if not self.zero_quantized_gradients:
                 raise ConfigError("zero_optimization.zeropp_loco_param: LoCo error feedback "
