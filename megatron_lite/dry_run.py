@@ -435,11 +435,11 @@ def simulate_plans(args: argparse.Namespace, argv: list[str], report: DryRunRepo
     cluster = report.cluster
     zero3, configured = report.plans
     baseline = simulate_rank(argv, 0, cluster.num_nodes, cluster.ranks_per_node, save_dir=None,
-                             ds_config=baseline_ds_config(args), trace=True)
+                             ds_config=baseline_ds_config(args), trace=True, label=zero3.name)
     if dataclasses.replace(configured.zero, stage=3) == zero3.zero:
         return [baseline, baseline]
     return [baseline, simulate_rank(argv, 0, cluster.num_nodes, cluster.ranks_per_node,
-                                    save_dir=None, trace=True)]
+                                    save_dir=None, trace=True, label=configured.name)]
 
 
 def predicted_lines(report: DryRunReport, measurements: list, clusters: list,

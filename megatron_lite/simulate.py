@@ -160,7 +160,8 @@ def _stand_in_for_rank_0(save_dir: Path, rank: int, iterations: int, before: boo
 
 def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
                   save_dir: str | os.PathLike | None, quiet: bool = True,
-                  ds_config: dict | None = None, trace: bool = False) -> RankMeasurement:
+                  ds_config: dict | None = None, trace: bool = False,
+                  label: str | None = None) -> RankMeasurement:
     """Run the program as ``rank`` of ``nodes x gpus_per_node`` simulated GPUs and measure.
 
     ``save_dir`` receives the checkpoints (simulate rank 0 into it before any other rank);
@@ -168,8 +169,11 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
     the DeepSpeed JSON of ``argv`` (the dry run's ZeRO-3 baseline). ``trace`` also records
     iteration 2 of the first run (from the start of its ``train_step`` to the start of the
     next, like the host syncs: the loss logging is in it) as ``RankMeasurement.trace``.
+    A status line on stderr (``megatron_lite.progress``) names ``label`` (what is simulated),
+    the rank and the iteration under way, with the seconds since the start.
     """
     from megatron_lite import pretrain_gpt
+    from megatron_lite.progress import Progress
     from megatron_lite.training import Trainer
     from zeropp.comm.accounting import CommStats
     from zeropp.engine import ZeroEngine
@@ -219,6 +223,7 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
             stop_tracing()  # the traced iteration ends where the next one starts
             if trace and measuring["run"] == 0 and measuring["steps"] == 2:
                 start_tracing(self)
+            progress.update(f"iteration {self.iteration + 1} of {self.config.train_iters}")
             return step(self, batches)
         return run
 
@@ -243,6 +248,10 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
         return run
 
     started = time.perf_counter()
+    # Not in place when the program's own output shares the terminal (quiet=False).
+    progress = Progress(f"simulating {label} as rank {rank} of {world_size}" if label
+                        else f"simulating rank {rank} of {world_size}",
+                        in_place=None if quiet else False)
     statuses, run_peaks = [], []
     config_dir = tempfile.TemporaryDirectory(prefix="zeropp-sim-config-")
     config_path = None
@@ -263,9 +272,11 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
             _patched(ZeroEngine, "backward", in_phase("backward")), \
             _patched(ZeroEngine, "step", in_phase("optimizer step")), \
             _patched(CommStats, "record", accounted), \
-            _quiet(quiet), tracker, syncs:
+            _quiet(quiet), tracker, syncs, progress:
         for run_index, (iterations, save_to, load_from) in enumerate(runs):
             measuring["run"], measuring["steps"] = run_index, 0
+            progress.update("setting up" if run_index == 0 else
+                            f"resuming from iteration {runs[run_index - 1][0]}'s checkpoint")
             if rank != 0 and save_to is not None:
                 _stand_in_for_rank_0(save_to, rank, iterations, before=True)
             gc.collect()  # the previous run's engine is garbage: not this run's memory

@@ -152,7 +152,17 @@ def test_dry_run_prints_measured_next_to_planned(capsys):
         "--deepspeed_config", "configs/ds_zeropp_config.json", "--dry-run",
         "--dry-run-nodes", "2", "--dry-run-gpus-per-node", "16", "--global-batch-size", "64"]
     assert run_dry_run(parse_args(argv), argv) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # The progress of each simulated system goes to stderr, a line per stage (stderr is not
+    # a terminal here); stdout holds the tables only.
+    progress = [line for line in err.splitlines() if line.startswith("simulating ")]
+    expected = [f"simulating {system} as rank 0 of 32: {stage} ("
+                for system in ("ZeRO-3", "ZeRO++")
+                for stage in ("setting up", *(f"iteration {i} of 3" for i in (1, 2, 3)))]
+    assert len(progress) == len(expected), err
+    for line, start in zip(progress, expected, strict=True):
+        assert line.startswith(start) and line.endswith(" s)"), line
+    assert "simulating" not in out and "\r" not in out
     measured = next(line for line in out.splitlines() if "peak, measured" in line)
     zero3, zeropp = (float(v) for v in measured.split()[-2:])
     assert 0 < zero3 <= zeropp

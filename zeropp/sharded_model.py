@@ -36,11 +36,9 @@ reductions follow the graph's post-backward points, then the unit list.
 from __future__ import annotations
 
 import contextlib
-import copy
 import enum
 import itertools
 import weakref
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -55,11 +53,16 @@ from zeropp.comm.delta import DeltaWeightGather
 from zeropp.comm.registry import Collectives
 from zeropp.comm.streams import Execution
 from zeropp.flat_layout import FlatLayout
+from zeropp.initial_values import UnitInitialValues, reset_parameters_values
 from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
 from zeropp.residency import Residency, shard_alignment, stays_gathered
 from zeropp.topology import Topology
 from zeropp.unit import ParamRef, ShardedUnit, ShardState, UnitComm
-from zeropp.unit_modules import default_unit_modules, own_parameters, unit_parameters
+from zeropp.unit_modules import check_no_sharing, default_unit_modules, unit_parameters
+
+# reset_parameters_values lives in zeropp.initial_values; it stays importable from here.
+__all__ = ["ShardedModel", "ShardingOptions", "TrainingPhase", "find_unit",
+           "reset_parameters_values"]
 
 
 class _PostBackward(torch.autograd.Function):
@@ -112,76 +115,6 @@ class ShardingOptions:
     # ([Note: units]); None keeps whole blocks. The DeepSpeed config sets it from
     # stage3_prefetch_bucket_size (stage3_max_live_parameters when prefetch is off).
     max_unit_numel: int | None = 50_000_000
-
-
-def _post_order(module: nn.Module, prefix: str, seen: set[int]) -> Iterator[tuple[str, nn.Module]]:
-    """(qualified name, module) with every child before its parent, each module once."""
-    for name, child in module._modules.items():
-        if child is not None and id(child) not in seen:
-            seen.add(id(child))
-            yield from _post_order(child, f"{prefix}.{name}" if prefix else name, seen)
-    yield prefix, module
-
-
-def reset_parameters_values(module: nn.Module, prefix: str,
-                            wanted: dict[int, str]) -> dict[str, torch.Tensor]:
-    """Initial values of the meta parameters ``wanted`` (id -> name) of ``module``, by torch's
-    convention: each module's own ``reset_parameters()`` (``_reset_parameters()`` for the
-    few torch modules that name it so).
-
-    The default for a model built on the meta device (``zeropp.zero.Init``) with neither
-    ``param_init_fn`` nor an ``initial_value`` method. It runs on a copy of ``module`` in
-    which only the wanted parameters are materialized (on the CPU: one unit at a time, never
-    the whole model), calling ``reset_parameters()`` children first, then parents, as
-    construction does (a parent's reset may re-initialize its children's parameters). Each
-    module draws from its own seed, a function of its qualified name, so every rank computes
-    the same values and the user's random stream is left alone. The distributions are the
-    module's own; the draws are not those of eager construction, which takes them from the
-    global random stream in construction order. A reset written in an ancestor outside the
-    unit is not run for the unit's parameters.
-    """
-    # Real (non-meta) tensors are replaced by meta twins in the copy: never duplicated in
-    # memory, never overwritten by a reset.
-    memo: dict[int, object] = {}
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        if not tensor.is_meta:
-            twin = torch.empty_like(tensor, device="meta")
-            if isinstance(tensor, nn.Parameter):
-                twin = nn.Parameter(twin, requires_grad=tensor.requires_grad)
-            memo[id(tensor)] = twin
-    copies = {id(copy.deepcopy(p, memo)): name
-              for p in module.parameters() if (name := wanted.get(id(p))) is not None}
-    clone = copy.deepcopy(module, memo)
-    real: dict[int, nn.Parameter] = {}  # id of the copy's meta parameter -> materialized one
-    for sub in clone.modules():
-        for attr, param in sub._parameters.items():
-            if param is not None and id(param) in copies:
-                if id(param) not in real:  # a tied parameter stays one tensor
-                    real[id(param)] = nn.Parameter(
-                        torch.empty(param.shape, dtype=param.dtype, device="cpu"),
-                        requires_grad=param.requires_grad)
-                sub._parameters[attr] = real[id(param)]
-    materialized = {id(p): meta_id for meta_id, p in real.items()}
-    covered: set[int] = set()
-    with torch.no_grad():
-        for name, sub in _post_order(clone, prefix, set()):
-            # nn.MultiheadAttention and nn.Transformer name theirs with an underscore.
-            reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
-            mine = {id(p) for p in sub.parameters() if id(p) in materialized}
-            if not callable(reset) or not mine:
-                continue
-            with torch.random.fork_rng(devices=[]):
-                torch.default_generator.manual_seed(zlib.crc32(name.encode()))
-                reset()
-            covered |= mine
-    missing = [copies[meta_id] for meta_id, p in real.items() if id(p) not in covered]
-    if missing:
-        raise ValueError(
-            f"parameter {missing[0]!r} is on the meta device and no module holding it has "
-            "reset_parameters(): give the model an initial_value(name) method or pass "
-            "param_init_fn"
-        )
-    return {copies[meta_id]: p.detach() for meta_id, p in real.items()}
 
 
 def _param_owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
@@ -306,7 +239,7 @@ class ShardedModel:
         module_names = {id(m): n for n, m in model.named_modules()}
         plan = [("<root>" if module is model else module_names.get(id(module), "?"), module, params)
                 for module, params in unit_parameters(model, unit_modules)]
-        self._check_no_sharing(plan, unit_modules)
+        check_no_sharing(plan, unit_modules)
 
         units, masters = [], []
         for name, module, params in plan:
@@ -315,31 +248,11 @@ class ShardedModel:
                 num_shards=self.world.size,
                 align=self.comm.alignment,
             )
-            originals = {names[id(p)]: p for p in params}
-            defaults: dict[str, torch.Tensor] = {}  # reset_parameters() values, made on demand
-            prefix = module_names.get(id(module), "")
-
-            def full_value(slot, originals=originals, defaults=defaults, module=module,
-                           prefix=prefix):
-                param = originals[slot.name]
-                if param.is_meta:
-                    if param_init_fn is None:
-                        if not defaults:  # the whole unit at once: resets span parameters
-                            defaults.update(reset_parameters_values(module, prefix, {
-                                id(p): n for n, p in originals.items() if p.is_meta}))
-                        return defaults[slot.name].to(torch.float32)
-                    value = param_init_fn(slot.name)
-                    if tuple(value.shape) != slot.shape:
-                        raise ValueError(
-                            f"param_init_fn({slot.name!r}) returned shape {tuple(value.shape)}, "
-                            f"expected {slot.shape}"
-                        )
-                    return value.to(torch.float32)
-                return param.detach().to(torch.float32)
-
+            initial = UnitInitialValues(module, module_names.get(id(module), ""),
+                                        {names[id(p)]: p for p in params}, param_init_fn)
             master = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device)
             if master.device.type != "meta":  # the simulated cluster: no values to make
-                layout.fill_shard(master, self.world.rank, full_value)
+                layout.fill_shard(master, self.world.rank, initial)
             refs = [ParamRef(p, owners[id(p)]) for p in params]
             unit = ShardedUnit(
                 name, module, refs, layout, self.comm, self.dtype, self.device,
@@ -347,7 +260,7 @@ class ShardedModel:
                 replicated=self.residency.weights_replicated, is_root=module is model,
             )
             unit.shard.copy_(master)
-            defaults.clear()
+            initial.clear()
             units.append(unit)
             masters.append(master)
         leftovers = [n for n, b in model.named_buffers() if b.is_meta]
@@ -358,23 +271,6 @@ class ShardedModel:
                 "after leaving zeropp.zero.Init)"
             )
         return units, masters
-
-    @staticmethod
-    def _check_no_sharing(plan, unit_modules) -> None:
-        """A parameter registered in two units would be gathered by one and used by the other."""
-        home: dict[int, str] = {}
-        for name, _module, params in plan:
-            for p in params:
-                home[id(p)] = name
-        for name, module, _ in plan:
-            if name == "<root>":
-                continue
-            for p in own_parameters(module, unit_modules):
-                if home.get(id(p)) != name:
-                    raise ValueError(
-                        f"a parameter of unit {name!r} is shared with unit {home.get(id(p))!r}; "
-                        "tie parameters only at the root module"
-                    )
 
     def _install_hooks(self) -> None:
         self._hook_handles = []

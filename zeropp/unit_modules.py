@@ -112,3 +112,23 @@ def own_parameters(module: nn.Module, unit_modules: list[nn.Module]) -> list[nn.
     unit must hold alone (a parameter it shares with another unit is an error)."""
     stop = {id(m) for m in unit_modules} - {id(module)}
     return list(_reachable(module, stop))
+
+
+def check_no_sharing(plan: list[tuple[str, nn.Module, list[nn.Parameter]]],
+                     unit_modules: list[nn.Module]) -> None:
+    """A parameter registered in two units would be gathered by one and used by the other:
+    refuse a plan of (unit name, module, parameters), the root named "<root>", where a unit
+    other than the root does not hold alone every parameter its module reaches."""
+    home: dict[int, str] = {}
+    for name, _module, params in plan:
+        for p in params:
+            home[id(p)] = name
+    for name, module, _ in plan:
+        if name == "<root>":
+            continue
+        for p in own_parameters(module, unit_modules):
+            if home.get(id(p)) != name:
+                raise ValueError(
+                    f"a parameter of unit {name!r} is shared with unit {home.get(id(p))!r}; "
+                    "tie parameters only at the root module"
+                )

@@ -203,7 +203,7 @@ class Init:
     The engine (``zeropp.initialize`` / ``build_engine``) then materializes only each rank's
     shard, unit by unit. Initial values come from ``param_init_fn`` or the model's
     ``initial_value(name)`` when given, else from each module's own ``reset_parameters()``
-    run on a copy of one unit at a time (``zeropp.sharded_model.reset_parameters_values``):
+    run on a copy of one unit at a time (``zeropp.initial_values.reset_parameters_values``):
     the same distributions as eager construction, but drawn from fixed per-module seeds
     rather than the global random stream, so the values differ from an eager build's (and
     are the same on every rank and every run). Parameters whose modules have no

@@ -56,12 +56,13 @@ def planned(argv: list[str], nodes: int) -> tuple[int, int]:
     return tuple(report.total_bytes(plan) for plan in report.plans)
 
 
-def measured(argv: list[str], nodes: int, system: str) -> tuple[int, float]:
+def measured(argv: list[str], nodes: int, system: str, label: str) -> tuple[int, float]:
     ds_config = None
     if system == "ZeRO-3":
         ds_config = baseline_ds_config(parse_args(argv))
     start = time.perf_counter()
-    result = simulate_rank(argv, 0, nodes, GPUS_PER_NODE, save_dir=None, ds_config=ds_config)
+    result = simulate_rank(argv, 0, nodes, GPUS_PER_NODE, save_dir=None, ds_config=ds_config,
+                           label=label)
     if result.violations:
         raise RuntimeError(f"{system} on {nodes} nodes broke NCCL's rules: {result.violations}")
     return result.peak_bytes, time.perf_counter() - start
@@ -119,8 +120,9 @@ def main() -> int:
                         row.update(measured_bytes=reused["measured_bytes"],
                                    simulation_s=reused["simulation_s"])
                     elif nodes in chosen and (deadline is None or time.monotonic() < deadline):
-                        peak, seconds = measured(program_argv(model, nodes, tokens), nodes,
-                                                 system)
+                        peak, seconds = measured(
+                            program_argv(model, nodes, tokens), nodes, system,
+                            label=f"{model} at {tokens} tokens/GPU, {system} on {nodes} nodes")
                         row.update(measured_bytes=peak, simulation_s=round(seconds, 1))
                         print(f"{model} {tokens} {system} {nodes} nodes: planned "
                               f"{by_nodes[nodes] / GIB:.2f} GiB, measured {peak / GIB:.2f} GiB "

@@ -108,7 +108,7 @@ def record_traces(workdir: Path) -> dict:
         path = workdir / f"ds_{name}.json"
         path.write_text(json.dumps(ds_config(switches)))
         traces[name] = simulate_rank(lab_argv(str(path)), 0, 2, 2, save_dir=None,
-                                     trace=True).trace
+                                     trace=True, label=name).trace
     return traces
 
 

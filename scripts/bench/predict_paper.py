@@ -100,7 +100,8 @@ def load_or_record(directory: Path, model: str, nodes: int, tokens: int,
     ds_config = baseline_ds_config(parse_args(argv)) if system == "ZeRO-3" else None
     start = time.perf_counter()
     result = simulate_rank(argv, 0, nodes, GPUS_PER_NODE, save_dir=None, ds_config=ds_config,
-                           trace=True)
+                           trace=True, label=f"{model} at {tokens} tokens/GPU, {system} on "
+                                             f"{nodes} nodes")
     print(f"recorded {path.name} in {time.perf_counter() - start:.0f} s", flush=True)
     directory.mkdir(parents=True, exist_ok=True)
     result.trace.to_json(path)
