@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.bench import cluster, collective_bytes, launch_ranks, report
+from scripts.bench import cluster, collective_bytes, convergence, launch_ranks, report
 from tests.distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -314,3 +314,12 @@ def test_smoke_lab_on_a_100mbit_two_node_cluster(tmp_path):
         systems["zero3"]["collective_inter_node_bytes_per_iter"]
     assert systems["zeropp"]["inter_node_bytes_per_iter"] < \
         systems["zero3"]["inter_node_bytes_per_iter"] / 4
+
+
+@pytest.mark.parametrize("variant", sorted(convergence.ZEROPP_CHANGES))
+def test_convergence_variants_are_valid_engine_configs(tmp_path, variant):
+    from zeropp.config import EngineConfig
+
+    zero = EngineConfig.from_json(convergence.variant_config(variant, tmp_path)).zero_optimization
+    for key, value in convergence.ZEROPP_CHANGES[variant].items():
+        assert getattr(zero, key) == value, key

@@ -9,6 +9,7 @@ Systems (all fp32 compute, AdamW, gradient clipping 1.0, the same model and glob
     qwz, hpz, qgz  this engine with one ZeRO++ optimization (hpZ group = ranks per node)
     zeropp         this engine with all three
     zeropp_deltas  zeropp with weight deltas (4-bit changes across nodes) instead of qwZ
+    zeropp_lean    zeropp_deltas with int2 gradients across nodes, with error feedback
     fsdp2          torch.distributed.fsdp.fully_shard on every block, then the root
     fsdp2_hybrid   fully_shard on a 2-D mesh (replicate across nodes, shard inside a node):
                    HSDP, PyTorch's nearest relative of hpZ
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import abc
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -79,6 +81,8 @@ OUR_SYSTEMS = {
     "qgz": {"quantized_gradients": True},
     "zeropp": {"quantized_weights": True, "hpz": True, "quantized_gradients": True},
     "zeropp_deltas": {"weight_deltas": True, "hpz": True, "quantized_gradients": True},
+    "zeropp_lean": {"weight_deltas": True, "hpz": True, "quantized_gradients": True,
+                    "int2_gradients_across_nodes": True},
 }
 FSDP_SYSTEMS = {"fsdp2": False, "fsdp2_hybrid": True}
 DEEPSPEED_SYSTEMS = {
@@ -147,6 +151,9 @@ class OurEngine(TrainingSystem):
             quantized_gradients=switches.get("quantized_gradients", False),
             weight_deltas=switches.get("weight_deltas", False),
         )
+        if switches.get("int2_gradients_across_nodes"):  # needs error feedback
+            quantization = dataclasses.replace(
+                quantization, gradient_inter_node_bits=2, error_feedback=(0.0, 0))
         self.engine = build_engine(
             model, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
             gradient_clipping=GRADIENT_CLIPPING, quantization=quantization,

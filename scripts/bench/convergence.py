@@ -11,6 +11,8 @@ the same seed, data order, model and schedule; only the ZeRO config differs:
     zeropp_grad8  the same with zero_quantized_gradients_bits = 8
     zeropp_loco   zeropp with LoCo error feedback (DeepSpeed's zeropp_loco_param defaults)
     zeropp_deltas zeropp with weight deltas (zero_quantized_weight_deltas) instead of qwZ
+    zeropp_lean   zeropp_deltas with int2 gradients across nodes and error feedback
+                  (zero_quantized_gradients_inter_node_bits = 2)
 
 The runs' ``--metrics-file`` records give the training-loss curves and the validation loss
 every ``--eval-interval`` iterations and at the end. The JSON reports each final validation
@@ -43,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA_PREFIX = ROOT / "cache" / "data" / "pile_sample_text_document"
 ZERO3_CONFIG = ROOT / "configs" / "ds_zero3_config.json"
 ZEROPP_CONFIG = ROOT / "configs" / "ds_zeropp_cpu2x2.json"
-VARIANTS = ("zero3", "zeropp", "zeropp_grad8", "zeropp_loco", "zeropp_deltas")
+VARIANTS = ("zero3", "zeropp", "zeropp_grad8", "zeropp_loco", "zeropp_deltas", "zeropp_lean")
 # The variants that run when --variants is not given.
 DEFAULT_VARIANTS = ("zero3", "zeropp", "zeropp_grad8")
 # What each derived variant changes in zero_optimization of the ZeRO++ config.
@@ -51,6 +53,9 @@ ZEROPP_CHANGES = {
     "zeropp_grad8": {"zero_quantized_gradients_bits": 8},
     "zeropp_loco": {"zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}},
     "zeropp_deltas": {"zero_quantized_weight_deltas": True},
+    "zeropp_lean": {"zero_quantized_weight_deltas": True,
+                    "zero_quantized_gradients_inter_node_bits": 2,
+                    "zero_quantized_gradients_error_feedback": True},
 }
 
 

@@ -221,8 +221,8 @@ def pack_stored_codes(stored: Tensor, bits: int) -> Tensor:
     spare = -stored.numel() % per_byte
     if spare:
         stored = torch.cat([stored, stored.new_full((spare,), code_offset(bits))])
-    packed = stored[0::per_byte].clone()
-    for slot in range(1, per_byte):
+    packed = stored[0::per_byte] | (stored[1::per_byte] << bits)
+    for slot in range(2, per_byte):
         packed |= stored[slot::per_byte] << (bits * slot)
     return packed
 
