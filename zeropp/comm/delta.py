@@ -173,39 +173,48 @@ class DeltaWeightGather(Collective):
         mode = EXACT if base is None else (LOCAL if base.current else DELTA)
         for where, nbytes in self._bytes(mode, numel, shard.dtype).items():
             stats.record(phase, where == "inter_node", nbytes)
-        received: dict[str, torch.Tensor] = {}
+        if mode == LOCAL:  # the bases are current: only the intra-node gather
+            return self.execution.launch(
+                self.lane, lambda async_op: _gather_bases(output, base.values, self.intra,
+                                                          async_op),
+                finish=None if retain is None else lambda: retain(base.values.view(-1)),
+                keep=(output, shard))
+        updated: list[_Base] = []
 
-        def issue(async_op: bool):
+        def transfer(async_op: bool) -> None:
+            """Both hops as one sequence: on gloo the host worker runs it while compute goes
+            on (the intra-node gather waits for the inter-node one, so a gather whose second
+            hop ran at wait() would put the node's whole exchange on the critical path)."""
             if mode == EXACT:
-                received["exact"] = _new_base(self.nodes, shard)
-                return _all_gather(received["exact"].view(-1), shard, self.inter, async_op)
-            if mode == DELTA:
-                own = base.values[self.inter.rank]
+                values = _new_base(self.nodes, shard)
+                _AllOf([_all_gather(values.view(-1), shard, self.inter, False)]).wait()
+                current = _Base(values)
+            else:
+                current = base
+                own = current.values[self.inter.rank]
                 delta = kernels.quantize_blockwise(shard.float() - own.float(), self.bits,
                                                    self.block_size)
-                received["delta"] = torch.empty(self.nodes, delta.numel(), dtype=torch.uint8,
-                                                device=shard.device)
-                return _all_gather(received["delta"].view(-1), delta, self.inter, async_op)
-            return _gather_bases(output, base.values, self.intra, async_op)
+                received = torch.empty(self.nodes, delta.numel(), dtype=torch.uint8,
+                                       device=shard.device)
+                _AllOf([_all_gather(received.view(-1), delta, self.inter, False)]).wait()
+                deltas = kernels.dequantize_blockwise_many(
+                    received, numel, self.bits, self.block_size, torch.float32)
+                if current.values.dtype == torch.float32:
+                    current.values.add_(deltas)  # the same fp32 sum as below, without a copy
+                else:
+                    current.values.copy_(current.values.float() + deltas)
+                current.current = True
+            # The node's bases changed: gather them now (the fast link).
+            _gather_bases(output, current.values, self.intra, False).wait()
+            updated.append(current)
 
         def finish() -> None:
-            nonlocal base
-            if mode == EXACT:
-                base = self.bases[name] = _Base(received.pop("exact"))
-            elif mode == DELTA:
-                deltas = kernels.dequantize_blockwise_many(
-                    received.pop("delta"), numel, self.bits, self.block_size, torch.float32)
-                if base.values.dtype == torch.float32:
-                    base.values.add_(deltas)  # the same fp32 sum as below, without a copy
-                else:
-                    base.values.copy_(base.values.float() + deltas)
-                base.current = True
-            if mode != LOCAL:  # the node's bases changed: gather them now (the fast link)
-                _gather_bases(output, base.values, self.intra, False).wait()
+            self.bases[name] = current = updated.pop()
             if retain is not None:
-                retain(base.values.view(-1))
+                retain(current.values.view(-1))
 
-        return self.execution.launch(self.lane, issue, finish=finish, keep=(output, shard))
+        return self.execution.launch(self.lane, transfer, finish=finish, keep=(output, shard),
+                                     sequence=True)
 
 
 def _new_base(nodes: int, shard: torch.Tensor) -> torch.Tensor:
