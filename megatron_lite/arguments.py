@@ -5,9 +5,11 @@ The DeepSpeed ZeRO++ tutorial launches training with a Megatron-DeepSpeed comman
 this module accepts that command line unchanged. Three steps, in this order:
 
     args = parse_args(argv)                      # argparse only; records which flags were given
-    reconcile_with_ds_config(args, ds_json)      # CLI vs DeepSpeed JSON: agree or fail loudly
+    ds_config = read_ds_config(args)             # the DeepSpeed JSON, parsed once; CLI and
+                                                 # JSON agree or fail loudly (ds_config.py)
     validate_args(args, world_size)              # checks, then derived values
 
+The middle step lives in ``megatron_lite.ds_config`` (this module imports no engine);
 ``reconcile_with_ds_config`` may also run after ``validate_args``: it then validates again so
 the derived values follow the JSON. ``validate_args`` is idempotent.
 
@@ -18,10 +20,8 @@ key and the offending values; the entry point prints it and exits with status 2.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,17 +40,13 @@ from megatron_lite.arguments_model import flag as _flag
 
 __all__ = [
     "ArgumentError", "build_parser", "gpt_config_from_args", "parse_args", "parse_data_blend",
-    "parse_split", "reconcile_with_ds_config", "validate_args",
+    "parse_split", "validate_args",
 ]
 SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
 # zeropp.lr_schedules.AnnealingLR's styles, named here so that parsing the command line
 # imports no engine (tests/test_arguments.py checks the two agree).
 DECAY_STYLES = ("constant", "linear", "cosine")
 
-# DeepSpeed JSON values that must be integers rather than any number.
-_INTEGER_DESTS = frozenset(
-    {"micro_batch_size", "global_batch_size", "zero_stage", "loss_scale_window", "hysteresis"}
-)
 _REQUIRED_MODEL_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 _POSITIVE_IF_SET = (
     "micro_batch_size", "global_batch_size", "num_layers", "hidden_size", "num_attention_heads",
@@ -365,11 +361,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.explicit_args = _explicitly_given_dests(argv, dests=vars(args))
-    _ensure_bookkeeping(args)
+    ensure_bookkeeping(args)
     return args
 
 
-def _ensure_bookkeeping(args: argparse.Namespace) -> None:
+def ensure_bookkeeping(args: argparse.Namespace) -> None:
+    """Give ``args`` the bookkeeping attributes ``parse_args`` documents, where missing."""
     # A namespace built by hand (not by parse_args) counts every value as a default.
     for name, empty in (("explicit_args", frozenset()), ("ds_config_sources", {}),
                         ("ds_gradient_accumulation_steps", None), ("derived_values", {})):
@@ -377,7 +374,8 @@ def _ensure_bookkeeping(args: argparse.Namespace) -> None:
             setattr(args, name, empty)
 
 
-def _ds_source(args: argparse.Namespace) -> str:
+def ds_source(args: argparse.Namespace) -> str:
+    """How messages name the DeepSpeed JSON: its path."""
     return args.deepspeed_config or "the DeepSpeed config"
 
 
@@ -388,161 +386,6 @@ def _explicitly_given_dests(argv: list[str] | None, dests: dict[str, Any]) -> fr
     namespace = argparse.Namespace(**dict.fromkeys(dests, not_given))
     parsed = build_parser().parse_args(argv, namespace=namespace)
     return frozenset(dest for dest, value in vars(parsed).items() if value is not not_given)
-
-
-# -------------------- Reconciliation with the DeepSpeed JSON -----------------------------------
-
-
-def reconcile_with_ds_config(args: argparse.Namespace, ds: dict[str, Any]) -> None:
-    """Make the CLI and the DeepSpeed JSON agree on every value both can set.
-
-    A value set in both places must be equal (else ``ArgumentError`` naming both places and
-    both values); a value set in one place is taken from there. If ``validate_args`` already
-    ran, it runs again so derived values (global batch, accumulation steps) follow the JSON.
-    """
-    if not isinstance(ds, dict):
-        raise ArgumentError(f"the DeepSpeed config must be a JSON object, got {type(ds).__name__}")
-    _ensure_bookkeeping(args)
-    source = _ds_source(args)
-    _take_or_compare(args, ds, "micro_batch_size", ("train_micro_batch_size_per_gpu",), source)
-    _take_or_compare(args, ds, "global_batch_size", ("train_batch_size",), source)
-    accumulation = _json_value(ds, ("gradient_accumulation_steps",), source)
-    if accumulation is not None:
-        if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
-            raise ArgumentError(f"gradient_accumulation_steps in {source} must be a positive "
-                                f"integer, got {json.dumps(accumulation)}")
-        args.ds_gradient_accumulation_steps = accumulation
-    _take_or_compare(args, ds, "clip_grad", ("gradient_clipping",), source)
-    _reconcile_precision(args, ds, source)
-    _reconcile_loss_scaling(args, ds, source)
-    _take_or_compare(args, ds, "zero_stage", ("zero_optimization", "stage"), source)
-    _reconcile_optimizer(args, ds, source)
-    _reconcile_communication(args, ds, source)
-    if getattr(args, "world_size", None) is not None:
-        validate_args(args, args.world_size)
-
-
-def _reconcile_precision(args: argparse.Namespace, ds: dict[str, Any], source: str) -> None:
-    _take_or_compare(args, ds, "fp16", ("fp16", "enabled"), source)
-    # DeepSpeed still accepts the legacy section name "bfloat16".
-    bf16_section = "bf16" if "bf16" in ds else "bfloat16"
-    _take_or_compare(args, ds, "bf16", (bf16_section, "enabled"), source)
-    if args.fp16 and args.bf16:
-        raise ArgumentError(
-            f"fp16 and bf16 are both enabled ({_describe(args, 'fp16')} and "
-            f"{_describe(args, 'bf16')}); choose one"
-        )
-
-
-def _reconcile_loss_scaling(args: argparse.Namespace, ds: dict[str, Any], source: str) -> None:
-    # DeepSpeed spells "dynamic" as loss_scale 0 and the initial scale as a power of two.
-    _take_or_compare(args, ds, "loss_scale", ("fp16", "loss_scale"), source,
-                     convert=lambda value: None if value == 0 else float(value))
-    _take_or_compare(args, ds, "initial_loss_scale", ("fp16", "initial_scale_power"), source,
-                     convert=lambda power: 2.0 ** power)
-    _take_or_compare(args, ds, "min_loss_scale", ("fp16", "min_loss_scale"), source)
-    _take_or_compare(args, ds, "loss_scale_window", ("fp16", "loss_scale_window"), source)
-    _take_or_compare(args, ds, "hysteresis", ("fp16", "hysteresis"), source)
-
-
-def _reconcile_optimizer(args: argparse.Namespace, ds: dict[str, Any], source: str) -> None:
-    params = ("optimizer", "params")
-    _reconcile_optimizer_type(args, ds, source)
-    if args.optimizer == "sgd":
-        _take_or_compare(args, ds, "sgd_momentum", (*params, "momentum"), source)
-    _take_or_compare(args, ds, "lr", (*params, "lr"), source)
-    _take_or_compare(args, ds, "weight_decay", (*params, "weight_decay"), source)
-    _take_or_compare(args, ds, "adam_eps", (*params, "eps"), source)
-    betas = _json_value(ds, (*params, "betas"), source)
-    if betas is None:
-        return
-    if not isinstance(betas, list) or len(betas) != 2:
-        raise ArgumentError(f"optimizer.params.betas in {source} must be a list of two numbers, "
-                            f"got {json.dumps(betas)}")
-    for index, dest in enumerate(("adam_beta1", "adam_beta2")):
-        _take_or_compare(args, {"betas": betas[index]}, dest, ("betas",), source,
-                         key_name=f"optimizer.params.betas[{index}]")
-
-
-def _reconcile_optimizer_type(args: argparse.Namespace, ds: dict[str, Any],
-                              source: str) -> None:
-    kind = _json_value(ds, ("optimizer", "type"), source)
-    if not isinstance(kind, str):
-        return  # absent (the command line decides), or wrong: the engine config says why
-    # DeepSpeed's Adam is decoupled (AdamW) unless adam_w_mode is false: Megatron's adam is
-    # decoupled too.
-    decoupled = _json_value(ds, ("optimizer", "params", "adam_w_mode"), source) is not False
-    ours = {"adamw": "adam", "adam": "adam" if decoupled else None, "sgd": "sgd"}.get(
-        kind.lower())
-    if "optimizer" in args.explicit_args and args.optimizer != ours:
-        shown = json.dumps(kind) + ("" if decoupled else " with adam_w_mode false")
-        raise ArgumentError(f"--optimizer {args.optimizer} disagrees with optimizer.type "
-                            f"{shown} in {source}")
-    if ours is not None:  # else the JSON's own class (Adagrad, L2 Adam) runs
-        args.optimizer = ours
-        args.ds_config_sources["optimizer"] = ("optimizer.type", source)
-
-
-def _reconcile_communication(args: argparse.Namespace, ds: dict[str, Any],
-                             source: str) -> None:
-    if _json_value(ds, ("zero_optimization", "overlap_comm"), source) is False:
-        for dest in ("overlap_grad_reduce", "overlap_param_gather"):
-            if getattr(args, dest):
-                raise ArgumentError(f"{_flag(dest)} disagrees with zero_optimization."
-                                    f"overlap_comm false in {source}")
-    dtype = _json_value(ds, ("communication_data_type",), source)
-    if args.grad_reduce_in_bf16 and dtype is not None and dtype != "bf16":
-        raise ArgumentError(f"--grad-reduce-in-bf16 disagrees with communication_data_type "
-                            f"{json.dumps(dtype)} in {source}")
-
-
-def _take_or_compare(
-    args: argparse.Namespace,
-    ds: dict[str, Any],
-    dest: str,
-    path: tuple[str, ...],
-    source: str,
-    convert: Callable[[Any], Any] | None = None,
-    key_name: str | None = None,
-) -> None:
-    raw = _json_value(ds, path, source)
-    if raw is None:
-        return
-    key_name = key_name or ".".join(path)
-    current = getattr(args, dest)
-    _check_json_type(raw, dest, is_flag=isinstance(current, bool), key=key_name, source=source)
-    value = convert(raw) if convert else raw
-    if dest in args.explicit_args and current != value:
-        cli = _flag(dest) if isinstance(current, bool) else f"{_flag(dest)} {current}"
-        shown = json.dumps(raw)
-        if value is not None and value != raw:  # e.g. initial_scale_power 16 (= 65536)
-            shown += f" (= {value:g})"
-        raise ArgumentError(f"{cli} disagrees with {key_name} {shown} in {source}")
-    setattr(args, dest, value)
-    args.ds_config_sources[dest] = (key_name, source)
-
-
-def _check_json_type(raw: Any, dest: str, is_flag: bool, key: str, source: str) -> None:
-    if is_flag:
-        valid, wanted = isinstance(raw, bool), "true or false"
-    elif dest in _INTEGER_DESTS:
-        valid, wanted = isinstance(raw, int) and not isinstance(raw, bool), "an integer"
-    else:
-        valid, wanted = isinstance(raw, (int, float)) and not isinstance(raw, bool), "a number"
-    if not valid:
-        raise ArgumentError(f"{key} in {source} must be {wanted}, got {json.dumps(raw)}")
-
-
-def _json_value(ds: dict[str, Any], path: tuple[str, ...], source: str) -> Any:
-    node: Any = ds
-    for depth, key in enumerate(path):
-        if not isinstance(node, dict):
-            section = ".".join(path[:depth])
-            raise ArgumentError(f"{section} in {source} must be a JSON object")
-        if key not in node:
-            return None
-        node = node[key]
-    return node
 
 
 # -------------------- Validation and derived values --------------------------------------------
@@ -561,7 +404,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ArgumentError(f"world size must be a positive integer, got {world_size!r}")
-    _ensure_bookkeeping(args)
+    ensure_bookkeeping(args)
     _forget_derived_values(args)
     _check_required_model_shape(args)
     _check_ranges(args)
@@ -662,7 +505,7 @@ def _derive_batch_sizes(args: argparse.Namespace, world_size: int) -> None:
     accumulation = args.gradient_accumulation_steps
     if accumulation_from_ds is not None and accumulation_from_ds != accumulation:
         raise ArgumentError(
-            f"gradient_accumulation_steps {accumulation_from_ds} in {_ds_source(args)} "
+            f"gradient_accumulation_steps {accumulation_from_ds} in {ds_source(args)} "
             f"disagrees with {_describe(args, 'global_batch_size')} / "
             f"({_describe(args, 'micro_batch_size')} x data-parallel size {world_size}) "
             f"= {accumulation}"

@@ -65,8 +65,13 @@ from megatron_lite.arguments import (
 )
 from megatron_lite.ds_config import read_ds_config
 from megatron_lite.model import GPTConfig, GPTModel, describe_count
-from zeropp.config import ConfigError, ZeroConfig, read_json_config
-from zeropp.planner import SystemPlan, plan_zero3_and_zeropp, unit_parameter_counts
+from zeropp.config import ConfigError, EngineConfig, ZeroConfig
+from zeropp.planner import (
+    SystemPlan,
+    plan_zero3_and_zeropp,
+    unit_parameter_counts,
+    zero3_baseline,
+)
 from zeropp.topology import ClusterShape, TopologyError
 
 GIB = 1024**3
@@ -117,6 +122,8 @@ class DryRunReport:
     dtype_name: str
     activations: ActivationPlan
     plans: tuple[SystemPlan, SystemPlan]  # (ZeRO-3, configured ZeRO++)
+    # The DeepSpeed JSON as parsed (once): the simulated ZeRO-3 baseline is derived from it.
+    ds_config: EngineConfig = dataclasses.field(repr=False)
 
     def total_bytes(self, plan: SystemPlan) -> int:
         """Peak per GPU: the larger of the forward's and the backward's (see MemoryPlan)."""
@@ -212,10 +219,10 @@ def kernel_rate_lines(kernel_rates, clusters: list) -> list[str]:
     return lines
 
 
-def zero_config(args: argparse.Namespace) -> ZeroConfig:
-    """The ``zero_optimization`` block the engine would run: the file's, stage from the CLI."""
-    zero = read_ds_config(args).zero_optimization
-    return dataclasses.replace(zero, stage=args.zero_stage)
+def zero_config(args: argparse.Namespace, ds_config: EngineConfig) -> ZeroConfig:
+    """The ``zero_optimization`` block the engine would run: the file's, stage from the CLI
+    (which ``read_ds_config`` has reconciled with the file)."""
+    return dataclasses.replace(ds_config.zero_optimization, stage=args.zero_stage)
 
 
 model_config = gpt_config_from_args
@@ -282,7 +289,8 @@ def plan_activations(config: GPTConfig, seq_length: int, micro_batch: int,
 def build_report(args: argparse.Namespace) -> DryRunReport:
     """Validate ``args`` for the planned cluster, build the meta model, plan both systems."""
     cluster = planned_cluster(args)
-    zero = zero_config(args)
+    ds_config = read_ds_config(args)
+    zero = zero_config(args, ds_config)
     validate_args(args, cluster.world_size)
     if args.zero_stage != 3 and cluster.world_size > 1:
         raise ArgumentError(f"--zero-stage {args.zero_stage} with {cluster.world_size} GPUs: "
@@ -303,6 +311,7 @@ def build_report(args: argparse.Namespace) -> DryRunReport:
         activations=plan_activations(model.config, args.seq_length, args.micro_batch_size,
                                      dtype_bytes),
         plans=plans,
+        ds_config=ds_config,
     )
 
 
@@ -416,30 +425,33 @@ MEASURED_ROWS = (
 )
 
 
-def baseline_ds_config(args: argparse.Namespace) -> dict:
-    """The user's DeepSpeed JSON with qwZ, hpZ and qgZ off: the ZeRO-3 run to compare."""
-    config = read_json_config(args.deepspeed_config) if args.deepspeed_config else {}
-    zero = dict(config.get("zero_optimization", {}))
-    zero.update(zero_quantized_weights=False, zero_hpz_partition_size=1,
-                zero_quantized_gradients=False)
-    zero.pop("zero_quantized_gradients_error_feedback", None)
-    zero.pop("zeropp_loco_param", None)
-    zero.pop("zero_quantized_weight_deltas", None)
-    return {**config, "zero_optimization": zero}
+def baseline_ds_config(ds_config: EngineConfig) -> dict:
+    """The user's DeepSpeed JSON (as ``read_ds_config`` parsed it) with qwZ, hpZ, qgZ and
+    weight deltas off: the ZeRO-3 run to compare, as JSON for the simulated rank to read."""
+    zero = dataclasses.replace(zero3_baseline(ds_config.zero_optimization),
+                               stage=ds_config.zero_optimization.stage)
+    return dataclasses.replace(ds_config, zero_optimization=zero).explicit_dict()
 
 
-def simulate_plans(args: argparse.Namespace, argv: list[str], report: DryRunReport) -> list:
-    """Rank 0 of the planned cluster, run for real on meta tensors, for each planned system."""
+def simulate_plans(argv: list[str], report: DryRunReport) -> list:
+    """Rank 0 of the planned cluster, run for real on meta tensors, for each planned system.
+
+    Each run is the training program, given the DeepSpeed JSON as the dry run parsed it
+    (``report.ds_config``, written for it to read; for the baseline with ZeRO++ off): the
+    user's file is read once per dry run."""
     from megatron_lite.simulate import simulate_rank
 
     cluster = report.cluster
     zero3, configured = report.plans
-    baseline = simulate_rank(argv, 0, cluster.num_nodes, cluster.ranks_per_node, save_dir=None,
-                             ds_config=baseline_ds_config(args), trace=True, label=zero3.name)
+
+    def measure(ds_config: dict, label: str):
+        return simulate_rank(argv, 0, cluster.num_nodes, cluster.ranks_per_node, save_dir=None,
+                             ds_config=ds_config, trace=True, label=label)
+
+    baseline = measure(baseline_ds_config(report.ds_config), zero3.name)
     if dataclasses.replace(configured.zero, stage=3) == zero3.zero:
         return [baseline, baseline]
-    return [baseline, simulate_rank(argv, 0, cluster.num_nodes, cluster.ranks_per_node,
-                                    save_dir=None, trace=True, label=configured.name)]
+    return [baseline, measure(report.ds_config.explicit_dict(), configured.name)]
 
 
 def predicted_lines(report: DryRunReport, measurements: list, clusters: list,
@@ -516,7 +528,7 @@ def run_dry_run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if args.dry_run_simulate:
         argv = list(sys.argv[1:] if argv is None else argv)
         print("", flush=True)
-        measurements = simulate_plans(args, argv, report)
+        measurements = simulate_plans(argv, report)
         print("\n".join(measured_lines(report, measurements)), flush=True)
         clusters = predicted_clusters(args, report.cluster.ranks_per_node, kernel_rates)
         print("", flush=True)

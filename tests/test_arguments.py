@@ -15,9 +15,10 @@ from megatron_lite.arguments import (
     parse_args,
     parse_data_blend,
     parse_split,
-    reconcile_with_ds_config,
     validate_args,
 )
+from megatron_lite.ds_config import read_ds_config
+from zeropp.config import ConfigError
 
 # The DeepSpeed ZeRO++ tutorial's launch line, verbatim apart from the config path.
 TUTORIAL_ARGV = (
@@ -253,11 +254,11 @@ def test_data_blend_and_split_parsing() -> None:
 
 def with_ds(tmp_path: Path, ds: dict, extra: str = "", world_size: int | None = 2,
             train: str = "--train-iters 100 --lr 1e-4"):
-    """parse -> reconcile -> validate, as the entry point does."""
+    """parse -> read the JSON (parsed once, reconciled) -> validate, as the entry point does."""
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))
     args = parse_args(f"{SMALL_MODEL} {train} --deepspeed_config {path} {extra}".split())
-    reconcile_with_ds_config(args, ds)
+    read_ds_config(args)
     if world_size is not None:
         validate_args(args, world_size)
     return args
@@ -295,9 +296,8 @@ def test_disagreement_names_both_places_and_values(tmp_path: Path) -> None:
         ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}},
          "--micro-batch-size 1 --adam-beta2 0.999",
          "--adam-beta2 0.999 disagrees with optimizer.params.betas[1] 0.95"),
-        ({"train_micro_batch_size_per_gpu": "auto"}, "",
-         "train_micro_batch_size_per_gpu in"),
-        ({"fp16": True}, "--micro-batch-size 1", "fp16 in"),
+        ({"fp16": {"enabled": True, "min_loss_scale": 2}}, "--min-loss-scale 4",
+         "--min-loss-scale 4.0 disagrees with fp16.min_loss_scale 2 in"),
     ],
 )
 def test_reconcile_rejects_disagreement(tmp_path: Path, ds: dict, extra: str,
@@ -305,6 +305,29 @@ def test_reconcile_rejects_disagreement(tmp_path: Path, ds: dict, extra: str,
     with pytest.raises(ArgumentError) as error:
         with_ds(tmp_path, ds, extra, world_size=None)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("ds", "message"),
+    [
+        ({"train_micro_batch_size_per_gpu": "auto"},
+         'train_micro_batch_size_per_gpu: "auto" is a Hugging Face Trainer placeholder'),
+        ({"fp16": True}, "fp16: expected an object, got true"),
+        ({"fp16": {"enabled": "yes"}}, 'fp16.enabled: expected true or false, got "yes"'),
+        ({"gradient_accumulation_steps": 0},
+         "gradient_accumulation_steps: expected a positive integer, got 0"),
+        ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}},
+         "optimizer.params.betas: expected two numbers in [0, 1), got [0.9]"),
+        ({"zero_optimization": {"stage": 4}},
+         "zero_optimization.stage: expected one of 0, 1, 2, 3, got 4"),
+    ],
+)
+def test_wrong_json_types_are_the_parsers_one_line_naming_file_and_key(
+        tmp_path: Path, ds: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        with_ds(tmp_path, ds, "--micro-batch-size 1", world_size=None)
+    assert str(error.value).startswith(f"{tmp_path / 'ds.json'}: {message}")
+    assert "\n" not in str(error.value)
 
 
 def test_values_only_in_json_are_taken(tmp_path: Path) -> None:
@@ -366,12 +389,6 @@ def test_inconsistent_accumulation_steps(tmp_path: Path) -> None:
         with_ds(tmp_path, ds, world_size=2)
 
 
-def test_unsupported_stage_in_json_names_the_json(tmp_path: Path) -> None:
-    with pytest.raises(ArgumentError, match=r"zero_optimization.stage 4 in .*ds.json is not "
-                       r"a ZeRO stage"):
-        with_ds(tmp_path, {"zero_optimization": {"stage": 4}}, "--micro-batch-size 1")
-
-
 @pytest.mark.parametrize(
     ("ds", "global_batch", "accumulation"),
     [({"gradient_accumulation_steps": 4}, 16, 4), ({"train_batch_size": 8}, 8, 2)],
@@ -382,7 +399,7 @@ def test_reconcile_after_validate_rederives(tmp_path: Path, ds: dict, global_bat
     path.write_text(json.dumps(ds))
     args = validated(small(f"--deepspeed_config {path}"), world_size=2)
     assert (args.global_batch_size, args.gradient_accumulation_steps) == (4, 1)
-    reconcile_with_ds_config(args, ds)
+    read_ds_config(args)
     assert (args.global_batch_size, args.gradient_accumulation_steps) == (global_batch,
                                                                           accumulation)
 
@@ -394,12 +411,12 @@ def test_failed_validation_then_reconcile_matches_reconcile_first(tmp_path: Path
     path.write_text(json.dumps(ds))
     argv = f"{SMALL_MODEL} --train-iters 5 --lr 1e-3 --deepspeed_config {path}".split()
     before = parse_args(argv)
-    reconcile_with_ds_config(before, ds)
+    read_ds_config(before)
     validate_args(before, 2)
     after = parse_args(argv)
     with pytest.raises(ArgumentError, match="--micro-batch-size is required"):
         validate_args(after, 2)  # the JSON has not been read yet
-    reconcile_with_ds_config(after, ds)
+    read_ds_config(after)
     validate_args(after, 2)
     for name in ("micro_batch_size", "global_batch_size", "gradient_accumulation_steps",
                  "params_dtype"):

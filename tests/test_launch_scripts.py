@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lite.arguments import parse_args, reconcile_with_ds_config, validate_args
+from megatron_lite.arguments import parse_args, validate_args
+from megatron_lite.ds_config import read_ds_config
 from megatron_lite.model import GPTConfig
-from zeropp.config import read_json_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "scripts" / "launch"
@@ -99,7 +99,7 @@ def test_every_paper_run_produces_the_expected_command_line():
         assert flag_value(program, "--deepspeed_config") == ds_config, where
         # ... and the entry point accepts it for this cluster, DeepSpeed config included
         args = parse_args(program)
-        reconcile_with_ds_config(args, read_json_config(args.deepspeed_config))
+        read_ds_config(args)
         validate_args(args, nodes * 16)
         assert args.micro_batch_size * args.seq_length == 1024 * int(tokens[0])
         assert args.global_batch_size == args.micro_batch_size * nodes * 16
@@ -153,7 +153,7 @@ def test_cpu_cluster_script_command_and_dry_run():
     assert flag_value(program, "--data-path") == str(ROOT / "cache" / "data" /
                                                      "pile_sample_text_document")
     args = parse_args(program)
-    reconcile_with_ds_config(args, read_json_config(args.deepspeed_config))
+    read_ds_config(args)
     validate_args(args, 4)
     assert not args.fp16 and args.gradient_accumulation_steps == 1
 
@@ -211,7 +211,7 @@ def test_llama_wrappers_produce_an_accepted_command_line(model, nodes, system, t
     common = args_file_flags(ROOT / "configs" / "models" / "llama_training.args")
     assert program[:len(model_flags) + len(common)] == model_flags + common
     args = parse_args(program)
-    reconcile_with_ds_config(args, read_json_config(args.deepspeed_config))
+    read_ds_config(args)
     validate_args(args, nodes * 16)
     assert args.micro_batch_size * args.seq_length == 1024 * int(tokens[0])
     assert args.bf16 and args.recompute_attention and not args.checkpoint_activations

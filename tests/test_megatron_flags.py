@@ -30,11 +30,15 @@ from megatron_lite.arguments import (
     ArgumentError,
     gpt_config_from_args,
     parse_args,
-    reconcile_with_ds_config,
     validate_args,
 )
 from megatron_lite.checkpointing import CheckpointConfig, RunControl
-from megatron_lite.ds_config import engine_config, optimizer_params, read_ds_config
+from megatron_lite.ds_config import (
+    engine_config,
+    optimizer_params,
+    read_ds_config,
+    reconcile_with_ds_config,
+)
 from megatron_lite.model import GPTModel
 from megatron_lite.model import config as model_config
 from tests.distributed import run_ranks
@@ -273,7 +277,7 @@ def test_train_samples_become_iterations():
     assert (args.train_iters, args.lr_decay_iters, args.lr_warmup_iters) == (12, 12, 3)
     # the global batch from the DeepSpeed JSON sizes the iterations too
     args = parse_args(f"{SHAPE} --micro-batch-size 2 --lr 1e-3 --train-samples 100".split())
-    reconcile_with_ds_config(args, {"train_batch_size": 20})
+    reconcile_with_ds_config(args, EngineConfig.from_json({"train_batch_size": 20}))
     assert validate_args(args, 2).train_iters == 5
 
 
@@ -345,7 +349,7 @@ def test_optimizer_choice_and_the_deepspeed_block():
     sgd_block = {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.5}}}
     no_lr = "--micro-batch-size 2 --train-iters 10"
     args = parse_args(f"{SHAPE} {no_lr}".split())
-    reconcile_with_ds_config(args, sgd_block)
+    reconcile_with_ds_config(args, EngineConfig.from_json(sgd_block))
     assert (args.optimizer, args.sgd_momentum, args.lr) == ("sgd", 0.5, 0.1)
     for flags, block, shown in (
             ("--optimizer adam", sgd_block, '"SGD"'),
@@ -354,11 +358,12 @@ def test_optimizer_choice_and_the_deepspeed_block():
              '"Adam" with adam_w_mode false')):
         args = parse_args(f"{SHAPE} {no_lr} {flags}".split())
         with pytest.raises(ArgumentError) as caught:
-            reconcile_with_ds_config(args, block)
+            reconcile_with_ds_config(args, EngineConfig.from_json(block))
         assert str(caught.value) == f"{flags} disagrees with optimizer.type {shown} in the " \
                                     "DeepSpeed config"
     args = parse_args(f"{SHAPE} {TRAIN} --optimizer adam".split())
-    reconcile_with_ds_config(args, {"optimizer": {"type": "Adam"}})  # DeepSpeed's Adam is AdamW
+    # DeepSpeed's Adam is AdamW
+    reconcile_with_ds_config(args, EngineConfig.from_json({"optimizer": {"type": "Adam"}}))
 
 
 def test_distributed_optimizer_overlap_and_bf16_reduction():
@@ -375,7 +380,8 @@ def test_distributed_optimizer_overlap_and_bf16_reduction():
             ("--grad-reduce-in-bf16", {"communication_data_type": "fp32"},
              '--grad-reduce-in-bf16 disagrees with communication_data_type "fp32"')):
         with pytest.raises(ArgumentError, match=message):
-            reconcile_with_ds_config(parse_args(f"{SHAPE} {TRAIN} {flags}".split()), block)
+            reconcile_with_ds_config(parse_args(f"{SHAPE} {TRAIN} {flags}".split()),
+                                     EngineConfig.from_json(block))
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -339,9 +339,10 @@ def initialize(
     """``deepspeed.initialize``'s twin, with its signature: returns ``(engine, optimizer,
     training_dataloader, lr_scheduler)``.
 
-    - ``config`` / ``config_params``: the DeepSpeed JSON (path or dict); else
-      ``args.deepspeed_config``. Hugging Face's ``"auto"`` values are resolved from the world
-      size and the model's hidden size (``zeropp.config.resolve_auto``).
+    - ``config`` / ``config_params``: the DeepSpeed JSON (path or dict, read and parsed
+      once; or an ``EngineConfig`` parsed already); else ``args.deepspeed_config``. Hugging
+      Face's ``"auto"`` values are resolved from the world size and the model's hidden size
+      (``zeropp.config.resolve_auto``).
     - ``optimizer``: a torch optimizer or a callable taking the parameter groups; its class
       (element-wise ones: Adam, AdamW, SGD, Adagrad, ...), hyperparameters and groups are
       honoured over the shards. Else the config's optimizer block over ``model_parameters``
@@ -372,10 +373,14 @@ def initialize(
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     init_distributed()
-    # Hugging Face's "auto" placeholders filled (a config without them comes back equal).
-    raw = resolve_auto(config if config is not None else {}, world_size=dist.get_world_size(),
-                       hidden_size=_hidden_size(model))
-    cfg = EngineConfig.from_mapping(raw)  # parsed once
+    if isinstance(config, EngineConfig):
+        cfg = config  # parsed by the caller (for zero.Init too, say): not parsed again
+    else:
+        # The file read and Hugging Face's "auto" placeholders filled (a config without them
+        # comes back equal), then parsed: once each.
+        raw = resolve_auto(config if config is not None else {},
+                           world_size=dist.get_world_size(), hidden_size=_hidden_size(model))
+        cfg = EngineConfig.from_mapping(raw)
     if cfg.train_batch_size is not None or cfg.train_micro_batch_size_per_gpu is not None:
         cfg = cfg.with_batch_resolved(dist.get_world_size())
     engine = engine_from_config(

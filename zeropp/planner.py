@@ -350,7 +350,8 @@ def zero3_baseline(zero: ZeroConfig) -> ZeroConfig:
     return dataclasses.replace(
         zero, stage=3, zero_quantized_weights=False, zero_hpz_partition_size=1,
         zero_quantized_gradients=False, zero_quantized_gradients_error_feedback=False,
-        zeropp_loco_param=None, zero_quantized_weight_deltas=False)
+        zeropp_loco_param=None, zero_quantized_weight_deltas=False,
+        zero_quantized_gradients_inter_node_bits=None)
 
 
 def plan_zero3_and_zeropp(unit_numels: Sequence[int], world_size: int, ranks_per_node: int,

@@ -213,10 +213,12 @@ class Init:
 
     ``dtype`` (or, without it, the config's fp16/bf16 switch, as in DeepSpeed) is the
     default floating dtype inside the context, so parameters are created, and initialized,
-    in it. ``module`` (an already built model) needs nothing: the engine shards it. The
-    partitioning group is always the whole world. Arguments asking for what this engine
-    lacks (offload, model or sequence parallelism) raise ``ValueError`` naming them.
-    ``enabled=False`` constructs normally.
+    in it. The config (``config_dict_or_path`` or ``config``) may be an ``EngineConfig``
+    parsed already: pass the same one to ``zeropp.initialize`` and the JSON is read and
+    parsed once for both. ``module`` (an already built model) needs nothing: the engine
+    shards it. The partitioning group is always the whole world. Arguments asking for what
+    this engine lacks (offload, model or sequence parallelism) raise ``ValueError`` naming
+    them. ``enabled=False`` constructs normally.
     """
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
@@ -248,8 +250,12 @@ class Init:
         if dtype is None and config_dict_or_path is not None:
             from zeropp.config import EngineConfig
 
-            # Parsed for its refusals too (offload and other unsupported keys).
-            dtype = _CONFIG_DTYPES[EngineConfig.from_json(config_dict_or_path).compute_dtype]
+            # A path or dict is parsed for its refusals too (offload and other unsupported
+            # keys); an EngineConfig the caller parsed already (and will pass to initialize)
+            # is not parsed again.
+            parsed = (config_dict_or_path if isinstance(config_dict_or_path, EngineConfig)
+                      else EngineConfig.from_json(config_dict_or_path))
+            dtype = _CONFIG_DTYPES[parsed.compute_dtype]
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"zero.Init(dtype={dtype}): a floating-point dtype is needed")
         self.dtype = dtype

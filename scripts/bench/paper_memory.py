@@ -24,6 +24,7 @@ from pathlib import Path
 
 from megatron_lite.arguments import parse_args
 from megatron_lite.dry_run import GIB, baseline_ds_config, build_report
+from megatron_lite.ds_config import read_ds_config
 from megatron_lite.simulate import simulate_rank
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +60,7 @@ def planned(argv: list[str], nodes: int) -> tuple[int, int]:
 def measured(argv: list[str], nodes: int, system: str, label: str) -> tuple[int, float]:
     ds_config = None
     if system == "ZeRO-3":
-        ds_config = baseline_ds_config(parse_args(argv))
+        ds_config = baseline_ds_config(read_ds_config(parse_args(argv)))
     start = time.perf_counter()
     result = simulate_rank(argv, 0, nodes, GPUS_PER_NODE, save_dir=None, ds_config=ds_config,
                            label=label)

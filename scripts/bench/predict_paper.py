@@ -55,6 +55,7 @@ from pathlib import Path
 
 from megatron_lite.arguments import parse_args
 from megatron_lite.dry_run import baseline_ds_config
+from megatron_lite.ds_config import read_ds_config
 from scripts.bench.paper_memory import GPUS_PER_NODE, program_argv  # the paper's flags
 from zeropp.simulation.trace import IterationTrace
 from zeropp.step_time import (
@@ -97,7 +98,8 @@ def load_or_record(directory: Path, model: str, nodes: int, tokens: int,
     from megatron_lite.simulate import simulate_rank
 
     argv = program_argv(model, nodes, tokens)
-    ds_config = baseline_ds_config(parse_args(argv)) if system == "ZeRO-3" else None
+    ds_config = (baseline_ds_config(read_ds_config(parse_args(argv))) if system == "ZeRO-3"
+                 else None)
     start = time.perf_counter()
     result = simulate_rank(argv, 0, nodes, GPUS_PER_NODE, save_dir=None, ds_config=ds_config,
                            trace=True, label=f"{model} at {tokens} tokens/GPU, {system} on "

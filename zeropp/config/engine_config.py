@@ -1,5 +1,5 @@
 """The whole DeepSpeed JSON as one typed section, ``EngineConfig``: its blocks, the rules
-between them and the batch keys resolved against the world size.
+between them, the batch keys resolved against the world size, and which keys the JSON set.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from zeropp.config.checks import (
     _show,
 )
 from zeropp.config.json_reading import ConfigError, read_json_config
+from zeropp.config.keys import ALIASES
 from zeropp.config.optimizer import OptimizerConfig, SchedulerConfig
 from zeropp.config.sections import (
     BF16Config,
@@ -30,6 +31,7 @@ from zeropp.config.sections import (
     WandbConfig,
     ZeroConfig,
     _field,
+    _join,
     _Section,
     _section,
 )
@@ -74,8 +76,15 @@ class EngineConfig(_Section):
         "data-parallel size (DeepSpeed's stage-3 pre-division), 1.0 = sum first",
         _optional(_positive_float))
     dump_state: bool = _field(False, "print the engine's state when it starts (rank 0)", _boolean)
+    # Not a JSON key (no check): what the parse saw, so that a caller with settings of its own
+    # (the application's command line) can tell a value the file chose from a default.
+    explicit_keys: frozenset[str] = dataclasses.field(
+        default=frozenset(), compare=False, repr=False, metadata={
+            "doc": "dotted paths the parsed JSON set to a value other than null, objects "
+                   "included, aliases resolved; empty for a config built in code"})
 
     def _check_combination(self) -> None:
+        object.__setattr__(self, "explicit_keys", frozenset(self.explicit_keys))
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
         if self.communication_data_type is not None and self.zero_optimization.zero_quantized_gradients:
@@ -97,6 +106,36 @@ class EngineConfig(_Section):
         """Parse and validate; given ``world_size``, also fill in all three batch keys."""
         config = cls.from_mapping(read_json_config(path_or_dict))
         return config if world_size is None else config.with_batch_resolved(world_size)
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> EngineConfig:
+        """Build from the JSON's keys (``_Section.from_mapping``), remembering which ones it
+        set (``explicit_keys``)."""
+        config = super().from_mapping(raw)
+        object.__setattr__(config, "explicit_keys", _written_paths(raw))
+        return config
+
+    def explicit_value(self, path: str) -> Any:
+        """This config's value at the dotted JSON ``path`` (a field, or a key of a field's
+        object) if the parsed JSON set it, else None: "did the file say, and what?"."""
+        if path not in self.explicit_keys:
+            return None
+        node: Any = self
+        for key in path.split("."):
+            node = node[key] if isinstance(node, Mapping) else getattr(node, key)
+        return node
+
+    def explicit_dict(self) -> dict[str, Any]:
+        """``to_dict`` cut down to the keys the parsed JSON set, at this config's values: the
+        file with any ``dataclasses.replace`` applied. Keys without effect here (the tables'
+        accepted and switched-off keys) are left out, so the file's meaning is kept."""
+        def kept(node: Any, section: str) -> Any:
+            if not isinstance(node, Mapping):
+                return node
+            return {key: kept(value, _join(section, key)) for key, value in node.items()
+                    if value is not None and _join(section, key) in self.explicit_keys}
+
+        return kept(self.to_dict(), "")
 
     def with_batch_resolved(self, world_size: int) -> EngineConfig:
         """This config with all three batch keys filled in for ``world_size`` ranks."""
@@ -142,7 +181,22 @@ class EngineConfig(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (for checkpoints); ``from_json(to_dict())`` equals this config."""
-        raw = {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
+        raw = {key: value for key, value in dataclasses.asdict(self).items()
+               if value is not None and key != "explicit_keys"}
         if self.optimizer is not None:
             raw["optimizer"] = self.optimizer.to_dict()
         return raw
+
+
+def _written_paths(raw: Mapping[str, Any], section: str = "") -> frozenset[str]:
+    """Every dotted path ``raw`` sets to a value other than null (DeepSpeed reads null as
+    absent), objects included, each alias spelled as its canonical key."""
+    paths: set[str] = set()
+    for key, value in raw.items():
+        path = ALIASES.get(_join(section, key), _join(section, key))
+        if value is None:
+            continue
+        paths.add(path)
+        if isinstance(value, Mapping):
+            paths |= _written_paths(value, path)
+    return frozenset(paths)

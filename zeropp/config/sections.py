@@ -6,7 +6,7 @@ zero_optimization and the monitors.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
 from zeropp.config.checks import (
@@ -41,6 +41,11 @@ def _join(section: str, key: str) -> str:
     return f"{section}.{key}" if section else key
 
 
+def _json_fields(section: Any) -> list[Field]:
+    """The fields that are JSON keys: all but bookkeeping ones, which carry no check."""
+    return [spec for spec in fields(section) if "check" in spec.metadata]
+
+
 SectionT = TypeVar("SectionT", bound="_Section")
 
 
@@ -50,7 +55,7 @@ class _Section:
     SECTION: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
-        for spec in fields(self):  # type: ignore[arg-type]
+        for spec in _json_fields(self):
             path = _join(self.SECTION, spec.name)
             value = spec.metadata["check"](path, getattr(self, spec.name))
             _require_inert(path, value)
@@ -63,7 +68,7 @@ class _Section:
     @classmethod
     def from_mapping(cls: type[SectionT], raw: Mapping[str, Any]) -> SectionT:
         """Build from JSON keys: resolve aliases, route table keys, reject unknown keys."""
-        names = {spec.name for spec in fields(cls)}  # type: ignore[arg-type]
+        names = {spec.name for spec in _json_fields(cls)}
         given: dict[str, Any] = {}
         spelled: dict[str, str] = {}
         for key, value in raw.items():
