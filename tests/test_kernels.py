@@ -535,7 +535,8 @@ out_dir = Path(sys.argv[1])
 for block_size in (256, 2048):
     for spec in kernels.launch_specs(block_size, 4, torch.bfloat16):
         signature = {**spec.signature, **{key: "constexpr" for key in spec.constants}}
-        source = ASTSource(fn=spec.function, signature=signature, constexprs=spec.constants)
+        source = ASTSource(fn=kernels.kernel_function(spec), signature=signature,
+                           constexprs=spec.constants)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": spec.num_warps,
                                            "enable_fp_fusion": False})

@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 
 from scripts.bench.run_lab import write_json
-from zeropp.kernels import compile_check
+from zeropp.kernels import compile_check, launch_specs
 from zeropp.kernels.compile_check import KernelResources, Variant
 
 MODULE = "scripts.bench.kernel_registers"
 DEFAULT_ARCHS = ("sm_70", "sm_80", "sm_90", "sm_100")
 # Past this a thread holds more than half an SM's register file at 4 warps a program
-# (under 50% occupancy): [Note: kernel tiles] in triton_kernels.py.
+# (under 50% occupancy): [Note: kernel tiles] in zeropp/kernels/launch_specs.py.
 REGISTER_BUDGET = 64
 
 
@@ -159,7 +159,9 @@ def record(command: str, note: str | None, variants: list[Variant], archs: list[
 def _header_facts() -> dict:
     import triton
 
-    kernels_source = Path(compile_check.triton_kernels.__file__).read_bytes()
+    # The kernels and the tiles they are launched with: a change to either changes the table.
+    kernels_source = b"".join(Path(module.__file__).read_bytes()
+                              for module in (compile_check.triton_kernels, launch_specs))
     ptxas = []
     for tool in ("ptxas", "ptxas_blackwell"):
         try:

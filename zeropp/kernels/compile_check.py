@@ -244,7 +244,7 @@ def _compile_here(spec: LaunchSpec, arch_name: str) -> KernelResources:
     from triton.backends.compiler import GPUTarget
 
     arch = ARCHS[arch_name]
-    fn = spec.function
+    fn = triton_kernels.kernel_function(spec)
     unknown = (set(spec.signature) | set(spec.constants)) - set(fn.arg_names)
     if unknown:
         raise ValueError(f"{spec.kernel} has no arguments {sorted(unknown)}")

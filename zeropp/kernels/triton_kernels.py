@@ -3,14 +3,15 @@
 Same contracts and payload layout as `zeropp.kernels.reference` (read its module docstring),
 and bit-identical results: the reference is the specification, the tests compare the two.
 
-Kernel shape ([Note: kernel tiles]): one program owns ROWS whole quantization blocks and
+Kernel shape ([Note: kernel tiles], in `zeropp.kernels.launch_specs`, which also says how
+the host launches each kernel variant): one program owns ROWS whole quantization blocks and
 walks them in [ROWS, COLS] register tiles of 1024 values (8 per thread; 512 for the qgZ
-reductions). A block that fits a tile is one tile, so absmax, scale, rounding and int4 packing happen in one pass
-and the scale never round-trips through memory; a larger block is read twice (absmax, then
-quantize). Reductions loop over the k payloads inside the program and quantize the fp32 sum
-in the same tile, so qgZ's dequantize-sum-requantize reads each payload byte once (twice
-for blocks larger than a tile) and writes the result once. Element offsets inside a program are
-int32 from an int64 base: half the registers of int64 offsets.
+reductions). A block that fits a tile is one tile, so absmax, scale, rounding and int4/int2
+packing happen in one pass and the scale never round-trips through memory; a larger block is
+read twice (absmax, then quantize). Reductions loop over the k payloads inside the program
+and quantize the fp32 sum in the same tile, so qgZ's dequantize-sum-requantize reads each
+payload byte once (twice for blocks larger than a tile) and writes the result once. Element
+offsets inside a program are int32 from an int64 base: half the registers of int64 offsets.
 
 Bit-exactness with torch, and why each choice is needed:
 - x / scale and absmax / qmax use `tl.div_rn` (IEEE division); plain `/` may be approximate.
@@ -24,8 +25,9 @@ Bit-exactness with torch, and why each choice is needed:
 - Scales are written and read as four bytes each, because their offset in the payload is
   not 4-byte aligned for every block size.
 
-Int4 with an odd block size lets a byte straddle two blocks, which a per-block tile cannot
-pack; that rare configuration writes one code per byte to scratch and packs with torch.
+Int4 with an odd block size (int2: one not a multiple of 4) lets a byte straddle two blocks,
+which a per-block tile cannot pack; that rare configuration writes one code per byte to
+scratch and packs with torch.
 
 Triton is imported at module import, and this module is only imported by
 `zeropp.kernels` when a CUDA tensor (or ZEROPP_KERNELS=triton) asks for it; without Triton
@@ -36,13 +38,21 @@ import, the kernels run on CPU tensors through Triton's interpreter (used by the
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from zeropp.kernels import reference
-from zeropp.kernels.reference import PayloadLayout, code_offset, qmax_for_bits
+from zeropp.kernels.launch_specs import (  # noqa: F401 (launch_specs: callers list variants here)
+    LaunchSpec,
+    _packs_in_kernel,
+    _spec_dequantize,
+    _spec_dequantize_reduce,
+    _spec_dequantize_reduce_quantize,
+    _spec_quantize,
+    launch_specs,
+)
+from zeropp.kernels.reference import PayloadLayout, code_offset
 
 try:
     import triton
@@ -52,16 +62,6 @@ except ImportError:  # the module stays importable; is_available() reports the a
     tl = None
 
 MAX_BLOCK_SIZE = 16384  # one block must fit a register tile
-# [Note: kernel tiles] 4 warps x 32 threads x 8 values: a tile of 1024 values. 8 fp32 values
-# a thread keep quantize and dequantize within 64 registers (>= 50% occupancy) on
-# sm_70/80/90 with two 16-byte loads a thread in flight. The qgZ reductions keep a running
-# fp32 sum and each payload's scales live across their loop over k payloads: at 8 values a
-# thread they need up to 96 registers on sm_70, at 4 at most 56, so they take tiles of 512.
-# Measured by `python -m scripts.bench.kernel_registers`.
-_NUM_WARPS = 4
-_VALUES_PER_THREAD = 8
-_REDUCTION_VALUES_PER_THREAD = 4
-_TILE_ELEMENTS = _NUM_WARPS * 32 * _VALUES_PER_THREAD
 
 
 def is_available() -> bool:
@@ -450,107 +450,9 @@ def _check_runnable(tensor: Tensor, layout: PayloadLayout) -> None:
         )
 
 
-class Tile(NamedTuple):
-    rows: int  # whole blocks per program
-    cols: int  # columns of a block handled at a time
-    num_warps: int
-    single_pass: bool  # the block fits one chunk: its values stay in registers
-
-
-def _tile_config(layout: PayloadLayout, values_per_thread: int = _VALUES_PER_THREAD) -> Tile:
-    """The host's tile for a layout ([Note: kernel tiles])."""
-    elements = _NUM_WARPS * 32 * values_per_thread
-    width = triton.next_power_of_2(layout.block_size)
-    cols = min(width, elements)
-    return Tile(rows=max(1, elements // cols), cols=cols, num_warps=_NUM_WARPS,
-                single_pass=width <= elements)
-
-
-# ---- launch specifications: the one place that says how each kernel is launched ------------
-
-_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-class LaunchSpec(NamedTuple):
-    """One compiled variant of a kernel, as the host launches it.
-
-    ``signature`` maps every runtime argument, in order, to its Triton type ("*fp16",
-    "*u8", "i32", ...); ``constants`` are the constexpr arguments. The host launches from
-    these, and the compile check (``zeropp.kernels.compile_check``) compiles exactly these
-    for real GPUs, so the variants it checks are the variants that run.
-    """
-
-    kernel: str
-    signature: dict[str, str]
-    constants: dict[str, int | bool]
-    num_warps: int
-    label: str = ""
-
-    @property
-    def function(self):
-        return globals()[self.kernel]
-
-
-def _spec_quantize(layout: PayloadLayout, dtype: torch.dtype) -> LaunchSpec:
-    tile = _tile_config(layout)
-    return LaunchSpec(
-        "quantize_kernel",
-        {"x_ptr": "*" + _TRITON_TYPES[dtype], "codes_ptr": "*u8", "scale_bytes_ptr": "*u8",
-         "numel": "i64", "nblocks": "i64", "block_size": "i32"},
-        {"QMAX": qmax_for_bits(layout.bits), "BITS": layout.bits,
-         "PACK_NIBBLES": _packs_in_kernel(layout) and layout.bits < 8,
-         "ROWS": tile.rows, "COLS": tile.cols, "SINGLE_PASS": tile.single_pass},
-        tile.num_warps, f"quantize {_TRITON_TYPES[dtype]} -> int{layout.bits}")
-
-
-def _spec_dequantize(layout: PayloadLayout, dtype: torch.dtype) -> LaunchSpec:
-    tile = _tile_config(layout)
-    return LaunchSpec(
-        "dequantize_kernel",
-        {"payload_ptr": "*u8", "out_ptr": "*" + _TRITON_TYPES[dtype], "payload_stride": "i64",
-         "out_stride": "i64", "numel": "i64", "nblocks": "i64", "block_size": "i32",
-         "data_nbytes": "i64"},
-        {"BITS": layout.bits, "ROWS": tile.rows, "COLS": tile.cols},
-        tile.num_warps, f"dequantize int{layout.bits} -> {_TRITON_TYPES[dtype]}")
-
-
-def _spec_dequantize_reduce(layout: PayloadLayout) -> LaunchSpec:
-    tile = _tile_config(layout, _REDUCTION_VALUES_PER_THREAD)
-    return LaunchSpec(
-        "_dequantize_reduce_kernel",
-        {"payload_ptr": "*u8", "out_ptr": "*fp32", "payload_stride": "i64", "k": "i32",
-         "numel": "i64", "nblocks": "i64", "block_size": "i32", "data_nbytes": "i64"},
-        {"BITS": layout.bits, "ROWS": tile.rows, "COLS": tile.cols},
-        tile.num_warps, f"dequantize-reduce int{layout.bits} -> fp32")
-
-
-def _spec_dequantize_reduce_quantize(layout_in: PayloadLayout,
-                                     layout_out: PayloadLayout) -> LaunchSpec:
-    tile = _tile_config(layout_out, _REDUCTION_VALUES_PER_THREAD)
-    return LaunchSpec(
-        "dequantize_reduce_quantize_kernel",
-        {"payload_ptr": "*u8", "codes_ptr": "*u8", "scale_bytes_ptr": "*u8",
-         "payload_stride": "i64", "k": "i32", "numel": "i64", "nblocks": "i64",
-         "block_size": "i32", "data_nbytes_in": "i64"},
-        {"BITS_IN": layout_in.bits, "QMAX_OUT": qmax_for_bits(layout_out.bits),
-         "BITS_OUT": layout_out.bits,
-         "PACK_NIBBLES": _packs_in_kernel(layout_out) and layout_out.bits < 8,
-         "ROWS": tile.rows, "COLS": tile.cols, "SINGLE_PASS": tile.single_pass},
-        tile.num_warps, f"dequantize-reduce-quantize int{layout_in.bits} -> int{layout_out.bits}")
-
-
-def launch_specs(block_size: int, bits: int, dtype: torch.dtype) -> list[LaunchSpec]:
-    """Every kernel variant the host launches for payloads of ``bits`` at ``block_size``
-    with values in ``dtype`` (the quantized input, the dequantized output); the qgZ
-    kernels read and write payloads only, so they are the same for every dtype. The
-    requantization between qgZ's hops may narrow the width (int4 in, int2 out), so it is
-    listed for every output width."""
-    layout = reference.payload_layout(block_size, bits, block_size)
-    requantize = [_spec_dequantize_reduce_quantize(
-        layout, reference.payload_layout(block_size, bits_out, block_size))
-        for bits_out in reference.SUPPORTED_BITS]
-    return [_spec_quantize(layout, dtype), _spec_dequantize(layout, dtype),
-            _spec_dequantize_reduce(layout), *requantize]
+def kernel_function(spec: LaunchSpec):
+    """The @triton.jit kernel that ``spec`` launches (a spec names its kernel)."""
+    return globals()[spec.kernel]
 
 
 def _launch(spec: LaunchSpec, layout: PayloadLayout, *args, payload_rows: int = 1) -> None:
@@ -558,13 +460,8 @@ def _launch(spec: LaunchSpec, layout: PayloadLayout, *args, payload_rows: int = 
     if len(args) != len(spec.signature):
         raise TypeError(f"{spec.kernel}: {len(args)} arguments for {list(spec.signature)}")
     grid = (triton.cdiv(layout.nblocks, spec.constants["ROWS"]), payload_rows)
-    spec.function[grid](*args, **spec.constants, num_warps=spec.num_warps,
+    kernel_function(spec)[grid](*args, **spec.constants, num_warps=spec.num_warps,
                         enable_fp_fusion=False)
-
-
-def _packs_in_kernel(layout: PayloadLayout) -> bool:
-    """Whether every block is whole bytes of codes (then each program packs its own)."""
-    return layout.bits == 8 or layout.block_size % (8 // layout.bits) == 0
 
 
 def _codes_target(payload: Tensor, layout: PayloadLayout) -> Tensor:
