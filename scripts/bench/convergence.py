@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA_PREFIX = ROOT / "cache" / "data" / "pile_sample_text_document"
 ZERO3_CONFIG = ROOT / "configs" / "ds_zero3_config.json"
 ZEROPP_CONFIG = ROOT / "configs" / "ds_zeropp_cpu2x2.json"
-VARIANTS = ("zero3", "zeropp", "zeropp_grad8", "zeropp_loco", "zeropp_deltas", "zeropp_lean")
+VARIANTS = ("zero3", "zeropp", "zeropp_grad8", "zeropp_loco", "zeropp_deltas", "zeropp_deltas2",
+            "zeropp_lean")
 # The variants that run when --variants is not given.
 DEFAULT_VARIANTS = ("zero3", "zeropp", "zeropp_grad8")
 # What each derived variant changes in zero_optimization of the ZeRO++ config.
@@ -53,6 +54,8 @@ ZEROPP_CHANGES = {
     "zeropp_grad8": {"zero_quantized_gradients_bits": 8},
     "zeropp_loco": {"zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}},
     "zeropp_deltas": {"zero_quantized_weight_deltas": True},
+    "zeropp_deltas2": {"zero_quantized_weight_deltas": True,
+                       "zero_quantized_weight_deltas_bits": 2},
     "zeropp_lean": {"zero_quantized_weight_deltas": True,
                     "zero_quantized_gradients_inter_node_bits": 2,
                     "zero_quantized_gradients_error_feedback": True},

@@ -174,7 +174,7 @@ class ZeroConfig(_Section):
         False, "forward gather sends each shard's change since the last step, quantized, "
         "across nodes (needs hpZ over the node); replaces qwZ's gather", _boolean)
     zero_quantized_weight_deltas_bits: int = _field(
-        4, "weight-delta integer width: 4 or 8", _one_of(4, 8))
+        4, "weight-delta integer width: 2, 4 or 8", _one_of(2, 4, 8))
     zero_quantized_weight_deltas_block_size: int = _field(
         2048, "elements per fp32 scale of a weight delta", _positive_int)
 
