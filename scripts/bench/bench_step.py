@@ -9,6 +9,7 @@ Systems (all fp32 compute, AdamW, gradient clipping 1.0, the same model and glob
     qwz, hpz, qgz  this engine with one ZeRO++ optimization (hpZ group = ranks per node)
     zeropp         this engine with all three
     zeropp_deltas  zeropp with weight deltas (4-bit changes across nodes) instead of qwZ
+    zeropp_deltas2 zeropp_deltas with 2-bit (ternary) deltas
     zeropp_lean    zeropp_deltas with int2 gradients across nodes, with error feedback
     fsdp2          torch.distributed.fsdp.fully_shard on every block, then the root
     fsdp2_hybrid   fully_shard on a 2-D mesh (replicate across nodes, shard inside a node):
@@ -81,6 +82,8 @@ OUR_SYSTEMS = {
     "qgz": {"quantized_gradients": True},
     "zeropp": {"quantized_weights": True, "hpz": True, "quantized_gradients": True},
     "zeropp_deltas": {"weight_deltas": True, "hpz": True, "quantized_gradients": True},
+    "zeropp_deltas2": {"weight_deltas": True, "delta_bits": 2, "hpz": True,
+                       "quantized_gradients": True},
     "zeropp_lean": {"weight_deltas": True, "hpz": True, "quantized_gradients": True,
                     "int2_gradients_across_nodes": True},
 }
@@ -150,6 +153,7 @@ class OurEngine(TrainingSystem):
             hpz_size=layout.ranks_per_node if switches.get("hpz") else 1,
             quantized_gradients=switches.get("quantized_gradients", False),
             weight_deltas=switches.get("weight_deltas", False),
+            delta_bits=switches.get("delta_bits", 4),
         )
         if switches.get("int2_gradients_across_nodes"):  # needs error feedback
             quantization = dataclasses.replace(

@@ -11,6 +11,7 @@ the same seed, data order, model and schedule; only the ZeRO config differs:
     zeropp_grad8  the same with zero_quantized_gradients_bits = 8
     zeropp_loco   zeropp with LoCo error feedback (DeepSpeed's zeropp_loco_param defaults)
     zeropp_deltas zeropp with weight deltas (zero_quantized_weight_deltas) instead of qwZ
+    zeropp_deltas2 zeropp_deltas with 2-bit (ternary) deltas
     zeropp_lean   zeropp_deltas with int2 gradients across nodes and error feedback
                   (zero_quantized_gradients_inter_node_bits = 2)
 
