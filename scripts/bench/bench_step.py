@@ -5,18 +5,18 @@
 
 Systems (all fp32 compute, AdamW, gradient clipping 1.0, the same model and global batch):
 
-    zero3          this project's engine, ZeRO-3
-    qwz, hpz, qgz  this engine with one ZeRO++ optimization (hpZ group = ranks per node)
-    zeropp         this engine with all three
-    zeropp_deltas  zeropp with weight deltas (4-bit changes across nodes) instead of qwZ
-    zeropp_deltas2 zeropp_deltas with 2-bit (ternary) deltas
-    zeropp_lean    zeropp_deltas with int2 gradients across nodes, with error feedback
-    fsdp2          torch.distributed.fsdp.fully_shard on every block, then the root
-    fsdp2_hybrid   fully_shard on a 2-D mesh (replicate across nodes, shard inside a node):
-                   HSDP, PyTorch's nearest relative of hpZ
-    ds_zero3       DeepSpeed ZeRO-3 (deepspeed.initialize on the existing gloo group)
-    ds_zero3_hpz   DeepSpeed ZeRO-3 with zero_hpz_partition_size = ranks per node
-    ds_zeropp      DeepSpeed ZeRO-3 with qwZ + hpZ + qgZ (its quantizers are CUDA ops)
+    zero3                this project's engine, ZeRO-3
+    qwz, hpz, qgz        this engine with one ZeRO++ optimization (hpZ group = ranks per node)
+    zeropp               this engine with all three
+    zeropp_deltas        zeropp with weight deltas (4-bit changes across nodes) instead of qwZ
+    zeropp_deltas2       zeropp_deltas with 2-bit (ternary) deltas
+    zeropp_deltas_grad2  zeropp_deltas with int2 gradients across nodes, with error feedback
+    fsdp2                torch.distributed.fsdp.fully_shard on every block, then the root
+    fsdp2_hybrid         fully_shard on a 2-D mesh (replicate across nodes, shard inside a
+                         node): HSDP, PyTorch's nearest relative of hpZ
+    ds_zero3             DeepSpeed ZeRO-3 (deepspeed.initialize on the existing gloo group)
+    ds_zero3_hpz         DeepSpeed ZeRO-3 with zero_hpz_partition_size = ranks per node
+    ds_zeropp            DeepSpeed ZeRO-3 with qwZ + hpZ + qgZ (its quantizers are CUDA ops)
 
 After ``--warmup`` untimed iterations, each of ``--iters`` iterations is timed between two
 barriers (so the slowest rank sets the time). Rank 0 prints one line ``LAB_RESULT {json}``.
@@ -84,8 +84,8 @@ OUR_SYSTEMS = {
     "zeropp_deltas": {"weight_deltas": True, "hpz": True, "quantized_gradients": True},
     "zeropp_deltas2": {"weight_deltas": True, "delta_bits": 2, "hpz": True,
                        "quantized_gradients": True},
-    "zeropp_lean": {"weight_deltas": True, "hpz": True, "quantized_gradients": True,
-                    "int2_gradients_across_nodes": True},
+    "zeropp_deltas_grad2": {"weight_deltas": True, "hpz": True, "quantized_gradients": True,
+                            "int2_gradients_across_nodes": True},
 }
 FSDP_SYSTEMS = {"fsdp2": False, "fsdp2_hybrid": True}
 DEEPSPEED_SYSTEMS = {

@@ -6,14 +6,15 @@ Each variant is one ``pretrain_zeropp_gpt.py`` run on the sample corpus with 4 r
 as 2 nodes x 2 (``--ranks-per-node 2``, on localhost: the link rate changes no arithmetic),
 the same seed, data order, model and schedule; only the ZeRO config differs:
 
-    zero3         configs/ds_zero3_config.json
-    zeropp        configs/ds_zeropp_cpu2x2.json (qwZ int8, hpZ 2, qgZ int4)
-    zeropp_grad8  the same with zero_quantized_gradients_bits = 8
-    zeropp_loco   zeropp with LoCo error feedback (DeepSpeed's zeropp_loco_param defaults)
-    zeropp_deltas zeropp with weight deltas (zero_quantized_weight_deltas) instead of qwZ
-    zeropp_deltas2 zeropp_deltas with 2-bit (ternary) deltas
-    zeropp_lean   zeropp_deltas with int2 gradients across nodes and error feedback
-                  (zero_quantized_gradients_inter_node_bits = 2)
+    zero3                configs/ds_zero3_config.json
+    zeropp               configs/ds_zeropp_cpu2x2.json (qwZ int8, hpZ 2, qgZ int4)
+    zeropp_grad8         the same with zero_quantized_gradients_bits = 8
+    zeropp_loco          zeropp with LoCo error feedback (DeepSpeed's zeropp_loco_param defaults)
+    zeropp_deltas        zeropp with weight deltas (zero_quantized_weight_deltas) instead of qwZ
+    zeropp_deltas2       zeropp_deltas with 2-bit (ternary) deltas
+                         (zero_quantized_weight_deltas_bits = 2)
+    zeropp_deltas_grad2  zeropp_deltas with int2 gradients across nodes and error feedback
+                         (zero_quantized_gradients_inter_node_bits = 2)
 
 The runs' ``--metrics-file`` records give the training-loss curves and the validation loss
 every ``--eval-interval`` iterations and at the end. The JSON reports each final validation
@@ -47,7 +48,7 @@ DEFAULT_DATA_PREFIX = ROOT / "cache" / "data" / "pile_sample_text_document"
 ZERO3_CONFIG = ROOT / "configs" / "ds_zero3_config.json"
 ZEROPP_CONFIG = ROOT / "configs" / "ds_zeropp_cpu2x2.json"
 VARIANTS = ("zero3", "zeropp", "zeropp_grad8", "zeropp_loco", "zeropp_deltas", "zeropp_deltas2",
-            "zeropp_lean")
+            "zeropp_deltas_grad2")
 # The variants that run when --variants is not given.
 DEFAULT_VARIANTS = ("zero3", "zeropp", "zeropp_grad8")
 # What each derived variant changes in zero_optimization of the ZeRO++ config.
@@ -57,9 +58,9 @@ ZEROPP_CHANGES = {
     "zeropp_deltas": {"zero_quantized_weight_deltas": True},
     "zeropp_deltas2": {"zero_quantized_weight_deltas": True,
                        "zero_quantized_weight_deltas_bits": 2},
-    "zeropp_lean": {"zero_quantized_weight_deltas": True,
-                    "zero_quantized_gradients_inter_node_bits": 2,
-                    "zero_quantized_gradients_error_feedback": True},
+    "zeropp_deltas_grad2": {"zero_quantized_weight_deltas": True,
+                            "zero_quantized_gradients_inter_node_bits": 2,
+                            "zero_quantized_gradients_error_feedback": True},
 }
 
 

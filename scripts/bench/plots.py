@@ -20,7 +20,7 @@ RATE_ORDER = ("100mbit", "1gbit", "10gbit", "unlimited", "local")
 SYSTEM_COLOURS = {
     "zero3": "#7f7f7f", "qwz": "#aec7e8", "hpz": "#98df8a", "qgz": "#ffbb78",
     "zeropp": "#1f77b4", "zeropp_deltas": "#17becf", "zeropp_deltas2": "#2ca02c",
-    "zeropp_lean": "#bcbd22",
+    "zeropp_deltas_grad2": "#bcbd22",
     "fsdp2": "#d62728",
     "fsdp2_hybrid": "#ff9896",
     "ds_zero3": "#8c564b", "ds_zero3_hpz": "#c49c94", "ds_zeropp": "#9467bd",

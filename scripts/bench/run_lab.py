@@ -36,7 +36,8 @@ from scripts.bench.launch_ranks import LaunchError, RankOutput, describe_failure
 BENCH_STEP = "scripts.bench.bench_step"  # run as a module, from ROOT, by every rank
 RESULT_PREFIX = "LAB_RESULT "
 ALL_SYSTEMS = ("zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp_deltas", "zeropp_deltas2",
-               "zeropp_lean", "fsdp2", "fsdp2_hybrid", "ds_zero3", "ds_zero3_hpz", "ds_zeropp")
+               "zeropp_deltas_grad2", "fsdp2", "fsdp2_hybrid", "ds_zero3", "ds_zero3_hpz",
+               "ds_zeropp")
 # Passed through to bench_step unchanged: (flag, type, default, help).
 SHAPE_FLAGS = (
     ("--num-layers", int, 4, "transformer layers"),
