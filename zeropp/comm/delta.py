@@ -29,9 +29,9 @@ Inter-node bytes per rank and gather: (n - 1) x a 4-bit payload of one shard, ag
 (N - 1) x an int8 one. ``bits=2`` sends ternary deltas (-s, 0, +s per block): half that, and
 still no drift, since whatever a delta rounds away stays in the difference to the master
 and goes with the next one (Adam moves most weights by about +-lr a step, which a ternary
-grid carries well; the convergence bench ends within 0.1% of ZeRO++'s loss). The bases cost (working dtype) x P / a per rank for every unit, held
-between steps (the 16-bit hpZ secondary, kept); ``bytes_sent`` and ``base_nbytes`` answer for
-the planner.
+grid carries well; on the convergence bench the loss ends within 0.2% of ZeRO++'s). The
+bases cost (working dtype) x P / a per rank for every unit, held between steps (the 16-bit
+hpZ secondary, kept); ``bytes_sent`` and ``base_nbytes`` answer for the planner.
 """
 
 from __future__ import annotations
@@ -224,7 +224,6 @@ def _new_base(nodes: int, shard: torch.Tensor) -> torch.Tensor:
     """A unit's base ([n, S], held between steps; the simulated cluster counts it as hpZ's
     secondary by this function's name)."""
     return torch.empty(nodes, shard.numel(), dtype=shard.dtype, device=shard.device)
-
 
 
 class DeltaSecondaryGather(Collective):
