@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import abc
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -56,7 +55,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -84,8 +83,9 @@ OUR_SYSTEMS = {
     "zeropp_deltas": {"weight_deltas": True, "hpz": True, "quantized_gradients": True},
     "zeropp_deltas2": {"weight_deltas": True, "delta_bits": 2, "hpz": True,
                        "quantized_gradients": True},
+    # int2 across nodes is refused without error feedback: plain feedback (beta 0, no reset)
     "zeropp_deltas_grad2": {"weight_deltas": True, "hpz": True, "quantized_gradients": True,
-                            "int2_gradients_across_nodes": True},
+                            "gradient_inter_node_bits": 2, "error_feedback": (0.0, 0)},
 }
 FSDP_SYSTEMS = {"fsdp2": False, "fsdp2_hybrid": True}
 DEEPSPEED_SYSTEMS = {
@@ -143,7 +143,7 @@ def _loss(model: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor,
 
 
 class OurEngine(TrainingSystem):
-    def __init__(self, shape: BenchShape, layout: ClusterShape, switches: dict[str, bool]) -> None:
+    def __init__(self, shape: BenchShape, layout: ClusterShape, switches: dict[str, Any]) -> None:
         from zeropp import QuantizationOptions, build_engine
 
         with torch.device("meta"):
@@ -154,10 +154,9 @@ class OurEngine(TrainingSystem):
             quantized_gradients=switches.get("quantized_gradients", False),
             weight_deltas=switches.get("weight_deltas", False),
             delta_bits=switches.get("delta_bits", 4),
+            gradient_inter_node_bits=switches.get("gradient_inter_node_bits"),
+            error_feedback=switches.get("error_feedback"),
         )
-        if switches.get("int2_gradients_across_nodes"):  # needs error feedback
-            quantization = dataclasses.replace(
-                quantization, gradient_inter_node_bits=2, error_feedback=(0.0, 0))
         self.engine = build_engine(
             model, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
             gradient_clipping=GRADIENT_CLIPPING, quantization=quantization,

@@ -82,6 +82,7 @@ def _spec_quantize(layout: PayloadLayout, dtype: torch.dtype) -> LaunchSpec:
         {"x_ptr": "*" + _TRITON_TYPES[dtype], "codes_ptr": "*u8", "scale_bytes_ptr": "*u8",
          "numel": "i64", "nblocks": "i64", "block_size": "i32"},
         {"QMAX": qmax_for_bits(layout.bits), "BITS": layout.bits,
+         # True: the kernel packs sub-byte codes itself (int4 nibbles, or four int2 codes a byte)
          "PACK_NIBBLES": _packs_in_kernel(layout) and layout.bits < 8,
          "ROWS": tile.rows, "COLS": tile.cols, "SINGLE_PASS": tile.single_pass},
         tile.num_warps, f"quantize {_TRITON_TYPES[dtype]} -> int{layout.bits}")

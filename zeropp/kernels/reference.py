@@ -43,7 +43,6 @@ from torch import Tensor
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 SUPPORTED_BITS: tuple[int, ...] = (2, 4, 8)
-INT4_OFFSET = 8  # offset-binary bias of int4 codes: stored nibble = q + 8
 SCALE_NBYTES = 4  # one fp32 scale per block
 
 
