@@ -238,6 +238,53 @@ def test_all_zero_blocks_have_zero_scale_and_restore_exactly() -> None:
     assert torch.equal(restored, zeros)
 
 
+def test_zero_scales_are_positive_zero_wherever_the_block_falls() -> None:
+    # An all-zero block (of +0.0 or -0.0) has the scale +0.0 (as the Triton kernels write
+    # it), at every offset in a vector register and in a run: the payload bytes are the
+    # contract, so a -0.0 scale would be a different payload.
+    x = _sample(64 * 67, torch.float32)
+    x[64 * 3 : 64 * 40] = 0.0
+    x[64 * 50 : 64 * 60] = -0.0
+    for bits in (8, 4, 2):
+        scales = _payload_scales(kernels.quantize_blockwise(x, bits, 64), x.numel(), bits, 64)
+        zero = np.r_[3:40, 50:60]
+        assert (scales[zero] == 0).all() and not np.signbit(scales[zero]).any()
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize(("numel", "block_size"), [(10_001, 3), (40_000, 64), (70_001, 255)])
+def test_cpu_runs_do_not_change_any_result(monkeypatch, bits, numel, block_size) -> None:
+    """The CPU walks blocks in cache-sized runs (reference.CPU_RUN_NUMEL): every kernel's
+    output is the same bytes with runs of 8 blocks as with one run, at odd block sizes where
+    packed int4/int2 bytes straddle blocks, through NaN, inf and zero blocks."""
+    x = _sample(numel, torch.float32, seed=bits)
+    x[5], x[numel // 2], x[numel // 3 : numel // 3 + 3 * block_size] = float("nan"), float("inf"), 0
+    payloads = torch.stack([kernels.quantize_blockwise(x * (1 + r), bits, block_size)
+                            for r in range(3)])
+
+    def every_output() -> list[torch.Tensor]:
+        outputs = [kernels.quantize_blockwise(x, bits, block_size),
+                   kernels.quantize_blockwise(x.to(torch.bfloat16), bits, block_size),
+                   kernels.dequantize_reduce(payloads, numel, bits, block_size)]
+        outputs += [kernels.dequantize_reduce_quantize(payloads, numel, bits, out, block_size)
+                    for out in (8, 4, 2)]
+        outputs += [kernels.dequantize_blockwise_many(payloads, numel, bits, block_size, dtype)
+                    for dtype in DTYPES]
+        outputs.append(kernels.dequantize_blockwise(payloads[1], numel, bits, block_size,
+                                                    torch.float32))
+        return [o.view(torch.uint8) if o.is_floating_point() else o for o in outputs]
+
+    monkeypatch.setattr(reference, "CPU_RUN_NUMEL", 1 << 40)
+    assert reference.block_runs(kernels.payload_layout(numel, bits, block_size), "cpu") == [
+        (0, -(-numel // block_size))]
+    one_run = every_output()
+    monkeypatch.setattr(reference, "CPU_RUN_NUMEL", 1)
+    runs = reference.block_runs(kernels.payload_layout(numel, bits, block_size), "cpu")
+    assert len(runs) > 30 and all(end - first == 8 for first, end in runs[:-1])
+    for expected, got in zip(one_run, every_output(), strict=True):
+        assert torch.equal(expected, got)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_non_finite_values_turn_their_block_into_nan(dtype: torch.dtype) -> None:
     x = _sample(64 * 4, dtype)

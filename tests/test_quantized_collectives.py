@@ -157,3 +157,27 @@ def test_qgz_int2_inter_node_hop_bytes_and_error_feedback():
         assert torch.equal(fed[0], out2[0])
         mean_error = _relative(fed.mean(0) - exact, exact)
         assert mean_error < error2 / 4, (rank, error2, mean_error)
+
+
+@pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (3, 2), (2, 4), (1, 3), (4, 1)])
+@pytest.mark.parametrize(("bits", "block"), [(8, 64), (4, 64), (4, 3), (2, 5)])
+def test_qgz_swizzles_the_payload_as_the_quantized_swizzled_input(nodes, per_node, bits, block):
+    """qgZ quantizes the bucket in rank order and then shuffles the payload's bytes: the
+    same bytes as quantizing the swizzled bucket and splitting it per local rank."""
+    from zeropp import kernels
+    from zeropp.comm.quantized import split_payload, swizzle_payload
+
+    slice_numel = block * 4  # whole int2 bytes for any block
+    flat = torch.randn(nodes * per_node * slice_numel, generator=torch.Generator().manual_seed(3))
+    flat[slice_numel : slice_numel + block] = 0.0
+    chunk_numel = nodes * slice_numel
+    expected = split_payload(
+        kernels.quantize_blockwise(kernels.swizzle(flat, nodes, per_node), bits, block),
+        per_node, chunk_numel, bits, block)
+    got = swizzle_payload(kernels.quantize_blockwise(flat, bits, block), nodes, per_node,
+                          slice_numel, bits, block)
+    assert got.shape == (per_node, kernels.quantized_nbytes(chunk_numel, bits, block))
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="whole blocks"):
+        swizzle_payload(kernels.quantize_blockwise(flat[:-1], bits, block), nodes, per_node,
+                        slice_numel - 1, bits, block)

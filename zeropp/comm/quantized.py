@@ -11,7 +11,8 @@
 N = n nodes x a ranks per node; the input holds N slices of S elements, slice r for rank r.
 1. Swizzle: chunk l (of a) = the slices of global ranks {m*a + l for every node m}.
 2. Quantize (int4), all-to-all inside the node: local rank l receives chunk l from each of
-   the a ranks of its node.
+   the a ranks of its node. (Quantized first, then the payload's bytes are swizzled: blocks
+   never straddle a slice, so the bytes are the same, for 1/8 of the copy.)
 3. Dequantize, sum in fp32, requantize: the node's partial sums of the n slices that belong to
    ranks with local index l (the fused kernel), at the inter-node width (the same, or
    narrower: int2 with error feedback, [Note: error feedback]).
@@ -178,13 +179,12 @@ class QuantizedSecondaryGather(Collective):
         return self.execution.launch(self.lane, issue, finish=finish, keep=(output, secondary))
 
 
-def split_payload(payload: torch.Tensor, parts: int, numel: int, bits: int, block_size: int):
-    """One payload of ``parts * numel`` values -> ``parts`` payloads of ``numel`` values each.
-
-    A payload is [codes of all blocks | scales of all blocks]; when ``numel`` is a whole
-    number of blocks, the codes and scales of part j are contiguous runs, so splitting is a
-    byte shuffle. The engine pads gradient shards to whole blocks for exactly this reason.
-    """
+def _payload_regions(payload: torch.Tensor, parts: int, numel: int, bits: int,
+                     block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes and the scales of a payload of ``parts * numel`` values, as [parts, bytes]
+    views: when ``numel`` is a whole number of blocks (whole bytes of codes), the codes and
+    scales of part j are contiguous runs. The engine pads gradient shards to whole blocks
+    for exactly this reason."""
     whole = kernels.payload_layout(parts * numel, bits, block_size)
     piece = kernels.payload_layout(numel, bits, block_size)
     if numel % block_size or whole.data_nbytes != parts * piece.data_nbytes:
@@ -194,7 +194,29 @@ def split_payload(payload: torch.Tensor, parts: int, numel: int, bits: int, bloc
         )
     codes = payload[: whole.data_nbytes].view(parts, piece.data_nbytes)
     scales = payload[whole.data_nbytes :].view(parts, piece.nbytes - piece.data_nbytes)
+    return codes, scales
+
+
+def split_payload(payload: torch.Tensor, parts: int, numel: int, bits: int, block_size: int):
+    """One payload of ``parts * numel`` values -> ``parts`` payloads of ``numel`` values each
+    ([parts, bytes]); a byte shuffle (see ``_payload_regions``)."""
+    codes, scales = _payload_regions(payload, parts, numel, bits, block_size)
     return torch.cat([codes, scales], dim=1)
+
+
+def swizzle_payload(payload: torch.Tensor, nodes: int, per_node: int, slice_numel: int,
+                    bits: int, block_size: int) -> torch.Tensor:
+    """The payload of N = nodes x per_node rank slices in rank order -> per_node payloads
+    ([per_node, bytes]), payload l holding the slices of ranks {m * per_node + l for every
+    node m}: the bytes ``split_payload(quantize(swizzle(x)), per_node, ...)`` would give,
+    since blocks never straddle a slice, for a shuffle of the payload's bytes instead of a
+    copy of the fp32 input (8x fewer bytes moved at int4)."""
+    codes, scales = _payload_regions(payload, nodes * per_node, slice_numel, bits, block_size)
+
+    def by_local_rank(region: torch.Tensor) -> torch.Tensor:
+        return region.view(nodes, per_node, -1).transpose(0, 1).reshape(per_node, -1)
+
+    return torch.cat([by_local_rank(codes), by_local_rank(scales)], dim=1)
 
 
 class HierarchicalReduceScatter(Collective):
@@ -299,9 +321,8 @@ class HierarchicalReduceScatter(Collective):
         untracked = CommStats()  # already recorded by the caller
         slice_numel = output.numel()
         chunk_numel = self.nodes * slice_numel
-        swizzled = kernels.swizzle(full.reshape(-1), self.nodes, self.per_node)
-
         if self.bits is None:
+            swizzled = kernels.swizzle(full.reshape(-1), self.nodes, self.per_node)
             received = torch.empty_like(swizzled)
             all_to_all(received, swizzled, self.intra, untracked, "gradient_reduce")
             partial = received.view(self.per_node, chunk_numel).float().sum(0)
@@ -311,8 +332,9 @@ class HierarchicalReduceScatter(Collective):
             return
 
         bits, inter_bits, block = self.bits, self.inter_node_bits, self.block_size
-        payload = kernels.quantize_blockwise(swizzled, bits, block)
-        send = split_payload(payload, self.per_node, chunk_numel, bits, block)
+        # Quantized in rank order, then the payload's bytes are swizzled (step 1 after 2).
+        payload = kernels.quantize_blockwise(full.reshape(-1), bits, block)
+        send = swizzle_payload(payload, self.nodes, self.per_node, slice_numel, bits, block)
         received = torch.empty_like(send)
         all_to_all(received, send, self.intra, untracked, "gradient_reduce")
 
