@@ -233,13 +233,13 @@ def _block_codes(blocks: Tensor, scales: Tensor, qmax: int, overwrite: bool) -> 
 
     With `overwrite`, `blocks` is consumed to hold the codes (saves one allocation).
     """
-    # An infinite divisor sends every finite value of a zero-scale row to code 0 without a
-    # masking pass; NaN-scale rows (rare) are zeroed by a mask, not by testing for them
-    # first: that test would be a host sync on a GPU.
+    # An infinite divisor (scale 0 or NaN: NaN > 0 is false) sends every finite value of the
+    # row to code 0 without a masking pass; what is left, the inf and NaN values of a
+    # NaN-scale row, divide to NaN and become 0 in one cheap pass (a broadcast mask of the
+    # NaN rows cost more than dividing; testing for them first would sync a GPU's host).
     divisor = torch.where(scales > 0, scales, torch.full_like(scales, float("inf")))[:, None]
     codes = blocks.div_(divisor) if overwrite else blocks / divisor
-    codes.round_().clamp_(-qmax, qmax)
-    codes.masked_fill_(torch.isnan(scales)[:, None], 0.0)
+    codes.round_().clamp_(-qmax, qmax).nan_to_num_(nan=0.0)
     return codes.to(torch.int8).view(-1)
 
 
@@ -250,6 +250,15 @@ def _pack_codes(codes: Tensor, bits: int) -> Tensor:
     return pack_stored_codes((codes + code_offset(bits)).view(torch.uint8), bits)
 
 
+# Sub-byte packing moves whole words: a little-endian int16 (int4) or int32 (int2) holds
+# the 8 // bits codes of one payload byte, one per byte, and shifts gather them into its low
+# byte (or spread them back out). One pass over contiguous words instead of one strided
+# pass per code slot: about 4x faster on CPU. Payload bytes, scales included, are
+# little-endian by definition, as on every platform torch runs on.
+_WORD_DTYPE = {4: torch.int16, 2: torch.int32}
+_SPREAD_MASK = {4: 0x0F0F, 2: 0x03030303}
+
+
 def pack_stored_codes(stored: Tensor, bits: int) -> Tensor:
     """Data bytes from one offset-binary code per byte (int4/int2): 8 // bits codes a byte,
     the lowest index in the lowest bits; a short last byte is filled with the code of zero."""
@@ -257,10 +266,13 @@ def pack_stored_codes(stored: Tensor, bits: int) -> Tensor:
     spare = -stored.numel() % per_byte
     if spare:
         stored = torch.cat([stored, stored.new_full((spare,), code_offset(bits))])
-    packed = stored[0::per_byte] | (stored[1::per_byte] << bits)
+    elif stored.storage_offset() % per_byte or not stored.is_contiguous():
+        stored = stored.clone(memory_format=torch.contiguous_format)  # word-aligned
+    words = stored.view(_WORD_DTYPE[bits])
+    packed = words | (words >> (8 - bits))  # code i of a word moves from bit 8i to bits*i
     for slot in range(2, per_byte):
-        packed |= stored[slot::per_byte] << (bits * slot)
-    return packed
+        packed |= words >> ((8 - bits) * slot)
+    return packed.to(torch.uint8)  # the low byte
 
 
 def _encode_run(blocks: Tensor, overwrite: bool, layout: PayloadLayout, first: int,
@@ -298,11 +310,14 @@ def _unpack_codes(data: Tensor, layout: PayloadLayout, nblocks: int) -> Tensor:
     k = data.shape[0]
     if layout.bits == 8:
         codes = data.view(torch.int8)
-    else:
-        bits, mask = layout.bits, (1 << layout.bits) - 1
-        slots = [(data >> (bits * slot)) & mask for slot in range(8 // bits)]
-        stored = torch.stack(slots, dim=-1).view(k, -1)
-        codes = stored[:, : nblocks * layout.block_size].view(torch.int8) - code_offset(bits)
+    else:  # the inverse of pack_stored_codes: code i of a byte to byte i of a word
+        bits = layout.bits
+        words = data.to(_WORD_DTYPE[bits])
+        spread = words | (words << (8 - bits))
+        for slot in range(2, 8 // bits):
+            spread |= words << ((8 - bits) * slot)
+        stored = spread.bitwise_and_(_SPREAD_MASK[bits]).view(torch.int8).view(k, -1)
+        codes = stored[:, : nblocks * layout.block_size] - code_offset(bits)
     return codes.reshape(k, nblocks, layout.block_size)
 
 
