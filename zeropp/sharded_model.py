@@ -305,8 +305,9 @@ class ShardedModel:
     def _pre_forward(self, unit: ShardedUnit, module, args, kwargs):
         if self.phase is TrainingPhase.BACKWARD:  # activation-checkpoint recompute
             self._release_recomputed()
-            unit.gather_now("backward_all_gather")
+            unit.start_gather("backward_all_gather")
             self._prefetch_backward(unit)
+            unit.wait_gather()
             return self._watch_backward(unit, args, kwargs)
         if unit is self.root:
             self.phase = TrainingPhase.FORWARD
@@ -314,9 +315,13 @@ class ShardedModel:
             self._last_forward_order = self._forward_order or self._last_forward_order
             self._forward_order = []
             self._kept_for_backward = self._blocks_to_keep(self._last_forward_order)
-        unit.gather_now("forward_all_gather")
+        # Prefetch before waiting: the gathers queue behind this one at once (on the host
+        # worker the next unit's transfer starts the moment this one's ends, not after the
+        # compute thread has seen it end).
+        unit.start_gather("forward_all_gather")
         self._forward_order.append(unit)
         self._prefetch(unit, forward=True)
+        unit.wait_gather()
         return self._watch_backward(unit, args, kwargs)
 
     def _watch_backward(self, unit: ShardedUnit, args, kwargs):

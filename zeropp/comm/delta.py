@@ -185,9 +185,11 @@ class DeltaWeightGather(Collective):
         updated: list[_Base] = []
 
         def transfer(async_op: bool) -> None:
-            """Both hops as one sequence: on gloo the host worker runs it while compute goes
-            on (the intra-node gather waits for the inter-node one, so a gather whose second
-            hop ran at wait() would put the node's whole exchange on the critical path)."""
+            """Both hops issued as one sequence: on gloo the host worker runs it while
+            compute goes on (the intra-node gather waits for the inter-node one, so a gather
+            whose second hop were issued at wait() would put the node's whole exchange on
+            the critical path). The intra-node gathers are left in flight, waited for by
+            ``finish``: the worker goes on to the next unit's inter-node hop meanwhile."""
             if mode == EXACT:
                 values = _new_base(self.nodes, shard)
                 _AllOf([_all_gather(values.view(-1), shard, self.inter, False)]).wait()
@@ -208,10 +210,11 @@ class DeltaWeightGather(Collective):
                     current.values.copy_(current.values.float() + deltas)
                 current.current = True
             # The node's bases changed: gather them now (the fast link).
-            _gather_bases(output, current.values, self.intra, False).wait()
             updated.append(current)
+            updated.append(_gather_bases(output, current.values, self.intra, async_op=True))
 
         def finish() -> None:
+            updated.pop().wait()  # the intra-node gathers
             self.bases[name] = current = updated.pop()
             if retain is not None:
                 retain(current.values.view(-1))
