@@ -208,16 +208,18 @@ def all_to_all(
     group: CommGroup,
     stats: CommStats,
     phase: str,
-) -> None:
+    async_op: bool = False,
+):
     """Chunk j of ``send`` goes to group rank j; chunk j of ``output`` comes from rank j.
 
-    Blocking on the host executions; on CUDA ordered on the current (side) stream.
+    Blocking on the host executions; on CUDA ordered on the current (side) stream. With
+    ``async_op`` it returns the work to wait for (None when it completed: a group of one).
     """
     stats.record(phase, group.spans_nodes, reduce_scatter_bytes(_nbytes(send), group.size))
     if group.size == 1:
         output.copy_(send)
-        return
-    dist.all_to_all_single(output, send, group=group.group)
+        return None
+    return dist.all_to_all_single(output, send, group=group.group, async_op=async_op)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: CommGroup, stats: CommStats, phase: str) -> None:

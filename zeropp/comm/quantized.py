@@ -289,9 +289,15 @@ class HierarchicalReduceScatter(Collective):
         # [Note: qgZ issue order] Both hops and the requantization between them are one
         # sequence on the reduce lane: on CUDA issued from the backward thread on the reduce
         # stream, on gloo on the host worker (the only user of the intra- and inter-node
-        # groups), so every rank issues its all-to-alls in the same order.
+        # groups), so every rank issues its all-to-alls in the same order. The inter-node
+        # hop is left in flight and its sum taken at wait(): on gloo the worker goes on to
+        # the next bucket's quantization and intra-node hop while this one is on the slow
+        # link, instead of idling through it (which put every bucket's link time end to end
+        # with its host work).
+        in_flight: dict[str, object] = {}
         return self.execution.launch(
-            self.lane, lambda async_op: self._reduce(output, full, key),
+            self.lane, lambda async_op: self._send(output, full, key, in_flight),
+            finish=lambda: self._receive(output, in_flight),
             keep=(output, full), sequence=True,
         )
 
@@ -316,19 +322,23 @@ class HierarchicalReduceScatter(Collective):
         sent[locality(self.inter.spans_nodes)] += all_to_all_bytes(second, self.nodes)
         return sent
 
-    def _reduce(self, output: torch.Tensor, full: torch.Tensor, key: object) -> None:
-        """The data path of [Note: qgZ data path], blocking."""
+    def _send(self, output: torch.Tensor, full: torch.Tensor, key: object,
+              in_flight: dict[str, object]) -> None:
+        """Steps 1-4 of [Note: qgZ data path], leaving step 4 (the inter-node all-to-all) in
+        flight in ``in_flight`` for ``_receive``."""
         untracked = CommStats()  # already recorded by the caller
         slice_numel = output.numel()
         chunk_numel = self.nodes * slice_numel
+
         if self.bits is None:
             swizzled = kernels.swizzle(full.reshape(-1), self.nodes, self.per_node)
             received = torch.empty_like(swizzled)
             all_to_all(received, swizzled, self.intra, untracked, "gradient_reduce")
             partial = received.view(self.per_node, chunk_numel).float().sum(0)
             second = torch.empty_like(partial)
-            all_to_all(second, partial, self.inter, untracked, "gradient_reduce")
-            output.copy_(second.view(self.nodes, slice_numel).sum(0))
+            in_flight["work"] = all_to_all(second, partial, self.inter, untracked,
+                                           "gradient_reduce", async_op=True)
+            in_flight["received"] = second
             return
 
         bits, inter_bits, block = self.bits, self.inter_node_bits, self.block_size
@@ -351,5 +361,18 @@ class HierarchicalReduceScatter(Collective):
             feedback.record(key, partial, sent)
         send2 = split_payload(requantized, self.nodes, slice_numel, inter_bits, block)
         received2 = torch.empty_like(send2)
-        all_to_all(received2, send2, self.inter, untracked, "gradient_reduce")
-        output.copy_(kernels.dequantize_reduce(received2, slice_numel, inter_bits, block))
+        in_flight["work"] = all_to_all(received2, send2, self.inter, untracked,
+                                       "gradient_reduce", async_op=True)
+        in_flight["received"] = received2
+
+    def _receive(self, output: torch.Tensor, in_flight: dict[str, object]) -> None:
+        """Step 5: wait for the inter-node hop, sum what it brought into ``output``."""
+        work, received = in_flight.pop("work"), in_flight.pop("received")
+        if work is not None:
+            work.wait()
+        slice_numel = output.numel()
+        if self.bits is None:
+            output.copy_(received.view(self.nodes, slice_numel).sum(0))
+        else:
+            output.copy_(kernels.dequantize_reduce(received, slice_numel, self.inter_node_bits,
+                                                   self.block_size))
