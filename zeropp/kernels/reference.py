@@ -3,7 +3,8 @@
 Every kernel of `zeropp.kernels` exists here first; the Triton versions are checked against
 these functions bit for bit. They run on any device torch runs on (CPU included), accept
 fp32/fp16/bf16 and any length, and are vectorised over blocks (a tensor is viewed as
-[nblocks, block_size]; no Python loop touches individual blocks).
+[nblocks, block_size], on CPU a cache-sized run of blocks at a time, see `block_runs`; no
+Python loop touches individual blocks).
 
 Payload layout (one flat uint8 tensor, so that a single collective moves it):
 
