@@ -58,7 +58,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="tensor sizes in MiB of the input dtype",
     )
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=list(DTYPES))
-    parser.add_argument("--bits", type=int, nargs="+", choices=[4, 8], default=[8, 4])
+    parser.add_argument("--bits", type=int, nargs="+", choices=[2, 4, 8], default=[8, 4, 2])
     parser.add_argument("--block-size", type=int, default=2048)
     parser.add_argument(
         "--devices",
