@@ -18,9 +18,11 @@ never branch on the device themselves.
   device (the simulated GPU cluster: memory and order exactly as on GPUs), and the
   synchronous mode of ``overlap_comm: false`` on any device.
 - ``HostThreadExecution`` (CPU / gloo): single collectives use gloo's own async work; a
-  sequence of blocking collectives (qgZ's two hops) runs on one worker thread, the CPU's
-  stand-in for a reduce stream. Only that thread uses the groups it is given (qgZ's intra-
-  and inter-node groups), so the order per communicator is still the same on every rank.
+  sequence of collectives (qgZ's two hops) is issued by one worker thread, the CPU's
+  stand-in for a reduce stream. Only that thread issues on the groups it is given (qgZ's
+  intra- and inter-node groups), so the order per communicator is still the same on every
+  rank. A sequence may leave its last collective in flight for ``finish`` (qgZ's
+  inter-node hop, summed at ``wait()``): the worker then prepares the next one meanwhile.
 
 The number of reductions in flight is bounded by the caller (``ShardedModel``), so memory
 held by in-flight collectives does not grow with the model's depth on any execution.
