@@ -182,7 +182,7 @@ class DeltaWeightGather(Collective):
                                                           async_op),
                 finish=None if retain is None else lambda: retain(base.values.view(-1)),
                 keep=(output, shard))
-        updated: list[_Base] = []
+        in_flight: dict[str, object] = {}  # the updated base and its intra-node gathers
 
         def transfer(async_op: bool) -> None:
             """Both hops issued as one sequence: on gloo the host worker runs it while
@@ -210,12 +210,13 @@ class DeltaWeightGather(Collective):
                     current.values.copy_(current.values.float() + deltas)
                 current.current = True
             # The node's bases changed: gather them now (the fast link).
-            updated.append(current)
-            updated.append(_gather_bases(output, current.values, self.intra, async_op=True))
+            in_flight["base"] = current
+            in_flight["gathers"] = _gather_bases(output, current.values, self.intra,
+                                                 async_op=True)
 
         def finish() -> None:
-            updated.pop().wait()  # the intra-node gathers
-            self.bases[name] = current = updated.pop()
+            in_flight.pop("gathers").wait()
+            self.bases[name] = current = in_flight.pop("base")
             if retain is not None:
                 retain(current.values.view(-1))
 

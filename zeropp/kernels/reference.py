@@ -323,13 +323,14 @@ def _unpack_codes(data: Tensor, layout: PayloadLayout, nblocks: int) -> Tensor:
 
 
 def _decode_run(payloads: Tensor, scales: Tensor, layout: PayloadLayout, first: int,
-                end: int) -> Tensor:
+                end: int, into: Tensor | None = None) -> Tensor:
     """fp32 values (k, values of blocks [first, end), unpadded) of a batch of payloads
-    (k, nbytes) whose scales (k, nblocks) are `scales`."""
+    (k, nbytes) whose scales (k, nblocks) are `scales`; decoded in place into `into`
+    (fp32, (k, end - first, block_size)) when given."""
     k = payloads.shape[0]
     codes = _unpack_codes(payloads[:, _code_bytes(layout, first, end)], layout, end - first)
     # Convert, then scale in place: a mixed int8 * fp32 multiply is about 2x slower on CPU.
-    values = codes.to(torch.float32)
+    values = codes.to(torch.float32) if into is None else into.copy_(codes)
     values.mul_(scales[:, first:end, None])
     span = _values(layout, first, end)
     return values.view(k, -1)[:, : span.stop - span.start]
@@ -362,14 +363,11 @@ def _decode_into(payloads: Tensor, layout: PayloadLayout, out: Tensor) -> None:
     scales = decode_scales(payloads, layout)
     k = payloads.shape[0]
     for first, end in block_runs(layout, payloads.device):
-        span = _values(layout, first, end)
-        target = out[:, span]
+        target = out[:, _values(layout, first, end)]
         if out.dtype == torch.float32 and target.shape[1] == (end - first) * layout.block_size:
-            # Whole blocks into fp32: convert and scale in place, without a temporary.
-            blocks = target.view(k, end - first, layout.block_size)
-            codes_bytes = payloads[:, _code_bytes(layout, first, end)]
-            blocks.copy_(_unpack_codes(codes_bytes, layout, end - first))
-            blocks.mul_(scales[:, first:end, None])
+            # Whole blocks into fp32: decoded in place, without a temporary.
+            _decode_run(payloads, scales, layout, first, end,
+                        into=target.view(k, end - first, layout.block_size))
         else:
             target.copy_(_decode_run(payloads, scales, layout, first, end))
 
