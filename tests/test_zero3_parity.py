@@ -75,18 +75,17 @@ def sharded_run(rank, world, steps, micro, global_batch, checkpoint, meta, optio
     "world,micro,checkpoint,meta,options",
     [
         (1, 1, False, False, {}),
-        (2, 2, False, True, {"reduce_bucket_numel": 50, "persistence_threshold": 0}),
+        (2, 2, False, True, {"persistence_threshold": 0}),
         (4, 1, True, True, {"prefetch_bucket_numel": 10_000, "persistence_threshold": 0}),
         (3, 2, True, False, {"max_live_numel": 1500, "persistence_threshold": 100}),
         (2, 2, False, True, {"stage": 0}),
-        (2, 3, False, True, {"stage": 1, "reduce_bucket_numel": 50}),
+        (2, 3, False, True, {"stage": 1}),
         (3, 2, True, False, {"stage": 1}),
-        (4, 2, False, True, {"stage": 2, "reduce_bucket_numel": 50}),
+        (4, 2, False, True, {"stage": 2}),
         (3, 1, True, False, {"stage": 2}),
         # Units below the block ([Note: units]): each 1486-element block splits into its
         # Linears (738 and 714 elements), its norm alone or with the block's own unit.
-        (2, 2, False, True, {"max_unit_numel": 800, "reduce_bucket_numel": 50,
-                             "persistence_threshold": 0}),
+        (2, 2, False, True, {"max_unit_numel": 800, "persistence_threshold": 0}),
         (4, 1, True, True, {"max_unit_numel": 800, "persistence_threshold": 0,
                             "max_live_numel": 0}),
         (3, 2, "reentrant", False, {"max_unit_numel": 800, "persistence_threshold": 100,

@@ -101,15 +101,3 @@ class FlatLayout:
                 lo, hi = part
                 runs.append((slot.offset + lo - start, slot.offset + hi - start))
         return runs
-
-
-def reduce_bucket_ranges(shard_numel: int, group_size: int, bucket_numel: int,
-                         alignment: int) -> list[tuple[int, int]]:
-    """(lo, hi) ranges of a shard reduced as one bucket each.
-
-    A bucket holds about ``bucket_numel`` elements of the whole unit (reduce_bucket_size), so
-    ``bucket_numel / group_size`` of each rank's slice, rounded down to the collective's
-    alignment and never below it.
-    """
-    step = max(alignment, bucket_numel // group_size // alignment * alignment)
-    return [(lo, min(lo + step, shard_numel)) for lo in range(0, shard_numel, step)]

@@ -181,7 +181,6 @@ def options_from_config(zero, engine_config=None) -> tuple[ShardingOptions, Quan
         gradient_predivide_factor=top.predivide_factor if top is not None else None,
         communication_dtype=_COMM_DTYPES[top.communication_data_type] if top is not None else None,
         stage=zero.stage,
-        reduce_bucket_numel=zero.reduce_bucket_size,
         prefetch_bucket_numel=zero.stage3_prefetch_bucket_size,
         max_live_numel=zero.stage3_max_live_parameters,
         persistence_threshold=zero.stage3_param_persistence_threshold,

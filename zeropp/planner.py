@@ -11,8 +11,8 @@ measures:
   (``zeropp.residency.stays_gathered``): gathered once per optimizer step, after the
   update, and never in backward.
 - Bytes are the ``bytes_sent`` of the collectives the engine would run
-  (``zeropp.comm.registry.collectives_for``), bucket by bucket as the engine cuts them
-  (``zeropp.flat_layout.reduce_bucket_ranges``).
+  (``zeropp.comm.registry.collectives_for``), one reduction per unit as the engine issues
+  them ([Note: one reduction per unit]).
 
 [Note: what one iteration sends, per rank]
 With m micro-batches per optimizer step, for every unit of S = padded / N elements per shard:
@@ -21,8 +21,8 @@ With m micro-batches per optimizer step, for every unit of S = padded / N elemen
   backward  m x the same world gather, except the root (it stays gathered from forward to
             backward) and persistent units; with hpZ instead m x (padded / hpz) x (hpz - 1)
             elements in the compute dtype, inside the node;
-  gradients m x reduce-scatter of every reduce bucket, padded x (N - 1) / N in the compute
-            dtype; with qgZ each bucket is one intra-node all-to-all of its int4 payload
+  gradients m x reduce-scatter of the unit, padded x (N - 1) / N in the compute
+            dtype; with qgZ one intra-node all-to-all of its int4 payload
             (x (alpha - 1) / alpha) and one inter-node all-to-all of n slices (x (n - 1) / n);
   optimizer one fp32 all-reduce of the squared gradient norm.
 """
@@ -40,7 +40,7 @@ from zeropp.comm.accounting import LOCALITIES, PHASES, all_reduce_bytes, localit
 from zeropp.comm.collectives import CommGroup
 from zeropp.comm.registry import Collectives, collectives_for
 from zeropp.config import ZeroConfig
-from zeropp.flat_layout import FlatLayout, reduce_bucket_ranges
+from zeropp.flat_layout import FlatLayout
 from zeropp.initialize import gradient_shard_dtype, options_from_config
 from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
 from zeropp.residency import Residency, shard_alignment, stays_gathered
@@ -312,10 +312,8 @@ def plan_communication(units: Sequence[UnitPlan], cluster: ClusterShape, zero: Z
                     unit.padded_numel // hpz, dtype, secondary), micro_batches)
             else:
                 volume.add("backward_all_gather", world_gathers(micro_batches))
-        for lo, hi in reduce_bucket_ranges(unit.shard_numel, cluster.world_size,
-                                           zero.reduce_bucket_size, collectives.reduce.alignment):
-            volume.add("gradient_reduce", collectives.reduce.bytes_sent(hi - lo, dtype, world),
-                       micro_batches)
+        volume.add("gradient_reduce", collectives.reduce.bytes_sent(unit.shard_numel, dtype, world),
+                   micro_batches)
     volume.add("optimizer", {locality(cluster.spans_nodes):
                              all_reduce_bytes(FP32_BYTES, cluster.world_size)})
     return volume.bytes

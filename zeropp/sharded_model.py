@@ -89,7 +89,6 @@ class TrainingPhase(enum.Enum):
 class ShardingOptions:
     """The engine's knobs, resolved from the DeepSpeed JSON (see ``zeropp.config``)."""
 
-    reduce_bucket_numel: int = 500_000_000
     prefetch_bucket_numel: int = 50_000_000
     max_live_numel: int = 1_000_000_000
     persistence_threshold: int = 100_000
@@ -181,7 +180,6 @@ class ShardedModel:
             reduce=collectives.reduce,
             secondary_gather=collectives.secondary_gather,
             stats=self.stats,
-            reduce_bucket_numel=options.reduce_bucket_numel,
             execution=execution,
             alignment=shard_alignment(self.residency, collectives.alignment),
             reduce_dtype=collectives.reduce.output_dtype or options.communication_dtype,

@@ -32,7 +32,7 @@ from torch import nn
 from zeropp.comm import CommGroup, CommStats, Pending, all_gather
 from zeropp.comm.collectives import AllGather, Collective
 from zeropp.comm.streams import Execution
-from zeropp.flat_layout import FlatLayout, reduce_bucket_ranges
+from zeropp.flat_layout import FlatLayout
 
 
 class ShardState(enum.Enum):
@@ -51,7 +51,6 @@ class UnitComm:
     reduce: Collective  # gradient reduction over the world: exact, qgZ, or stage 0's all-reduce
     secondary_gather: Collective  # hpZ's backward gather inside the node
     stats: CommStats
-    reduce_bucket_numel: int
     execution: Execution  # where collectives run: streams on CUDA, threads on gloo
     # Shards (and reduction buckets) are padded to a multiple of this many elements
     # (``zeropp.residency.shard_alignment``).
@@ -122,7 +121,7 @@ class ShardedUnit:
         # Gradient shard (summed over ranks and micro-batches, not yet averaged), in
         # ``comm.grad_dtype``: fp32 where micro-batches accumulate into it.
         self.grad_shard = torch.zeros(layout.shard_numel, dtype=comm.grad_dtype, device=device)
-        self._reduce_pending: list[tuple[Pending, torch.Tensor, int, int]] = []
+        self._reduce_pending: list[tuple[Pending, torch.Tensor]] = []
         # This micro-batch's gradients, flat in the layout of ``full``; the parameters'
         # ``.grad`` are views of it while it is open ([Note: gradient buffer]).
         self._grad_flat: torch.Tensor | None = None
@@ -347,7 +346,15 @@ class ShardedUnit:
             self._open_gradient_buffer()
 
     def start_reduce(self, phase: str = "gradient_reduce") -> None:
-        """Launch the reduce-scatter of this micro-batch's flat gradients, in buckets.
+        """Launch the reduction of this micro-batch's flat gradients: one collective for the
+        whole unit.
+
+        [Note: one reduction per unit] The flat buffer is already the collective's input
+        (autograd accumulated into it), so cutting it into ``reduce_bucket_size`` pieces
+        would buy no memory (DeepSpeed's buckets bound its separate IPG copy, which this
+        engine does not make) and would multiply the host's work: a collective, and with
+        qgZ a quantize / swizzle / reduce sequence, per piece. Memory in flight is bounded
+        per unit instead ([Note: reductions in flight]).
 
         A unit without trainable parameters sends nothing: every rank knows it (the model's
         ``requires_grad`` flags are the same everywhere) and its gradient shard stays zero.
@@ -363,22 +370,16 @@ class ShardedUnit:
             flat.div_(self.comm.predivide_factor)
         out_dtype = self.comm.reduce_dtype or self.dtype
         world = self.comm.world
-        by_rank = flat.view(world.size, self.layout.shard_numel)
-        for lo, hi in reduce_bucket_ranges(self.layout.shard_numel, world.size,
-                                           self.comm.reduce_bucket_numel, self.comm.alignment):
-            out = torch.empty(hi - lo, dtype=out_dtype, device=self.device)
-            # A strided view: the collective copies it where and when it runs, so the
-            # buckets of a unit cost one flat buffer, not two (see ReduceScatter).
-            pending = self.comm.reduce(
-                out, by_rank[:, lo:hi], world, self.comm.stats, phase, key=(self.name, lo)
-            )
-            self._reduce_pending.append((pending, out, lo, hi))
+        out = torch.empty(self.layout.shard_numel, dtype=out_dtype, device=self.device)
+        pending = self.comm.reduce(out, flat.view(world.size, self.layout.shard_numel), world,
+                                   self.comm.stats, phase, key=self.name)
+        self._reduce_pending.append((pending, out))
 
     def finish_reduce(self) -> None:
-        """Wait for this unit's reductions and add them to the gradient shard."""
-        for pending, out, lo, hi in self._reduce_pending:
+        """Wait for this unit's reduction and add it to the gradient shard."""
+        for pending, out in self._reduce_pending:
             pending.wait()
-            self.grad_shard[lo:hi].add_(out)  # in the shard's dtype
+            self.grad_shard.add_(out)  # in the shard's dtype
         self._reduce_pending.clear()
 
     def zero_grad_shard(self) -> None:

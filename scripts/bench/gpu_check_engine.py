@@ -364,7 +364,7 @@ def check_host_vs_gpu(out_dir: Path, num_layers: int = 2, micro_batch: int = 2,
     # configs/ds_zeropp_config.json's sharding, with the reuse distance at 0: with a few
     # layers the default 1e9 would keep every block gathered into backward, which the 40
     # layers of the real 18B do only for the last one.
-    sharding = ShardingOptions(reduce_bucket_numel=10_000_000, prefetch_bucket_numel=50_000_000,
+    sharding = ShardingOptions(prefetch_bucket_numel=50_000_000,
                                max_live_numel=1_000_000_000, persistence_threshold=100_000,
                                max_reuse_distance=0, max_unit_numel=50_000_000)
     engine = build_gpt_engine(config, device, torch.bfloat16, ZEROPP, sharding)

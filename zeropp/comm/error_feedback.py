@@ -109,4 +109,14 @@ class ErrorFeedback:
 
     def load_state_dict(self, state: dict, device: torch.device) -> None:
         self.applied_steps = int(state["applied_steps"])
-        self.errors = {name: payload.to(device) for name, payload in state["errors"].items()}
+        # Checkpoints written while units were reduced in buckets name them 'unit@offset':
+        # the first bucket's errors are the unit's when the unit was one bucket (sizes are
+        # checked when read); errors of later buckets have no reduction to go to now.
+        errors = {}
+        for name, payload in state["errors"].items():
+            unit, _, offset = name.rpartition("@")
+            if not unit:
+                errors[name] = payload.to(device)
+            elif offset == "0":
+                errors.setdefault(unit, payload.to(device))
+        self.errors = errors

@@ -345,8 +345,10 @@ class HierarchicalReduceScatter(Collective):
         # Quantized in rank order, then the payload's bytes are swizzled (step 1 after 2).
         payload = kernels.quantize_blockwise(full.reshape(-1), bits, block)
         send = swizzle_payload(payload, self.nodes, self.per_node, slice_numel, bits, block)
+        del payload  # a whole unit's payload: not held through the hops
         received = torch.empty_like(send)
         all_to_all(received, send, self.intra, untracked, "gradient_reduce")
+        del send
 
         feedback = self.error_feedback
         if feedback is None:
