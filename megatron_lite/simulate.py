@@ -15,7 +15,8 @@ and trains one more: every collective of set-up, training, evaluation, save and 
 Measured exactly: peak bytes per GPU by category (what the engine and autograd allocate; no
 allocator fragmentation, no CUDA context, no NCCL buffers), the order of operations on every
 communicator, collectives given a tensor off the device or issued off the training thread,
-and host reads of device values per iteration by call site. Values are meaningless here.
+and host reads of device values per iteration by call site; on request (``count_ops``) the
+ops dispatched and collectives issued in one iteration. Values are meaningless here.
 
 [Note: which ranks]
 Every rank runs the same program on different shards, so rank 0 and rank N-1 (first and last
@@ -63,6 +64,13 @@ class RankMeasurement:
     # over the same window, for checking one against the other.
     trace: object | None = None
     trace_comm_bytes: dict = field(default_factory=dict)
+    # With ``count_ops=True``, over the same window as the host syncs (iteration 2): every op
+    # dispatched on the training thread (OpCounter's names -> counts, most frequent first),
+    # their number without collectives and profiler markers (measure.dispatched_ops), and
+    # the collectives this rank issued, by kind ("all_gather_single" -> count).
+    op_counts: dict[str, int] = field(default_factory=dict)
+    ops_per_iteration: int = 0
+    collectives_per_iteration: dict[str, int] = field(default_factory=dict)
 
 
 # Flags the simulation sets itself (the value follows in the argv).
@@ -161,7 +169,7 @@ def _stand_in_for_rank_0(save_dir: Path, rank: int, iterations: int, before: boo
 def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
                   save_dir: str | os.PathLike | None, quiet: bool = True,
                   ds_config: dict | None = None, trace: bool = False,
-                  label: str | None = None) -> RankMeasurement:
+                  label: str | None = None, count_ops: bool = False) -> RankMeasurement:
     """Run the program as ``rank`` of ``nodes x gpus_per_node`` simulated GPUs and measure.
 
     ``save_dir`` receives the checkpoints (simulate rank 0 into it before any other rank);
@@ -169,6 +177,8 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
     the DeepSpeed JSON of ``argv`` (the dry run's ZeRO-3 baseline). ``trace`` also records
     iteration 2 of the first run (from the start of its ``train_step`` to the start of the
     next, like the host syncs: the loss logging is in it) as ``RankMeasurement.trace``.
+    ``count_ops`` counts, over the same iteration, the ops dispatched and the collectives
+    issued (``RankMeasurement.op_counts``, ``ops_per_iteration``, ``collectives_per_iteration``).
     A status line on stderr (``megatron_lite.progress``) names ``label`` (what is simulated),
     the rank and the iteration under way, with the seconds since the start.
     """
@@ -177,7 +187,13 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
     from megatron_lite.training import Trainer
     from zeropp.comm.accounting import CommStats
     from zeropp.engine import ZeroEngine
-    from zeropp.simulation import HostSyncCounter, MemoryTracker, simulated_process_group
+    from zeropp.simulation import (
+        HostSyncCounter,
+        MemoryTracker,
+        OpCounter,
+        simulated_process_group,
+    )
+    from zeropp.simulation.measure import dispatched_ops
     from zeropp.simulation.trace import IterationTrace
     from zeropp.simulation.tracing import TraceRecorder
 
@@ -189,6 +205,24 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
     iteration_syncs: list[dict[str, int]] = []
     measuring = {"on": False, "steps": 0, "run": 0}
     tracing: dict = {"recorder": None, "trace": None, "comm": None, "stats": None}
+    counting: dict = {"counter": None, "collectives_before": None, "simulation": None,
+                      "ops": {}, "collectives": {}}
+
+    def stop_counting() -> None:
+        counter = counting["counter"]
+        if counter is not None:
+            counting["counter"] = None
+            counter.__exit__(None, None, None)
+            counting["ops"] = counter.by_name()
+            issued = counting["simulation"].counts_by_op() - counting["collectives_before"]
+            counting["collectives"] = dict(sorted(issued.items()))
+
+    def start_counting() -> None:
+        # Entered last, above HostSyncCounter (which answers reads of meta values itself)
+        # and the trace recorder (which may decompose an op), so it sees every op first;
+        # left first (modes leave in reverse order).
+        counting["collectives_before"] = counting["simulation"].counts_by_op()
+        counting["counter"] = OpCounter().__enter__()
 
     def stop_tracing() -> None:
         recorder = tracing["recorder"]
@@ -220,9 +254,13 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
                 iteration_syncs.append(dict(syncs.counts))
             syncs.reset()
             measuring["steps"] += 1
-            stop_tracing()  # the traced iteration ends where the next one starts
-            if trace and measuring["run"] == 0 and measuring["steps"] == 2:
-                start_tracing(self)
+            stop_counting()  # the measured iteration ends where the next one starts
+            stop_tracing()
+            if measuring["run"] == 0 and measuring["steps"] == 2:
+                if trace:
+                    start_tracing(self)
+                if count_ops:
+                    start_counting()
             progress.update(f"iteration {self.iteration + 1} of {self.config.train_iters}")
             return step(self, batches)
         return run
@@ -273,6 +311,7 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
             _patched(ZeroEngine, "step", in_phase("optimizer step")), \
             _patched(CommStats, "record", accounted), \
             _quiet(quiet), tracker, syncs, progress:
+        counting["simulation"] = simulation
         for run_index, (iterations, save_to, load_from) in enumerate(runs):
             measuring["run"], measuring["steps"] = run_index, 0
             progress.update("setting up" if run_index == 0 else
@@ -287,7 +326,8 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
                     save_dir=None if save_to is None else str(save_to),
                     load_dir=None if load_from is None else str(load_from))))
             finally:
-                stop_tracing()  # only if the run ended inside the traced iteration
+                stop_counting()  # only if the run ended inside the measured iteration
+                stop_tracing()
             if statuses[-1] != 0:
                 break
             if rank != 0 and save_to is not None:
@@ -308,6 +348,8 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
         violations=violations, order=order, collectives=collectives,
         seconds=time.perf_counter() - started,
         trace=tracing["trace"], trace_comm_bytes=tracing["comm"] or {},
+        op_counts=counting["ops"], ops_per_iteration=dispatched_ops(counting["ops"]),
+        collectives_per_iteration=counting["collectives"],
     )
 
 

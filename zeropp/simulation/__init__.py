@@ -8,6 +8,7 @@
   launches of collectives on lanes, waits), for the step-time model.
 - ``HostSyncCounter``: host reads of device values (``item``, ``bool``, ``tolist``, ``cpu``),
   by call site.
+- ``OpCounter``: every op dispatched, by name, as the host issues it.
 
 Under it, ``zeropp.initialize`` puts the engine on the meta device with the CUDA execution
 model (streams become no-ops), so what is measured is the GPU path, not the CPU one.
@@ -15,8 +16,8 @@ model (streams become no-ops), so what is measured is the GPU path, not the CPU 
 """
 
 from zeropp.simulation.backend import compare_orders, simulated_process_group
-from zeropp.simulation.measure import HostSyncCounter, MemoryTracker
+from zeropp.simulation.measure import HostSyncCounter, MemoryTracker, OpCounter
 from zeropp.simulation.tracing import TraceRecorder
 
-__all__ = ["HostSyncCounter", "MemoryTracker", "TraceRecorder", "compare_orders",
+__all__ = ["HostSyncCounter", "MemoryTracker", "OpCounter", "TraceRecorder", "compare_orders",
            "simulated_process_group"]

@@ -1,13 +1,14 @@
-"""Measuring tools for the simulated cluster: device memory by category, and host syncs.
+"""Measuring tools for the simulated cluster: device memory by category, host syncs, and
+ops dispatched.
 
-Both are ``TorchDispatchMode``s, so they see every aten op below autograd (forward, backward
+All are ``TorchDispatchMode``s, so they see every aten op below autograd (forward, backward
 and optimizer alike) while a meta-device training program runs. Use them together::
 
-    with MemoryTracker() as mem, HostSyncCounter() as syncs:
+    with MemoryTracker() as mem, HostSyncCounter() as syncs, OpCounter() as ops:
         mem.track_existing(model)            # model states built before measuring
         with mem.phase("forward"):
             loss = model(batch)
-    mem.peak_bytes, mem.peak_by_category, syncs.counts
+    mem.peak_bytes, mem.peak_by_category, syncs.counts, ops.total
 
 What they cannot see (torch 2.13):
 - ``torch.tensor(data, device=...)`` and the ``torch.UntypedStorage(n, device=...)``
@@ -34,8 +35,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CATEGORY_RULES", "DEFAULT_CATEGORY", "HostSyncCounter", "MemoryTracker", "Rule",
-           "default_category"]
+__all__ = ["CATEGORY_RULES", "DEFAULT_CATEGORY", "HostSyncCounter", "MemoryTracker", "OpCounter",
+           "Rule", "collective_ops", "default_category", "dispatched_ops"]
 
 aten = torch.ops.aten
 _META = torch.device("meta")
@@ -434,3 +435,64 @@ class HostSyncCounter(TorchDispatchMode):
     def __exit__(self, *exc: Any) -> None:
         _restore_method(torch.Tensor, "numpy", self._saved_numpy.pop())
         return super().__exit__(*exc)
+
+
+# ---- ops dispatched ------------------------------------------------------------------------
+# Namespaces of dispatched ops that are not compute: c10d's collectives (dispatched when a
+# C++ process group issues them; the simulated backend's Python groups dispatch none, and
+# collectives are counted per kind by the backend) and the profiler's range markers.
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+MARKER_NAMESPACES = ("profiler",)
+
+
+def _namespace(name: str) -> str:
+    return name.split(".", 1)[0]
+
+
+def dispatched_ops(op_counts: dict[str, int]) -> int:
+    """Ops of ``OpCounter.by_name()`` other than collectives and profiler markers: aten ops
+    and custom kernels (``zeropp::``, FSDP2's ``fsdp::``), one each."""
+    return sum(count for name, count in op_counts.items()
+               if _namespace(name) not in COLLECTIVE_NAMESPACES + MARKER_NAMESPACES)
+
+
+def collective_ops(op_counts: dict[str, int]) -> dict[str, int]:
+    """The collectives among the ops of ``OpCounter.by_name()`` (a C++ process group's)."""
+    return {name: count for name, count in op_counts.items()
+            if _namespace(name) in COLLECTIVE_NAMESPACES}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every op that reaches ``__torch_dispatch__``, as dispatched, by name
+    ("aten.mm.default"): what the host issues, never decomposed (the trace recorder records
+    the parts of an op without a FLOP formula where it has a composite decomposition). An op
+    on a tensor subclass (DTensor) counts once, at the subclass's level: the ops it runs
+    inside are below this mode. Enter it after the other modes: ``HostSyncCounter`` answers
+    reads of meta values itself, so a mode below it does not see them.
+
+    Ops are counted while ``enabled`` (the mode can stay on the stack across a window).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[Any] = Counter()  # OpOverload -> count (names made on demand)
+        self.enabled = True
+
+    @property
+    def total(self) -> int:
+        """Every op counted, collectives and markers included (see ``dispatched_ops``)."""
+        return sum(self.counts.values())
+
+    def by_name(self) -> dict[str, int]:
+        names: Counter[str] = Counter()
+        for func, count in self.counts.items():
+            names[str(func)] += count
+        return dict(names.most_common())
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.enabled:
+            self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
