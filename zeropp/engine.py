@@ -111,7 +111,11 @@ class ZeroEngine:
         boundary = self._forced_boundary if self._forced_boundary is not None else (
             (self.micro_steps + 1) % self._accumulation_steps == 0)
         with self._timed("bwd"):
-            self.sharded.run_backward(loss.float() * self.loss_scaler.scale, boundary)
+            # The pre-divide ([Note: one reduction per unit]'s neighbour in UnitComm) rides on
+            # the loss: gradients are linear in it, so they arrive divided with no kernel
+            # per unit.
+            factor = self.loss_scaler.scale / self.sharded.comm.predivide_factor
+            self.sharded.run_backward(loss.float() * factor, boundary)
         self.micro_steps += 1
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -340,7 +344,10 @@ class ZeroEngine:
         """Bytes this rank holds now, by model state, read off the tensors themselves."""
 
         def nbytes(tensors) -> int:
-            return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
+            # Shards are views of flat buffers ([Note: flat shards]): each storage once.
+            storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                        for t in tensors if t is not None}
+            return sum(storages.values())
 
         units = self.sharded.units
         moments = self.optimizer.moment_tensors()
@@ -352,6 +359,6 @@ class ZeroEngine:
             # Whole gradients held for a later reduction (stage 1's accumulation window).
             "gradient_buffers": nbytes(u.gradient_buffer for u in units),
             "gradient_shards": nbytes(u.grad_shard for u in units),
-            "fp32_master_shards": nbytes(self.optimizer.masters),
+            "fp32_master_shards": nbytes([self.optimizer.master_flat]),
             "optimizer_moments": nbytes(moments),
         }

@@ -124,7 +124,8 @@ def build_engine(
         grad_dtype=gradient_shard_dtype(dtype, gradient_accumulation_steps),
     )
     partitioned = PartitionedOptimizer(sharded.units, sharded.initial_masters, recipe,
-                                       group_by_name)
+                                       group_by_name, grad_shards_flat=sharded.grad_shards_flat,
+                                       shards_flat=sharded.shards_flat)
     sharded.initial_masters = []  # the optimizer owns the fp32 masters from here on
     # Weights written through zero.GatheredParameters(modifier_rank=...) reach the masters.
     sharded.shard_write_listeners.append(

@@ -10,16 +10,18 @@ norm means some rank overflowed, so every rank skips the same step.
 [Note: partitioned parameter groups]
 A shard is a run of a unit's flat buffer: it can hold the end of a weight matrix and the start
 of a bias, and the two can belong to different parameter groups (Megatron's no-decay group for
-biases and norms, a user's per-group learning rates). So the fp32 master of a shard is kept as
-one *piece* per (unit, group): that group's elements of the shard, packed end to end (the
-shard itself, no copy, when one group holds all of it). Group g of the torch optimizer holds
-group g's pieces of every unit with group g's hyperparameters, so torch applies each group's
-lr and weight decay itself. The classes allowed are element-wise (an element's update reads
-only its own gradient and state), so stepping the pieces is stepping the whole model.
+biases and norms, a user's per-group learning rates). So the fp32 master of a shard is given
+to the torch optimizer as one tensor per run of a group inside it (the whole shard when one
+group holds all of it), each a view of one flat master buffer ([Note: flat optimizer step]).
+Group g of the torch optimizer holds group g's runs of every unit with group g's
+hyperparameters, so torch applies each group's lr and weight decay itself. The classes
+allowed are element-wise (an element's update reads only its own gradient and state), so
+stepping the runs is stepping the whole model.
 
 [Note: frozen parameters]
-Parameters with ``requires_grad=False``, or given to no group, are in no piece: neither
-updated nor given optimizer state. Their weights live in the working shard alone.
+Parameters with ``requires_grad=False``, or given to no group, are in no run: neither
+updated nor given optimizer state. Their fp32 masters (in the flat buffer, [Note: flat
+optimizer step]) only mirror the working shard.
 ``shard_master`` and ``shard_state`` give shard-shaped tensors back for checkpoints.
 """
 
@@ -121,12 +123,37 @@ def megatron_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any
 
 
 @dataclass
-class _Piece:
-    """The elements of one parameter group inside one unit's shard, packed end to end."""
+class _Run:
+    """Contiguous elements of one parameter group inside one unit's shard: one tensor of the
+    torch optimizer, a view of the flat fp32 master ([Note: flat optimizer step])."""
 
+    unit: int
     group: int
-    runs: list[tuple[int, int]]  # shard offsets
-    master: nn.Parameter  # fp32
+    start: int  # shard offsets
+    end: int
+    master: nn.Parameter  # fp32, a view of PartitionedOptimizer.master_flat
+
+
+# Optimizer classes that step a list of tensors in one multi-tensor kernel per operation
+# (``foreach``), and those with a single fused kernel for the whole list on CUDA.
+_FUSED_ON_CUDA = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _multi_tensor_settings(cls: type[torch.optim.Optimizer], defaults: dict[str, Any],
+                           device: torch.device) -> dict[str, Any]:
+    """``foreach`` (or on CUDA ``fused``) where the user left the implementation to torch:
+    torch picks the per-tensor loop on CPU and on the meta device, which issues a dozen
+    kernels per tensor where the multi-tensor ones issue a dozen per group."""
+    import inspect
+
+    accepted = inspect.signature(cls.__init__).parameters
+    if defaults.get("foreach") is not None or defaults.get("fused") is not None:
+        return {}
+    if device.type == "cuda" and cls in _FUSED_ON_CUDA and "fused" in accepted:
+        return {"fused": True}
+    if "foreach" in accepted:
+        return {"foreach": True}
+    return {}
 
 
 class PartitionedOptimizer(torch.optim.Optimizer):
@@ -136,15 +163,52 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     optimizer stepping the shards, so torch, Hugging Face and DeepSpeed schedules attach to it
     and write each group's lr. Only the engine steps it (``engine.step()`` averages, clips and
     unscales the gradients first).
+
+    [Note: flat optimizer step]
+    The fp32 masters of every unit live in one flat buffer laid out as the model's flat
+    shards ([Note: flat shards]); the torch optimizer's tensors are views of it, one per run
+    of a parameter group inside a unit's shard (a weight, then its bias in the no-decay
+    group). A step is then a fixed number of kernels whatever the depth of the model: the
+    16-bit gradient shards cast into one fp32 buffer (allocated for the step, its storage
+    freed after, so it costs no memory between steps), one multiply by the averaging and
+    clipping factor, the torch optimizer's multi-tensor update per group (``foreach``, or
+    ``fused`` on CUDA), and one cast of the masters into the working shards. Elements no group
+    trains (frozen parameters) have masters too, equal to their working weights (writes to
+    those reach the masters through ``load_shard``), so the cast writes them back unchanged.
     """
 
     def __init__(self, units: list[ShardedUnit], initial_masters: list[torch.Tensor],
-                 recipe: OptimizerRecipe, group_by_name: dict[str, int]) -> None:
+                 recipe: OptimizerRecipe, group_by_name: dict[str, int],
+                 grad_shards_flat: torch.Tensor | None = None,
+                 shards_flat: torch.Tensor | None = None) -> None:
         self.units = units
         self.world = units[0].comm.world if units else None
         self.recipe = recipe
-        self.pieces: list[list[_Piece]] = []
-        for unit, initial in zip(units, initial_masters, strict=True):
+        device = units[0].grad_shard.device if units else torch.device("cpu")
+        self.unit_ranges: list[tuple[int, int]] = []
+        offset = 0
+        for unit in units:
+            self.unit_ranges.append((offset, offset + unit.layout.shard_numel))
+            offset += unit.layout.shard_numel
+        # The model's flat gradient and working shards; a model without them (units built
+        # alone) gets a flat gradient buffer here and writes working shards unit by unit.
+        if grad_shards_flat is None:
+            grad_shards_flat = torch.zeros(offset, dtype=units[0].grad_shard.dtype if units
+                                           else torch.float32, device=device)
+            for unit, (start, end) in zip(units, self.unit_ranges, strict=True):
+                grad_shards_flat[start:end].copy_(unit.grad_shard)
+                unit.grad_shard = grad_shards_flat[start:end]
+        self.grad_shards_flat = grad_shards_flat
+        self.shards_flat = shards_flat
+        self.master_flat = torch.empty(offset, dtype=torch.float32, device=device)
+        for initial, (start, end) in zip(initial_masters, self.unit_ranges, strict=True):
+            self.master_flat[start:end].copy_(initial)
+        # The fp32 gradients of a step: storage only while it runs (resize_, as unit.full).
+        self._grads32 = torch.zeros(offset, dtype=torch.float32, device=device)
+
+        self.runs: list[_Run] = []
+        self.runs_of_unit: list[list[_Run]] = []
+        for index, (unit, (base, _)) in enumerate(zip(units, self.unit_ranges, strict=True)):
             slot_group = {slot.name: group_by_name.get(slot.name) if param.requires_grad else None
                           for slot, param in zip(unit.layout.slots, unit.params, strict=True)}
             rank = unit.comm.world.rank
@@ -152,24 +216,27 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 rank, lambda slot, n=number, of=slot_group: of[slot.name] == n))
                 for number in range(len(recipe.groups))]
             # The shard's padding rides with the first group holding elements here, so a shard
-            # that one group holds entirely is that group's master whole (no packing copies)
-            # and master sizes are the shard sizes the memory plan counts. Its gradient is zero.
+            # that one group holds entirely is one tensor of the optimizer. Its gradient is zero.
             padding = _complement(
                 _merged(unit.layout.shard_runs(rank, lambda slot: True)), unit.layout.shard_numel)
             first = next((n for n, runs in enumerate(group_runs) if runs), 0)
             group_runs[first] = _merged(sorted(group_runs[first] + padding))
-            pieces = []
+            mine = []
             for number, runs in enumerate(group_runs):
-                whole = runs == [(0, unit.layout.shard_numel)]
-                runs = None if whole else runs
-                pieces.append(_Piece(number, runs, nn.Parameter(_pack(initial.float(), runs))))
-            self.pieces.append(pieces)
+                for start, end in runs:
+                    master = nn.Parameter(self.master_flat[base + start : base + end])
+                    master.grad = self._grads32[base + start : base + end]
+                    mine.append(_Run(index, number, start, end, master))
+            self.runs_of_unit.append(mine)
+            self.runs.extend(mine)
+        self._grads32.untyped_storage().resize_(0)  # the views above stay bound to it
         torch_groups = []
         for number, group in enumerate(recipe.groups):
             settings = {key: value for key, value in group.items() if key != "params"}
-            params = [p.master for pieces in self.pieces for p in pieces if p.group == number]
+            params = [run.master for run in self.runs if run.group == number]
             torch_groups.append({**recipe.defaults, **settings, "params": params})
-        self.inner = recipe.cls(torch_groups)
+        implementation = _multi_tensor_settings(recipe.cls, recipe.defaults, device)
+        self.inner = recipe.cls(torch_groups, **implementation)
         super().__init__(torch_groups, self.inner.defaults)
         # One set of groups and state, the inner optimizer's: what a schedule writes is what
         # the update reads.
@@ -179,13 +246,29 @@ class PartitionedOptimizer(torch.optim.Optimizer):
 
     @property
     def masters(self) -> list[nn.Parameter]:
-        return [piece.master for pieces in self.pieces for piece in pieces]
+        """The tensors the torch optimizer steps (trainable elements and padding)."""
+        return [run.master for run in self.runs]
+
+    def _gradients_fp32(self) -> torch.Tensor:
+        """The step's fp32 gradients, cast from the gradient shards once per step."""
+        grads = self._grads32
+        nbytes = grads.numel() * grads.element_size()
+        if grads.untyped_storage().nbytes() != nbytes:
+            grads.untyped_storage().resize_(nbytes)
+            grads.copy_(self.grad_shards_flat)
+        return grads
+
+    def _end_step(self) -> None:
+        self._grads32.untyped_storage().resize_(0)
+        self.grad_shards_flat.zero_()
+        for unit in self.units:
+            unit.grad_shard_is_zero = True
 
     def grad_norm_squared(self, inv_scale: float) -> float:
         """Squared global gradient norm (true units), over all ranks: one all-reduce."""
-        total = torch.zeros(1, dtype=torch.float32, device=self.units[0].grad_shard.device)
-        for unit in self.units:
-            total += unit.grad_shard.float().pow(2).sum()  # 16-bit squares would overflow
+        # In fp32 (16-bit squares would overflow), summed as torch.sum sums (pairwise: the
+        # same value whatever the number of ranks, to rounding).
+        total = self._gradients_fp32().pow(2).sum().reshape(1)
         if self.world is not None:
             all_reduce_sum(total, self.world, self.units[0].comm.stats, "optimizer")
         return float(total.item()) * inv_scale * inv_scale
@@ -195,22 +278,20 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         if closure is not None or grad_multiplier is None:
             raise RuntimeError("call engine.step(), not optimizer.step(): the engine averages, "
                                "clips and unscales the sharded gradients before this update")
-        # One unit at a time: the packed gradients of one shard exist at once, not of all
-        # (torch skips parameters without a gradient, and their step counts stay put).
-        for unit, pieces in zip(self.units, self.pieces, strict=True):
-            for piece in pieces:
-                piece.master.grad = _pack(unit.grad_shard, piece.runs).to(
-                    torch.float32).mul_(grad_multiplier)
+        try:
+            self._gradients_fp32().mul_(grad_multiplier)
             self.inner.step()
-            for piece in pieces:
-                piece.master.grad = None
-                _unpack_into(unit.shard, piece.master.detach(), piece.runs)
-            unit.zero_grad_shard()
+        finally:
+            self._end_step()
+        if self.shards_flat is not None:
+            self.shards_flat.copy_(self.master_flat)
+        else:  # replicated units: each shard lies inside its unit's whole weights
+            for unit, (start, end) in zip(self.units, self.unit_ranges, strict=True):
+                unit.shard.copy_(self.master_flat[start:end])
         return None
 
     def skip_step(self) -> None:
-        for unit in self.units:
-            unit.zero_grad_shard()
+        self._end_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in the units' shards (``engine.zero_grad()`` drops them)."""
@@ -219,18 +300,17 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     def shard_master(self, index: int) -> torch.Tensor:
         """The fp32 weights of unit ``index``'s shard; unoptimized ones from the working shard."""
         full = self.units[index].shard.float().clone()
-        for piece in self.pieces[index]:
-            _unpack_into(full, piece.master.detach(), piece.runs)
+        for run in self.runs_of_unit[index]:
+            full[run.start : run.end].copy_(run.master.detach())
         return full
 
     def state_keys(self) -> list[str]:
         """Names of the element-wise optimizer state (e.g. exp_avg, exp_avg_sq)."""
         keys: list[str] = []
-        for pieces in self.pieces:
-            for piece in pieces:
-                for key, value in self.state.get(piece.master, {}).items():
-                    if _elementwise(value, piece.master) and key not in keys:
-                        keys.append(key)
+        for run in self.runs:
+            for key, value in self.state.get(run.master, {}).items():
+                if _elementwise(value, run.master) and key not in keys:
+                    keys.append(key)
         return keys
 
     def shard_state(self, index: int) -> dict[str, torch.Tensor]:
@@ -238,38 +318,45 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         out = {}
         for key in self.state_keys():
             full = torch.zeros_like(self.units[index].grad_shard, dtype=torch.float32)
-            for piece in self.pieces[index]:
-                value = self.state.get(piece.master, {}).get(key)
+            for run in self.runs_of_unit[index]:
+                value = self.state.get(run.master, {}).get(key)
                 if value is not None:
-                    _unpack_into(full, value, piece.runs)
+                    full[run.start : run.end].copy_(value)
             out[key] = full
         return out
 
     def scalar_state(self) -> dict[str, float]:
-        """Per-tensor scalars (Adam's step, ...): the same for every piece that has state."""
-        for pieces in self.pieces:
-            for piece in pieces:
-                state = self.state.get(piece.master, {})
-                scalars = {key: float(value) for key, value in state.items()
-                           if isinstance(value, torch.Tensor) and value.dim() == 0}
-                if state:
-                    return scalars
+        """Per-tensor scalars (Adam's step, ...): the same for every tensor that has state."""
+        for run in self.runs:
+            state = self.state.get(run.master, {})
+            scalars = {key: float(value) for key, value in state.items()
+                       if isinstance(value, torch.Tensor) and value.dim() == 0}
+            if state:
+                return scalars
         return {}
 
     def load_shard(self, index: int, master: torch.Tensor, state: dict | None = None,
                    scalars: dict | None = None) -> None:
         """Set unit ``index``'s fp32 weights (and optimizer state) from shard-shaped tensors."""
+        start, end = self.unit_ranges[index]
         with torch.no_grad():
             self.units[index].shard.copy_(master)
-            for piece in self.pieces[index]:
-                piece.master.copy_(_pack(master.float(), piece.runs))
+            self.master_flat[start:end].copy_(master)
         if state is None:
             return
-        for piece in self.pieces[index]:
-            restored = {key: _pack(value, piece.runs).clone() for key, value in state.items()}
+        for run in self.runs_of_unit[index]:
+            restored = {key: value[run.start : run.end].clone() for key, value in state.items()}
             for key, value in (scalars or {}).items():
-                restored[key] = torch.tensor(value, dtype=torch.float32)
-            self.state[piece.master] = restored
+                restored[key] = self._scalar_tensor(value, run)
+            self.state[run.master] = restored
+
+    def _scalar_tensor(self, value: float, run: _Run) -> torch.Tensor:
+        """A per-tensor scalar as torch keeps it: on the device for fused and capturable
+        updates, on the host otherwise."""
+        group = self.param_groups[run.group]
+        on_device = group.get("fused") or group.get("capturable")
+        return torch.tensor(value, dtype=torch.float32,
+                            device=run.master.device if on_device else "cpu")
 
     def moment_tensors(self) -> list[torch.Tensor]:
         """Every element-wise state tensor this rank holds."""
@@ -305,26 +392,6 @@ def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((start, end))
     return out
-
-
-def _pack(shard: torch.Tensor, runs: list[tuple[int, int]] | None) -> torch.Tensor:
-    """The trainable runs of a shard-shaped tensor, end to end (the tensor itself if all)."""
-    if runs is None:
-        return shard
-    if not runs:
-        return shard.new_zeros(0)
-    return torch.cat([shard[start:end] for start, end in runs])
-
-
-def _unpack_into(shard: torch.Tensor, packed: torch.Tensor,
-                 runs: list[tuple[int, int]] | None) -> None:
-    if runs is None:
-        shard.copy_(packed)
-        return
-    position = 0
-    for start, end in runs:
-        shard[start:end].copy_(packed[position : position + end - start])
-        position += end - start
 
 
 def clip_coefficient(grad_norm: float, max_norm: float) -> float:

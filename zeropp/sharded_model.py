@@ -57,7 +57,7 @@ from zeropp.initial_values import UnitInitialValues, reset_parameters_values
 from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
 from zeropp.residency import Residency, shard_alignment, stays_gathered
 from zeropp.topology import Topology
-from zeropp.unit import ParamRef, ShardedUnit, ShardState, UnitComm
+from zeropp.unit import ParamRef, PersistentUnits, ShardedUnit, ShardState, UnitComm
 from zeropp.unit_modules import check_no_sharing, default_unit_modules, unit_parameters
 
 # reset_parameters_values lives in zeropp.initial_values; it stays importable from here.
@@ -193,7 +193,10 @@ class ShardedModel:
             param_init_fn,
         )
         self.root = self.units[0]
-        self._reducing: deque[ShardedUnit] = deque()  # units with reductions in flight, oldest first
+        # Reductions in flight, oldest first (a unit, or the persistent units' joint one),
+        # with the gradient elements each holds; ``_reducing_numel`` is their sum.
+        self._reducing: deque[tuple[ShardedUnit | PersistentUnits, int]] = deque()
+        self._reducing_numel = 0
         # Units whose backward has begun (their pre-backward hook fired) in this backward, and
         # units recomputed whose backward has not ([Note: release in recompute]).
         self._backward_started: set[ShardedUnit] = set()
@@ -225,9 +228,13 @@ class ShardedModel:
         self.serial = next(_SERIAL)
         self._install_hooks()
         self._install_state_dict_guards()
-        for unit in self.units:
-            if unit.persistent:
-                unit.gather_now("forward_all_gather")
+        # [Note: persistent units] Small units other than the root, at stage 3: joint
+        # collectives (one-by-one gathers with a gather that keeps state per unit).
+        self.persistent_units = PersistentUnits(
+            [u for u in self.units[1:] if u.persistent and not u.replicated], self.comm)
+        self._joint_reduction = set(self.persistent_units.units)
+        self._joint_gathers = not isinstance(self.comm.gather, DeltaWeightGather)
+        self._gather_persistent()
         _LIVE_MODELS.add(self)
 
     # ---- construction --------------------------------------------------------------------
@@ -239,13 +246,21 @@ class ShardedModel:
                 for module, params in unit_parameters(model, unit_modules)]
         check_no_sharing(plan, unit_modules)
 
-        units, masters = [], []
-        for name, module, params in plan:
-            layout = FlatLayout.build(
-                [(names[id(p)], tuple(p.shape)) for p in params],
-                num_shards=self.world.size,
-                align=self.comm.alignment,
-            )
+        layouts = [FlatLayout.build([(names[id(p)], tuple(p.shape)) for p in params],
+                                    num_shards=self.world.size, align=self.comm.alignment)
+                   for _name, _module, params in plan]
+        # [Note: flat shards] Every unit's working shard and gradient shard are views of one
+        # flat buffer each, in unit order, so the optimizer step reads all gradients and
+        # writes all weights with one kernel each (zeropp.optimizer) instead of a few per
+        # unit. Replicated units (stages 0-2) keep their shard inside their whole weights.
+        total = sum(layout.shard_numel for layout in layouts)
+        self.grad_shards_flat = torch.zeros(total, dtype=self.comm.grad_dtype, device=self.device)
+        self.shards_flat = None
+        if not self.residency.weights_replicated:
+            self.shards_flat = torch.zeros(total, dtype=self.dtype, device=self.device)
+        units, masters, offset = [], [], 0
+        for (name, module, params), layout in zip(plan, layouts, strict=True):
+            start, offset = offset, offset + layout.shard_numel
             initial = UnitInitialValues(module, module_names.get(id(module), ""),
                                         {names[id(p)]: p for p in params}, param_init_fn)
             master = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device)
@@ -256,6 +271,8 @@ class ShardedModel:
                 name, module, refs, layout, self.comm, self.dtype, self.device,
                 persistent=stays_gathered(layout.numel, self.options.persistence_threshold),
                 replicated=self.residency.weights_replicated, is_root=module is model,
+                shard=None if self.shards_flat is None else self.shards_flat[start:offset],
+                grad_shard=self.grad_shards_flat[start:offset],
             )
             unit.shard.copy_(master)
             initial.clear()
@@ -420,7 +437,7 @@ class ShardedModel:
         unit.backward_done = True
         unit.release(keep_secondary=False)
         unit.drop_secondary()
-        if self._reduce_this_backward:
+        if self._reduce_this_backward and unit not in self._joint_reduction:
             self._start_reduction(unit)
 
     def _on_grad_ready(self, unit: ShardedUnit, param) -> None:
@@ -431,10 +448,24 @@ class ShardedModel:
             )
         unit.on_grad_ready(param)
 
-    def _start_reduction(self, unit: ShardedUnit) -> None:
+    def _start_reduction(self, unit: ShardedUnit | PersistentUnits) -> None:
         unit.start_reduce()
-        self._reducing.append(unit)
+        numel = unit.padded_numel if isinstance(unit, PersistentUnits) else unit.layout.padded_numel
+        self._reducing.append((unit, numel))
+        self._reducing_numel += numel
         self._make_room(0)
+
+    def _finish_oldest_reduction(self) -> None:
+        unit, numel = self._reducing.popleft()
+        self._reducing_numel -= numel
+        unit.finish_reduce()
+
+    def _gather_persistent(self) -> None:
+        if self._joint_gathers:
+            self.persistent_units.gather_now("forward_all_gather")
+        else:
+            for unit in self.persistent_units.units:
+                unit.gather_now("forward_all_gather")
 
     def _make_room(self, numel: int) -> None:
         """[Note: reductions in flight] Reductions still running hold their units' flat
@@ -446,13 +477,12 @@ class ShardedModel:
         being waited for after the next unit's backward alone.
         """
         budget = (self.options.max_inflight_reductions + 1) * self._largest_gradient_buffer
-        while self._reducing and (
-                numel + sum(u.layout.padded_numel for u in self._reducing) > budget):
-            self._reducing.popleft().finish_reduce()
+        while self._reducing and numel + self._reducing_numel > budget:
+            self._finish_oldest_reduction()
 
     def _finish_reductions(self) -> None:
         while self._reducing:
-            self._reducing.popleft().finish_reduce()
+            self._finish_oldest_reduction()
 
     def _prefetch_backward(self, unit: ShardedUnit) -> None:
         """``unit`` is needed now in backward (its recompute or its own backward): note it and
@@ -535,8 +565,13 @@ class ShardedModel:
                                       or self.residency.reduce_every_micro_batch)
         try:
             scaled_loss.backward()
-            # Units with no post-backward point (the root, a block whose inputs need no
-            # gradient) are reduced now, in the unit list's reverse order on every rank.
+            # The persistent units' joint reduction, then the units with no post-backward
+            # point (the root, a block whose inputs need no gradient), in the unit list's
+            # reverse order: the same order on every rank.
+            for unit in self._joint_reduction:
+                unit.backward_done = True
+            if self._reduce_this_backward and self._joint_reduction:
+                self._start_reduction(self.persistent_units)
             for unit in reversed(self.units):
                 if not unit.backward_done:
                     unit.backward_done = True
@@ -565,7 +600,8 @@ class ShardedModel:
         """The shards changed (``cause``: "step", "load" or "edit", see
         ``ShardedUnit.refresh_after_update``): rebuild every derived copy."""
         for unit in self.units:
-            unit.refresh_after_update(cause)
+            unit.refresh_after_update(cause, regather=unit not in self._joint_reduction)
+        self._gather_persistent()
 
     def unit_index_of(self, param: torch.Tensor) -> int | None:
         """Index of the unit holding ``param`` (one of the model's parameters), else None."""

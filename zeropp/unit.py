@@ -58,8 +58,9 @@ class UnitComm:
     # dtype the reductions deliver (None: the working dtype): communication_data_type for
     # the exact reduce-scatter, fp32 for qgZ, whose last sum is in fp32 already.
     reduce_dtype: torch.dtype | None = None
-    # Gradients are divided by this before they are summed over ranks (headroom in fp16);
-    # the optimizer divides by the rest of data-parallel size x accumulation x loss scale.
+    # Gradients are divided by this before they are summed over ranks (headroom in fp16):
+    # the engine scales the loss by it before backward, so they arrive divided; the
+    # optimizer divides by the rest of data-parallel size x accumulation x loss scale.
     predivide_factor: float = 1.0
     # dtype of the gradient shards: the working dtype when nothing accumulates across
     # micro-batches (DeepSpeed's 16-bit gradient partitions), fp32 when gradients do.
@@ -87,7 +88,12 @@ class ShardedUnit:
         persistent: bool = False,
         replicated: bool = False,
         is_root: bool = False,
+        shard: torch.Tensor | None = None,
+        grad_shard: torch.Tensor | None = None,
     ) -> None:
+        """``shard`` and ``grad_shard``, when given, are the storage of this unit's working
+        and gradient shards (views of the model's flat buffers, [Note: flat shards]); by
+        default the unit allocates its own."""
         self.name = name
         self.module = module
         self.layout = layout
@@ -105,6 +111,8 @@ class ShardedUnit:
         self.full = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
         if replicated:
             self.shard = self.full[self.shard_start : self.shard_end]
+        elif shard is not None:
+            self.shard = shard
         else:
             self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         # hpZ: the 16-bit weights of this rank's node slice, or with the int8 secondary the
@@ -120,7 +128,11 @@ class ShardedUnit:
 
         # Gradient shard (summed over ranks and micro-batches, not yet averaged), in
         # ``comm.grad_dtype``: fp32 where micro-batches accumulate into it.
-        self.grad_shard = torch.zeros(layout.shard_numel, dtype=comm.grad_dtype, device=device)
+        if grad_shard is None:
+            grad_shard = torch.zeros(layout.shard_numel, dtype=comm.grad_dtype, device=device)
+        self.grad_shard = grad_shard
+        # Whether the gradient shard is known to hold zeros (a reduction may then write it).
+        self.grad_shard_is_zero = True
         self._reduce_pending: list[tuple[Pending, torch.Tensor]] = []
         # This micro-batch's gradients, flat in the layout of ``full``; the parameters'
         # ``.grad`` are views of it while it is open ([Note: gradient buffer]).
@@ -257,10 +269,11 @@ class ShardedUnit:
         if self.state is ShardState.SECONDARY:
             self.state = ShardState.SHARDED
 
-    def refresh_after_update(self, cause: str = "edit") -> None:
+    def refresh_after_update(self, cause: str = "edit", regather: bool = True) -> None:
         """The shard changed: drop every derived copy. ``cause`` tells a gather that keeps
         state per unit how: "step" (the optimizer's update), "load" (a checkpoint, which
-        restored that state itself) or "edit" (anything else)."""
+        restored that state itself) or "edit" (anything else). ``regather=False`` leaves a
+        persistent unit sharded for its owner to gather ([Note: persistent units])."""
         if cause == "step":
             self.comm.gather.mark_updated(self.name)
         elif cause == "edit":
@@ -277,7 +290,7 @@ class ShardedUnit:
             self.state = ShardState.SHARDED
             if not self.replicated:
                 self._free_full()
-        if self.persistent:
+        if self.persistent and regather:
             self.gather_now("forward_all_gather")
 
     # ---- gradients -----------------------------------------------------------------------
@@ -366,27 +379,110 @@ class ShardedUnit:
             self._open_gradient_buffer()
         flat, self._grad_flat = self._grad_flat, None
         self._unbind_gradients()
-        if self.comm.predivide_factor != 1.0:
-            flat.div_(self.comm.predivide_factor)
         out_dtype = self.comm.reduce_dtype or self.dtype
         world = self.comm.world
-        out = torch.empty(self.layout.shard_numel, dtype=out_dtype, device=self.device)
+        # Into the gradient shard itself while it holds nothing (the step zeroed it) and
+        # the reduction rounds to its dtype anyway: no temporary and no addition. qgZ sums in
+        # fp32 and rounds once on the write, as the addition to zero would.
+        direct = self.grad_shard_is_zero and (out_dtype == self.grad_shard.dtype
+                                              or self.comm.reduce.output_dtype is not None)
+        out = self.grad_shard if direct else torch.empty(self.layout.shard_numel,
+                                                         dtype=out_dtype, device=self.device)
+        self.grad_shard_is_zero = False
         pending = self.comm.reduce(out, flat.view(world.size, self.layout.shard_numel), world,
                                    self.comm.stats, phase, key=self.name)
-        self._reduce_pending.append((pending, out))
+        self._reduce_pending.append((pending, None if direct else out))
 
     def finish_reduce(self) -> None:
         """Wait for this unit's reduction and add it to the gradient shard."""
         for pending, out in self._reduce_pending:
             pending.wait()
-            self.grad_shard.add_(out)  # in the shard's dtype
+            if out is not None:
+                self.grad_shard.add_(out)  # in the shard's dtype
         self._reduce_pending.clear()
 
     def zero_grad_shard(self) -> None:
         self.grad_shard.zero_()
+        self.grad_shard_is_zero = True
 
     def drop_gradients(self) -> None:
         """Discard this unit's gradients at every stage of their way to the shard."""
         self._unbind_gradients()
         self._grad_flat = None
         self.zero_grad_shard()
+
+
+class PersistentUnits:
+    """[Note: persistent units] Units below ``stage3_param_persistence_threshold`` (a block's
+    layer norms) stay gathered between steps, as DeepSpeed keeps such parameters. Their
+    collectives are joint: one all-gather of all their shards after the step, and one
+    reduction of all their gradients after backward, instead of one of each per unit (40
+    of each for a 40-block model, each too small to use the link). Every rank holds the same
+    units in the same order, so the joint buffers line up; each unit's slices are whole
+    multiples of the collectives' alignment, so a quantized collective sends the same blocks
+    as it would unit by unit. A gather that keeps state per unit (weight deltas) gathers
+    them one by one instead.
+
+    The reduction is deferred to the end of backward: their gradients are the few elements
+    of the norms, held in their flat buffers until then.
+    """
+
+    KEY = "<persistent units>"
+
+    def __init__(self, units: list[ShardedUnit], comm: UnitComm) -> None:
+        self.units = units
+        self.comm = comm
+        self.shard_numel = sum(u.layout.shard_numel for u in units)
+        self.padded_numel = sum(u.layout.padded_numel for u in units)
+        self._reduce_pending: tuple[Pending, torch.Tensor] | None = None
+
+    def gather_now(self, phase: str) -> None:
+        """Gather every unit not gathered yet (after the step) with one collective."""
+        units = [u for u in self.units if u.state is not ShardState.GATHERED and not u.gathering]
+        if not units:
+            return
+        world = self.comm.world
+        shards = torch.cat([u.shard for u in units])
+        gathered = torch.empty(world.size * shards.numel(), dtype=shards.dtype,
+                               device=shards.device)
+        self.comm.gather(gathered, shards, world, self.comm.stats, phase, key=self.KEY).wait()
+        by_rank, offset = gathered.view(world.size, -1), 0
+        for unit in units:
+            width = unit.layout.shard_numel
+            unit._alloc_full()
+            unit.full.view(world.size, width).copy_(by_rank[:, offset : offset + width])
+            unit.state = ShardState.GATHERED
+            offset += width
+
+    def start_reduce(self, phase: str = "gradient_reduce") -> None:
+        """One reduction of every unit's flat gradients (units without trainable parameters
+        take no part, as in ``ShardedUnit.start_reduce``)."""
+        units = [u for u in self.units if u.num_grad_params]
+        if not units:
+            return
+        world = self.comm.world
+        for unit in units:
+            if unit._grad_flat is None:  # no gradient arrived: reduced as zeros
+                unit._open_gradient_buffer()
+        joint = torch.cat([u._grad_flat.view(world.size, -1) for u in units], dim=1)
+        for unit in units:
+            unit._grad_flat = None
+            unit._unbind_gradients()
+        out = torch.empty(joint.shape[1], dtype=self.comm.reduce_dtype or units[0].dtype,
+                          device=joint.device)
+        pending = self.comm.reduce(out, joint, world, self.comm.stats, phase, key=self.KEY)
+        self._reduce_pending = (pending, out)
+
+    def finish_reduce(self) -> None:
+        if self._reduce_pending is None:
+            return
+        pending, out = self._reduce_pending
+        self._reduce_pending = None
+        pending.wait()
+        offset = 0
+        for unit in self.units:
+            if unit.num_grad_params:
+                width = unit.layout.shard_numel
+                unit.grad_shard.add_(out[offset : offset + width])
+                unit.grad_shard_is_zero = False
+                offset += width
