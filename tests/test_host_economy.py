@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 
-import torch
-
 from megatron_lite.arguments import parse_args
 from megatron_lite.dry_run import build_report
 from scripts.bench import host_ops

@@ -111,9 +111,8 @@ class ZeroEngine:
         boundary = self._forced_boundary if self._forced_boundary is not None else (
             (self.micro_steps + 1) % self._accumulation_steps == 0)
         with self._timed("bwd"):
-            # The pre-divide ([Note: one reduction per unit]'s neighbour in UnitComm) rides on
-            # the loss: gradients are linear in it, so they arrive divided with no kernel
-            # per unit.
+            # The reductions' pre-divide (UnitComm.predivide_factor) rides on the loss:
+            # gradients are linear in it, so they arrive divided with no kernel per unit.
             factor = self.loss_scaler.scale / self.sharded.comm.predivide_factor
             self.sharded.run_backward(loss.float() * factor, boundary)
         self.micro_steps += 1

@@ -27,6 +27,7 @@ optimizer step]) only mirror the working shard.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -144,8 +145,6 @@ def _multi_tensor_settings(cls: type[torch.optim.Optimizer], defaults: dict[str,
     """``foreach`` (or on CUDA ``fused``) where the user left the implementation to torch:
     torch picks the per-tensor loop on CPU and on the meta device, which issues a dozen
     kernels per tensor where the multi-tensor ones issue a dozen per group."""
-    import inspect
-
     accepted = inspect.signature(cls.__init__).parameters
     if defaults.get("foreach") is not None or defaults.get("fused") is not None:
         return {}
@@ -179,8 +178,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, units: list[ShardedUnit], initial_masters: list[torch.Tensor],
                  recipe: OptimizerRecipe, group_by_name: dict[str, int],
-                 grad_shards_flat: torch.Tensor | None = None,
-                 shards_flat: torch.Tensor | None = None) -> None:
+                 grad_shards_flat: torch.Tensor, shards_flat: torch.Tensor | None) -> None:
+        """``grad_shards_flat`` and ``shards_flat`` are the model's flat gradient and working
+        shards ([Note: flat shards]); ``shards_flat`` is None where units are replicated."""
         self.units = units
         self.world = units[0].comm.world if units else None
         self.recipe = recipe
@@ -190,14 +190,6 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         for unit in units:
             self.unit_ranges.append((offset, offset + unit.layout.shard_numel))
             offset += unit.layout.shard_numel
-        # The model's flat gradient and working shards; a model without them (units built
-        # alone) gets a flat gradient buffer here and writes working shards unit by unit.
-        if grad_shards_flat is None:
-            grad_shards_flat = torch.zeros(offset, dtype=units[0].grad_shard.dtype if units
-                                           else torch.float32, device=device)
-            for unit, (start, end) in zip(units, self.unit_ranges, strict=True):
-                grad_shards_flat[start:end].copy_(unit.grad_shard)
-                unit.grad_shard = grad_shards_flat[start:end]
         self.grad_shards_flat = grad_shards_flat
         self.shards_flat = shards_flat
         self.master_flat = torch.empty(offset, dtype=torch.float32, device=device)

@@ -232,7 +232,7 @@ class ShardedModel:
         # collectives (one-by-one gathers with a gather that keeps state per unit).
         self.persistent_units = PersistentUnits(
             [u for u in self.units[1:] if u.persistent and not u.replicated], self.comm)
-        self._joint_reduction = set(self.persistent_units.units)
+        self._persistent = set(self.persistent_units.units)  # for membership tests
         self._joint_gathers = not isinstance(self.comm.gather, DeltaWeightGather)
         self._gather_persistent()
         _LIVE_MODELS.add(self)
@@ -437,7 +437,7 @@ class ShardedModel:
         unit.backward_done = True
         unit.release(keep_secondary=False)
         unit.drop_secondary()
-        if self._reduce_this_backward and unit not in self._joint_reduction:
+        if self._reduce_this_backward and unit not in self._persistent:
             self._start_reduction(unit)
 
     def _on_grad_ready(self, unit: ShardedUnit, param) -> None:
@@ -450,9 +450,8 @@ class ShardedModel:
 
     def _start_reduction(self, unit: ShardedUnit | PersistentUnits) -> None:
         unit.start_reduce()
-        numel = unit.padded_numel if isinstance(unit, PersistentUnits) else unit.layout.padded_numel
-        self._reducing.append((unit, numel))
-        self._reducing_numel += numel
+        self._reducing.append((unit, unit.reduction_numel))
+        self._reducing_numel += unit.reduction_numel
         self._make_room(0)
 
     def _finish_oldest_reduction(self) -> None:
@@ -568,9 +567,9 @@ class ShardedModel:
             # The persistent units' joint reduction, then the units with no post-backward
             # point (the root, a block whose inputs need no gradient), in the unit list's
             # reverse order: the same order on every rank.
-            for unit in self._joint_reduction:
+            for unit in self.persistent_units.units:
                 unit.backward_done = True
-            if self._reduce_this_backward and self._joint_reduction:
+            if self._reduce_this_backward and self._persistent:
                 self._start_reduction(self.persistent_units)
             for unit in reversed(self.units):
                 if not unit.backward_done:
@@ -600,7 +599,7 @@ class ShardedModel:
         """The shards changed (``cause``: "step", "load" or "edit", see
         ``ShardedUnit.refresh_after_update``): rebuild every derived copy."""
         for unit in self.units:
-            unit.refresh_after_update(cause, regather=unit not in self._joint_reduction)
+            unit.refresh_after_update(cause, regather=unit not in self._persistent)
         self._gather_persistent()
 
     def unit_index_of(self, param: torch.Tensor) -> int | None:

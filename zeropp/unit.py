@@ -133,7 +133,8 @@ class ShardedUnit:
         self.grad_shard = grad_shard
         # Whether the gradient shard is known to hold zeros (a reduction may then write it).
         self.grad_shard_is_zero = True
-        self._reduce_pending: list[tuple[Pending, torch.Tensor]] = []
+        # The reduction in flight, and its output when it is not the gradient shard itself.
+        self._reduce_pending: tuple[Pending, torch.Tensor | None] | None = None
         # This micro-batch's gradients, flat in the layout of ``full``; the parameters'
         # ``.grad`` are views of it while it is open ([Note: gradient buffer]).
         self._grad_flat: torch.Tensor | None = None
@@ -374,11 +375,7 @@ class ShardedUnit:
         """
         if self.num_grad_params == 0:
             return
-        # A unit no parameter of which got a gradient still takes part (with zeros).
-        if self._grad_flat is None:
-            self._open_gradient_buffer()
-        flat, self._grad_flat = self._grad_flat, None
-        self._unbind_gradients()
+        flat = self.take_gradients()
         out_dtype = self.comm.reduce_dtype or self.dtype
         world = self.comm.world
         # Into the gradient shard itself while it holds nothing (the step zeroed it) and
@@ -391,15 +388,43 @@ class ShardedUnit:
         self.grad_shard_is_zero = False
         pending = self.comm.reduce(out, flat.view(world.size, self.layout.shard_numel), world,
                                    self.comm.stats, phase, key=self.name)
-        self._reduce_pending.append((pending, None if direct else out))
+        self._reduce_pending = (pending, None if direct else out)
 
     def finish_reduce(self) -> None:
         """Wait for this unit's reduction and add it to the gradient shard."""
-        for pending, out in self._reduce_pending:
-            pending.wait()
-            if out is not None:
-                self.grad_shard.add_(out)  # in the shard's dtype
-        self._reduce_pending.clear()
+        if self._reduce_pending is None:
+            return
+        pending, out = self._reduce_pending
+        self._reduce_pending = None
+        pending.wait()
+        if out is not None:
+            self.add_to_grad_shard(out)
+
+    def take_gradients(self) -> torch.Tensor:
+        """This micro-batch's flat gradients, handed over for a reduction: the parameters'
+        ``.grad`` are unbound from them. A unit no parameter of which got a gradient still
+        takes part, with zeros."""
+        if self._grad_flat is None:
+            self._open_gradient_buffer()
+        flat, self._grad_flat = self._grad_flat, None
+        self._unbind_gradients()
+        return flat
+
+    def add_to_grad_shard(self, reduced: torch.Tensor) -> None:
+        self.grad_shard.add_(reduced)  # in the shard's dtype
+        self.grad_shard_is_zero = False
+
+    @property
+    def reduction_numel(self) -> int:
+        """Gradient elements a reduction of this unit holds while in flight."""
+        return self.layout.padded_numel
+
+    def fill_gathered(self, rows: torch.Tensor) -> None:
+        """Become GATHERED from ``rows`` ([world size, shard numel], rank order), the unit's
+        part of a gather made for several units ([Note: persistent units])."""
+        self._alloc_full()
+        self.full.view(rows.shape).copy_(rows)
+        self.state = ShardState.GATHERED
 
     def zero_grad_shard(self) -> None:
         self.grad_shard.zero_()
@@ -432,8 +457,8 @@ class PersistentUnits:
     def __init__(self, units: list[ShardedUnit], comm: UnitComm) -> None:
         self.units = units
         self.comm = comm
-        self.shard_numel = sum(u.layout.shard_numel for u in units)
-        self.padded_numel = sum(u.layout.padded_numel for u in units)
+        # Gradient elements the joint reduction holds in flight.
+        self.reduction_numel = sum(u.reduction_numel for u in units)
         self._reduce_pending: tuple[Pending, torch.Tensor] | None = None
 
     def gather_now(self, phase: str) -> None:
@@ -449,9 +474,7 @@ class PersistentUnits:
         by_rank, offset = gathered.view(world.size, -1), 0
         for unit in units:
             width = unit.layout.shard_numel
-            unit._alloc_full()
-            unit.full.view(world.size, width).copy_(by_rank[:, offset : offset + width])
-            unit.state = ShardState.GATHERED
+            unit.fill_gathered(by_rank[:, offset : offset + width])
             offset += width
 
     def start_reduce(self, phase: str = "gradient_reduce") -> None:
@@ -461,13 +484,7 @@ class PersistentUnits:
         if not units:
             return
         world = self.comm.world
-        for unit in units:
-            if unit._grad_flat is None:  # no gradient arrived: reduced as zeros
-                unit._open_gradient_buffer()
-        joint = torch.cat([u._grad_flat.view(world.size, -1) for u in units], dim=1)
-        for unit in units:
-            unit._grad_flat = None
-            unit._unbind_gradients()
+        joint = torch.cat([u.take_gradients().view(world.size, -1) for u in units], dim=1)
         out = torch.empty(joint.shape[1], dtype=self.comm.reduce_dtype or units[0].dtype,
                           device=joint.device)
         pending = self.comm.reduce(out, joint, world, self.comm.stats, phase, key=self.KEY)
@@ -483,6 +500,5 @@ class PersistentUnits:
         for unit in self.units:
             if unit.num_grad_params:
                 width = unit.layout.shard_numel
-                unit.grad_shard.add_(out[offset : offset + width])
-                unit.grad_shard_is_zero = False
+                unit.add_to_grad_shard(out[offset : offset + width])
                 offset += width
