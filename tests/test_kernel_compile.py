@@ -154,9 +154,9 @@ def test_bench_table_and_json(tmp_path, capsys):
     header = lines.index("| kernel | dtype | bits | block | ROWS x COLS / warps | sm_80 |")
     rows = [line for line in lines[header + 2:] if line.startswith("|")]
     variants = list(compile_check.enumerate_variants([256], per_block_size=True))
-    # Per width (8, 4, 2): quantize and dequantize per dtype (3 + 3), the reduction, and
-    # the requantization to each width (3).
-    assert len(rows) == len(variants) == 3 * (3 + 3 + 1 + 3)
+    # Per width (8, 4, 2): quantize and dequantize per dtype (3 + 3), the reduction into
+    # fp32 and into each 16-bit dtype (1 + 2), and the requantization to each width (3).
+    assert len(rows) == len(variants) == 3 * (3 + 3 + 1 + 2 + 3)
     for row, variant in zip(rows, variants, strict=True):
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         assert cells[:4] == [variant.spec.kernel, variant.dtype, str(variant.bits), "256"]

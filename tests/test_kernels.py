@@ -544,6 +544,12 @@ def test_triton_reductions_match_reference(triton_device, numel, block_size) -> 
         )
         total = triton_kernels.dequantize_reduce(payloads, numel, bits_in, block_size)
         assert torch.equal(total, reference.dequantize_reduce(payloads, numel, bits_in, block_size))
+        for dtype in (torch.float16, torch.bfloat16):  # into a 16-bit gradient shard
+            into = torch.empty(numel, dtype=dtype, device=device)
+            triton_kernels.dequantize_reduce(payloads, numel, bits_in, block_size, out=into)
+            expected = reference.dequantize_reduce(payloads, numel, bits_in, block_size,
+                                                   out=torch.empty(numel, dtype=dtype))
+            assert torch.equal(into.cpu(), expected)
         for bits_out in (8, 4, 2):
             fused = triton_kernels.dequantize_reduce_quantize(
                 payloads, numel, bits_in, bits_out, block_size
@@ -552,6 +558,98 @@ def test_triton_reductions_match_reference(triton_device, numel, block_size) -> 
                 payloads, numel, bits_in, bits_out, block_size
             )
             assert torch.equal(fused, expected)
+
+
+# Pieces ([Note: payload pieces]) as (nodes, per_node, values a slice, block size): one node,
+# one rank a node and both; blocks of one tile with a partial last program in every slice
+# (64), blocks walked in two passes (1500), and blocks that are not whole bytes at some width
+# (6 for int2; 3 for int4 and int2), which keep the host's pack and shuffle.
+SWIZZLE_CASES = ((1, 3, 64 * 20, 64), (3, 1, 3000, 1500), (2, 2, 1500, 1500), (2, 3, 12, 6),
+                 (3, 2, 12, 3))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's inf arithmetic
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_quantize_swizzled_matches_reference(triton_device, bits, dtype) -> None:
+    triton_kernels, device = triton_device
+    for seed, (nodes, per_node, slice_numel, block_size) in enumerate(SWIZZLE_CASES):
+        x = _sample(nodes * per_node * slice_numel, dtype, seed)
+        x[slice_numel + 1] = float("inf")  # rank 1's first block: a NaN scale mid-piece
+        expected = reference.quantize_swizzled(x, nodes, per_node, bits, block_size)
+        pieces = triton_kernels.quantize_swizzled(x.to(device), nodes, per_node, bits,
+                                                  block_size)
+        assert pieces.shape == expected.shape
+        piece = kernels.payload_layout(nodes * slice_numel, bits, block_size)
+        for got, want in zip(pieces.view(per_node, -1), expected.view(per_node, -1),
+                             strict=True):
+            _assert_same_payload(got, want, piece)
+
+
+# (values a slice, block size): one tile with a partial last program in every slice, two
+# passes, and odd blocks, where int4/int2 outputs keep the host's pack and shuffle. Int2
+# inputs at (6, 3) put the slices' first codes inside a byte.
+REQUANTIZE_CASES = ((640, 64), (1200, 600), (12, 3), (6, 3))
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+@pytest.mark.parametrize(("bits_in", "bits_out"), [(4, 4), (4, 2), (8, 8), (2, 8)])
+def test_triton_requantized_parts_match_reference(triton_device, parts, bits_in,
+                                                  bits_out) -> None:
+    triton_kernels, device = triton_device
+    for slice_numel, block_size in REQUANTIZE_CASES:
+        if slice_numel * bits_out % 8:
+            continue  # slices of part bytes cannot be pieces
+        numel = parts * slice_numel
+        payloads = _payload_batch(3, numel, bits_in, block_size)
+        expected = reference.dequantize_reduce_quantize(payloads, numel, bits_in, bits_out,
+                                                        block_size, parts)
+        fused = triton_kernels.dequantize_reduce_quantize(payloads.to(device), numel, bits_in,
+                                                          bits_out, block_size, parts)
+        assert torch.equal(fused.cpu(), expected)
+
+
+def test_triton_pieces_are_one_launch_without_host_shuffles(triton_device, monkeypatch) -> None:
+    """Where programs pack their own codes, each piece writer is a single kernel launch that
+    writes the pieces in place: no host pack, shuffle or copy after it."""
+    triton_kernels, device = triton_device
+    x = _sample(2 * 3 * 256, torch.bfloat16)
+    payloads = _payload_batch(2, 3 * 256, 4, 64)
+    expected_pieces = reference.quantize_swizzled(x, 2, 3, 4, 64)
+    expected_parts = reference.dequantize_reduce_quantize(payloads, 3 * 256, 4, 2, 64, parts=3)
+    launched = []
+    launch = triton_kernels._launch
+
+    def counting_launch(spec, *args, **kwargs):
+        launched.append(spec.kernel)
+        launch(spec, *args, **kwargs)
+
+    def host_shuffle(*args, **kwargs):
+        raise AssertionError("pieces were shuffled on the host")
+
+    monkeypatch.setattr(triton_kernels, "_launch", counting_launch)
+    for name in ("swizzle_payload", "split_payload", "pack_stored_codes"):
+        monkeypatch.setattr(reference, name, host_shuffle)
+    pieces = triton_kernels.quantize_swizzled(x.to(device), 2, 3, 4, 64)
+    parts = triton_kernels.dequantize_reduce_quantize(payloads.to(device), 3 * 256, 4, 2, 64,
+                                                      parts=3)
+    assert launched == ["quantize_kernel", "dequantize_reduce_quantize_kernel"]
+    assert torch.equal(pieces.cpu(), expected_pieces)
+    assert torch.equal(parts.cpu(), expected_parts)
+
+
+def test_triton_pieces_reject_what_the_reference_rejects(triton_device) -> None:
+    triton_kernels, device = triton_device
+    x = _sample(2 * 2 * 100, torch.float32).to(device)
+    with pytest.raises(ValueError, match="whole blocks"):
+        triton_kernels.quantize_swizzled(x, 2, 2, 8, 64)  # slices of 100 values
+    with pytest.raises(ValueError, match="not divisible"):
+        triton_kernels.quantize_swizzled(x[:-1], 2, 2, 8, 4)
+    payloads = _payload_batch(2, 200, 8, 4).to(device)
+    with pytest.raises(ValueError, match="whole blocks"):
+        triton_kernels.dequantize_reduce_quantize(payloads, 200, 8, 8, 4, parts=8)
+    with pytest.raises(ValueError, match="parts"):
+        triton_kernels.dequantize_reduce_quantize(payloads, 200, 8, 8, 4, parts=3)
 
 
 def test_forced_triton_backend_dispatches_to_it(triton_device, monkeypatch) -> None:

@@ -161,23 +161,57 @@ def test_qgz_int2_inter_node_hop_bytes_and_error_feedback():
 
 @pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (3, 2), (2, 4), (1, 3), (4, 1)])
 @pytest.mark.parametrize(("bits", "block"), [(8, 64), (4, 64), (4, 3), (2, 5)])
-def test_qgz_swizzles_the_payload_as_the_quantized_swizzled_input(nodes, per_node, bits, block):
-    """qgZ quantizes the bucket in rank order and then shuffles the payload's bytes: the
-    same bytes as quantizing the swizzled bucket and splitting it per local rank."""
+def test_qgz_quantizes_straight_into_the_swizzled_payloads(nodes, per_node, bits, block):
+    """qgZ's first send is quantized in one step into per-local-rank payloads: the same
+    bytes as quantizing, on its own, each local rank's chunk (the slices of ranks
+    m * per_node + l, in node order)."""
     from zeropp import kernels
-    from zeropp.comm.quantized import split_payload, swizzle_payload
 
     slice_numel = block * 4  # whole int2 bytes for any block
     flat = torch.randn(nodes * per_node * slice_numel, generator=torch.Generator().manual_seed(3))
     flat[slice_numel : slice_numel + block] = 0.0
-    chunk_numel = nodes * slice_numel
-    expected = split_payload(
-        kernels.quantize_blockwise(kernels.swizzle(flat, nodes, per_node), bits, block),
-        per_node, chunk_numel, bits, block)
-    got = swizzle_payload(kernels.quantize_blockwise(flat, bits, block), nodes, per_node,
-                          slice_numel, bits, block)
-    assert got.shape == (per_node, kernels.quantized_nbytes(chunk_numel, bits, block))
+    by_rank = flat.view(nodes, per_node, slice_numel)
+    expected = torch.cat([kernels.quantize_blockwise(by_rank[:, local].reshape(-1), bits, block)
+                          for local in range(per_node)])
+    got = kernels.quantize_swizzled(flat, nodes, per_node, bits, block)
     assert torch.equal(got, expected)
+    # The swizzle of the values followed by a split of the payload: the same bytes.
+    chunk_numel = nodes * slice_numel
+    assert torch.equal(got.view(per_node, -1), kernels.reference.split_payload(
+        kernels.quantize_blockwise(kernels.swizzle(flat, nodes, per_node), bits, block),
+        per_node, chunk_numel, bits, block))
     with pytest.raises(ValueError, match="whole blocks"):
-        swizzle_payload(kernels.quantize_blockwise(flat[:-1], bits, block), nodes, per_node,
-                        slice_numel - 1, bits, block)
+        kernels.quantize_swizzled(flat[: -nodes * per_node], nodes, per_node, bits, block)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+@pytest.mark.parametrize(("bits_in", "bits_out", "block"), [(4, 4, 64), (4, 2, 64), (8, 8, 5)])
+def test_qgz_requantizes_into_one_payload_per_node(parts, bits_in, bits_out, block):
+    """qgZ's middle step writes the node's partial sums as one payload per destination node:
+    the bytes of quantizing each slice of the sum on its own; and the last step sums
+    straight into a caller's fp32 buffer, equal to the sum it returns."""
+    from zeropp import kernels
+
+    generator = torch.Generator().manual_seed(5)
+    numel = parts * block * 4
+    payloads = torch.stack([kernels.quantize_blockwise(torch.randn(numel, generator=generator),
+                                                       bits_in, block) for _ in range(3)])
+    total = kernels.dequantize_reduce(payloads, numel, bits_in, block)
+    expected = torch.cat([kernels.quantize_blockwise(piece, bits_out, block)
+                          for piece in total.view(parts, -1)])
+    got = kernels.dequantize_reduce_quantize(payloads, numel, bits_in, bits_out, block,
+                                             parts=parts)
+    assert torch.equal(got, expected)
+    into = torch.full((numel,), float("nan"))
+    assert kernels.dequantize_reduce(payloads, numel, bits_in, block, out=into) is into
+    assert torch.equal(into, total)
+    rows = torch.full((3, numel), float("nan"), dtype=torch.bfloat16)
+    kernels.dequantize_blockwise_many(payloads, numel, bits_in, block, torch.bfloat16, out=rows)
+    assert torch.equal(rows, kernels.dequantize_blockwise_many(payloads, numel, bits_in, block,
+                                                               torch.bfloat16))
+    rounded = torch.empty(numel, dtype=torch.bfloat16)
+    kernels.dequantize_reduce(payloads, numel, bits_in, block, out=rounded)
+    assert torch.equal(rounded, total.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="out.dtype"):
+        kernels.dequantize_reduce(payloads, numel, bits_in, block,
+                                  out=torch.empty(numel, dtype=torch.int32))

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 
 def units_to_prefetch(
-    upcoming: Sequence[tuple[int, bool]], live_numel: int, bucket_numel: int, max_live_numel: int
+    upcoming: Iterable[tuple[int, bool]], live_numel: int, bucket_numel: int, max_live_numel: int
 ) -> list[int]:
     """Indices into ``upcoming`` whose gathers to start now.
 
     ``upcoming`` lists the next units in the order they will run, as (gathered size, already
-    gathered or in flight). DeepSpeed's rule: keep issuing gathers while fewer than ``bucket_numel``
+    gathered or in flight); it is read only as far as the window reaches, so it may be a
+    lazy iterable over the rest of the model. DeepSpeed's rule: keep issuing gathers while fewer than ``bucket_numel``
     (stage3_prefetch_bucket_size) elements are in flight ahead, so one unit larger than the
     bucket is still prefetched and 0 disables prefetch; beyond the next unit, never let the
     gathered elements exceed ``max_live_numel`` (stage3_max_live_parameters).

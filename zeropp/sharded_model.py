@@ -200,7 +200,8 @@ class ShardedModel:
         # Units whose backward has begun (their pre-backward hook fired) in this backward, and
         # units recomputed whose backward has not ([Note: release in recompute]).
         self._backward_started: set[ShardedUnit] = set()
-        self._recomputed: list[ShardedUnit] = []
+        # Ordered (a dict of None) for O(1) removal when a unit's backward begins.
+        self._recomputed: dict[ShardedUnit, None] = {}
         self._reduce_this_backward = True  # False on stage 1's micro-batches before the boundary
         # True while a forward that will be backpropagated runs (grad mode on at the root):
         # blocks inside it that run under no_grad are checkpointed and will be recomputed.
@@ -212,6 +213,7 @@ class ShardedModel:
         # trace of submodules; ``_backward_cursor`` is where this backward is in it.
         self._forward_order: list[ShardedUnit] = []
         self._last_forward_order: list[ShardedUnit] = []
+        self._forward_position: dict[ShardedUnit, int] = {}  # unit -> index in the above
         self._backward_needs: list[ShardedUnit] = []
         self._last_backward_needs: list[ShardedUnit] = []
         self._backward_cursor = -1
@@ -327,7 +329,10 @@ class ShardedModel:
         if unit is self.root:
             self.phase = TrainingPhase.FORWARD
             self._training_forward = torch.is_grad_enabled()
-            self._last_forward_order = self._forward_order or self._last_forward_order
+            if self._forward_order:
+                self._last_forward_order = self._forward_order
+                self._forward_position = {u: i for i, u in
+                                          reversed(list(enumerate(self._forward_order)))}
             self._forward_order = []
             self._kept_for_backward = self._blocks_to_keep(self._last_forward_order)
         # Prefetch before waiting: the gathers queue behind this one at once (on the host
@@ -364,7 +369,7 @@ class ShardedModel:
         )
         if self.phase is TrainingPhase.BACKWARD:
             if unit not in self._backward_started and not unit.persistent:
-                self._recomputed.append(unit)
+                self._recomputed[unit] = None
                 self._watch_pre_backward(unit, output)  # reentrant: the first forward had none
             return output
         if unit is self.root:
@@ -404,10 +409,10 @@ class ShardedModel:
         is one. The last unit of a chunk is never released in between: its backward follows.
         """
         while self._recomputed:
-            live = sum(u.live_numel for u in self.units)
-            if live <= self.options.max_live_numel:
+            if self.comm.live.numel <= self.options.max_live_numel:
                 return
-            unit = self._recomputed.pop(0)
+            unit = next(iter(self._recomputed))
+            del self._recomputed[unit]
             if unit not in self._backward_started:
                 unit.release(keep_secondary=True)
 
@@ -415,8 +420,7 @@ class ShardedModel:
         if unit in self._backward_started:  # a second output of the unit: already done
             return grad
         self._backward_started.add(unit)
-        if unit in self._recomputed:
-            self._recomputed.remove(unit)
+        self._recomputed.pop(unit, None)
         unit.gather_now("backward_all_gather")
         if unit.num_grad_params and unit.gradient_buffer is None:
             self._make_room(unit.layout.padded_numel)
@@ -492,27 +496,30 @@ class ShardedModel:
             self._backward_cursor = plan.index(unit, self._backward_cursor + 1)
         except ValueError:  # a backward unlike the last one: no plan to read ahead in
             return
-        self._prefetch(unit, forward=False, candidates=plan[self._backward_cursor + 1 :])
+        self._prefetch(unit, forward=False, plan=plan, start=self._backward_cursor + 1)
 
     def _prefetch(self, unit: ShardedUnit, forward: bool,
-                  candidates: list[ShardedUnit] | None = None) -> None:
-        if candidates is None:
-            order = self._last_forward_order
-            if unit not in order:
+                  plan: list[ShardedUnit] | None = None, start: int = 0) -> None:
+        """Start the gathers of the units after ``unit`` in ``plan`` (from ``start``; the
+        last forward's order by default) that the prefetch rule allows. The window is read
+        lazily: the work is the window's, not the model's ([Note: live count])."""
+        if plan is None:
+            plan = self._last_forward_order
+            position = self._forward_position.get(unit)
+            if position is None:
                 return
-            candidates = order[order.index(unit) + 1 :]
+            start = position + 1
         phase = "forward_all_gather" if forward else "backward_all_gather"
         # Units gathered already (kept from forward, recomputed) fill the window ahead like
         # gathers in flight: prefetching past them would only hold more memory sooner.
-        upcoming = list(dict.fromkeys(u for u in candidates if not (u is self.root or u.persistent)))
-        live = sum(u.live_numel for u in self.units)
-        chosen = units_to_prefetch(
-            [(u.layout.padded_numel, u.gathering or u.state is ShardState.GATHERED)
-             for u in upcoming], live,
-            self.options.prefetch_bucket_numel, self.options.max_live_numel,
-        )
-        for index in chosen:
-            upcoming[index].start_gather(phase)
+        upcoming = _distinct(u for u in itertools.islice(plan, start, None)
+                             if not (u is self.root or u.persistent))
+        sizes = ((u.layout.padded_numel, u.gathering or u.state is ShardState.GATHERED)
+                 for u in upcoming)
+        for index in units_to_prefetch(sizes, self.comm.live.numel,
+                                       self.options.prefetch_bucket_numel,
+                                       self.options.max_live_numel):
+            upcoming.seen[index].start_gather(phase)
 
     def _release_all(self) -> None:
         for unit in self.units:
@@ -657,6 +664,23 @@ class ShardedModel:
                     value = copies[id(value)]
                 out[key] = value
         return out
+
+
+class _distinct:
+    """The distinct items of an iterable, in order, produced lazily; ``seen`` lists those
+    produced so far (a prefetch reads only as far as its window)."""
+
+    def __init__(self, items) -> None:
+        self._items = iter(items)
+        self._ids: set[int] = set()
+        self.seen: list = []
+
+    def __iter__(self):
+        for item in self._items:
+            if id(item) not in self._ids:
+                self._ids.add(id(item))
+                self.seen.append(item)
+                yield item
 
 
 def _refuse_sharded_state_dict(units: list[ShardedUnit], label: str, module, prefix,

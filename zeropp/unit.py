@@ -24,7 +24,7 @@ after the step fills in the other ranks' ranges.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -65,6 +65,20 @@ class UnitComm:
     # dtype of the gradient shards: the working dtype when nothing accumulates across
     # micro-batches (DeepSpeed's 16-bit gradient partitions), fp32 when gradients do.
     grad_dtype: torch.dtype = torch.float32
+    # Gathered elements of all units, kept as units change state ([Note: live count]).
+    live: LiveCount = field(default_factory=lambda: LiveCount())
+
+
+class LiveCount:
+    """[Note: live count] The elements of gathered weights (or gathers in flight) over all
+    units of a model: what ``stage3_max_live_parameters`` bounds. Each unit adds or removes
+    its size as it becomes live or stops being, so every prefetch and release decision reads
+    one number instead of summing over the units (which made scheduling quadratic in depth)."""
+
+    __slots__ = ("numel",)
+
+    def __init__(self) -> None:
+        self.numel = 0
 
 
 @dataclass
@@ -123,8 +137,9 @@ class ShardedUnit:
         self._keeps_payload = (comm.hpz is not None and not (self.persistent or is_root)
                                and comm.secondary_gather.secondary_from_gather)
         self._forward_payload: torch.Tensor | None = None
-        self.state = ShardState.SHARDED
-        self._gather_pending: Pending | None = None
+        self._live = False  # counted in comm.live ([Note: live count])
+        self._state = ShardState.SHARDED
+        self._gather_pending_: Pending | None = None
 
         # Gradient shard (summed over ranks and micro-batches, not yet averaged), in
         # ``comm.grad_dtype``: fp32 where micro-batches accumulate into it.
@@ -170,13 +185,37 @@ class ShardedUnit:
 
     @property
     def gathering(self) -> bool:
-        return self._gather_pending is not None
+        return self._gather_pending_ is not None
 
     @property
     def live_numel(self) -> int:
         """Elements of gathered weights this unit holds now (counts a gather in flight)."""
-        is_live = self.state is ShardState.GATHERED or self.gathering
-        return self.layout.padded_numel if is_live else 0
+        return self.layout.padded_numel if self._live else 0
+
+    # The two fields that make a unit live, kept in step with ``comm.live`` on every change.
+    @property
+    def state(self) -> ShardState:
+        return self._state
+
+    @state.setter
+    def state(self, value: ShardState) -> None:
+        self._state = value
+        self._count_live()
+
+    @property
+    def _gather_pending(self) -> Pending | None:
+        return self._gather_pending_
+
+    @_gather_pending.setter
+    def _gather_pending(self, value: Pending | None) -> None:
+        self._gather_pending_ = value
+        self._count_live()
+
+    def _count_live(self) -> None:
+        live = self._state is ShardState.GATHERED or self._gather_pending_ is not None
+        if live != self._live:
+            self._live = live
+            self.comm.live.numel += self.layout.padded_numel if live else -self.layout.padded_numel
 
     # ---- gather / release ----------------------------------------------------------------
     def start_gather(self, phase: str) -> None:

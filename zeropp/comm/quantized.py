@@ -92,9 +92,9 @@ class QuantizedAllGather(Collective):
             gathered = buffers.pop("gathered").view(group.size, -1)
             if retain is not None:
                 retain(gathered)
-            values = kernels.dequantize_blockwise_many(gathered, numel, bits, block_size,
-                                                       output.dtype)
-            output.view(group.size, numel).copy_(values)
+            # Straight into the unit's buffer: no [N, numel] temporary.
+            kernels.dequantize_blockwise_many(gathered, numel, bits, block_size, output.dtype,
+                                              out=output)
             buffers.clear()
 
         return self.execution.launch(self.lane, issue, finish=finish, keep=(output, shard))
@@ -172,51 +172,11 @@ class QuantizedSecondaryGather(Collective):
                                           group=group.group, async_op=async_op)
 
         def finish() -> None:
-            values = kernels.dequantize_blockwise_many(
-                buffers.pop("gathered"), shard_numel, self.bits, self.block_size, output.dtype)
-            output.view(self.world_size, shard_numel).copy_(values)
+            kernels.dequantize_blockwise_many(
+                buffers.pop("gathered"), shard_numel, self.bits, self.block_size, output.dtype,
+                out=output)
 
         return self.execution.launch(self.lane, issue, finish=finish, keep=(output, secondary))
-
-
-def _payload_regions(payload: torch.Tensor, parts: int, numel: int, bits: int,
-                     block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The codes and the scales of a payload of ``parts * numel`` values, as [parts, bytes]
-    views: when ``numel`` is a whole number of blocks (whole bytes of codes), the codes and
-    scales of part j are contiguous runs. The engine pads gradient shards to whole blocks
-    for exactly this reason."""
-    whole = kernels.payload_layout(parts * numel, bits, block_size)
-    piece = kernels.payload_layout(numel, bits, block_size)
-    if numel % block_size or whole.data_nbytes != parts * piece.data_nbytes:
-        raise ValueError(
-            f"cannot split a payload of {parts} x {numel} values at block size {block_size}: "
-            "slices must be whole blocks"
-        )
-    codes = payload[: whole.data_nbytes].view(parts, piece.data_nbytes)
-    scales = payload[whole.data_nbytes :].view(parts, piece.nbytes - piece.data_nbytes)
-    return codes, scales
-
-
-def split_payload(payload: torch.Tensor, parts: int, numel: int, bits: int, block_size: int):
-    """One payload of ``parts * numel`` values -> ``parts`` payloads of ``numel`` values each
-    ([parts, bytes]); a byte shuffle (see ``_payload_regions``)."""
-    codes, scales = _payload_regions(payload, parts, numel, bits, block_size)
-    return torch.cat([codes, scales], dim=1)
-
-
-def swizzle_payload(payload: torch.Tensor, nodes: int, per_node: int, slice_numel: int,
-                    bits: int, block_size: int) -> torch.Tensor:
-    """The payload of N = nodes x per_node rank slices in rank order -> per_node payloads
-    ([per_node, bytes]), payload l holding the slices of ranks {m * per_node + l for every
-    node m}: the bytes ``split_payload(quantize(swizzle(x)), per_node, ...)`` would give,
-    since blocks never straddle a slice, for a shuffle of the payload's bytes instead of a
-    copy of the fp32 input (8x fewer bytes moved at int4)."""
-    codes, scales = _payload_regions(payload, nodes * per_node, slice_numel, bits, block_size)
-
-    def by_local_rank(region: torch.Tensor) -> torch.Tensor:
-        return region.view(nodes, per_node, -1).transpose(0, 1).reshape(per_node, -1)
-
-    return torch.cat([by_local_rank(codes), by_local_rank(scales)], dim=1)
 
 
 class HierarchicalReduceScatter(Collective):
@@ -342,26 +302,26 @@ class HierarchicalReduceScatter(Collective):
             return
 
         bits, inter_bits, block = self.bits, self.inter_node_bits, self.block_size
-        # Quantized in rank order, then the payload's bytes are swizzled (step 1 after 2).
-        payload = kernels.quantize_blockwise(full.reshape(-1), bits, block)
-        send = swizzle_payload(payload, self.nodes, self.per_node, slice_numel, bits, block)
-        del payload  # a whole unit's payload: not held through the hops
+        # Steps 1 and 2 in one kernel: quantized straight into the swizzled order, the
+        # per_node payloads one after another, as the all-to-all splits its input.
+        send = kernels.quantize_swizzled(full, self.nodes, self.per_node, bits, block)
         received = torch.empty_like(send)
         all_to_all(received, send, self.intra, untracked, "gradient_reduce")
         del send
+        received = received.view(self.per_node, -1)
 
         feedback = self.error_feedback
         if feedback is None:
-            requantized = kernels.dequantize_reduce_quantize(received, chunk_numel, bits,
-                                                             inter_bits, block)
+            # Step 3 writes the node's n slices as n payloads, the second hop's layout.
+            send2 = kernels.dequantize_reduce_quantize(received, chunk_numel, bits, inter_bits,
+                                                       block, parts=self.nodes)
         else:
             partial = feedback.compensate(
                 key, kernels.dequantize_reduce(received, chunk_numel, bits, block))
-            requantized = kernels.quantize_blockwise(partial, inter_bits, block)
-            sent = kernels.dequantize_blockwise(requantized, chunk_numel, inter_bits, block,
-                                                torch.float32)
-            feedback.record(key, partial, sent)
-        send2 = split_payload(requantized, self.nodes, slice_numel, inter_bits, block)
+            send2 = kernels.quantize_swizzled(partial, 1, self.nodes, inter_bits, block)
+            sent = kernels.dequantize_blockwise_many(send2.view(self.nodes, -1), slice_numel,
+                                                     inter_bits, block, torch.float32)
+            feedback.record(key, partial, sent.view(-1))
         received2 = torch.empty_like(send2)
         in_flight["work"] = all_to_all(received2, send2, self.inter, untracked,
                                        "gradient_reduce", async_op=True)
@@ -373,8 +333,13 @@ class HierarchicalReduceScatter(Collective):
         if work is not None:
             work.wait()
         slice_numel = output.numel()
+        # The fp32 sum is written straight into the output (a gradient shard), rounded
+        # once to its dtype by the kernel.
         if self.bits is None:
             output.copy_(received.view(self.nodes, slice_numel).sum(0))
+        elif output.is_contiguous():
+            kernels.dequantize_reduce(received.view(self.nodes, -1), slice_numel,
+                                      self.inter_node_bits, self.block_size, out=output)
         else:
-            output.copy_(kernels.dequantize_reduce(received, slice_numel, self.inter_node_bits,
-                                                   self.block_size))
+            output.copy_(kernels.dequantize_reduce(received.view(self.nodes, -1), slice_numel,
+                                                   self.inter_node_bits, self.block_size))

@@ -46,6 +46,7 @@ __all__ = [
     "dequantize_reduce_quantize",
     "payload_layout",
     "quantize_blockwise",
+    "quantize_swizzled",
     "quantized_nbytes",
     "swizzle",
     "unswizzle",
@@ -108,24 +109,40 @@ def dequantize_blockwise(
     )
 
 
+def quantize_swizzled(x: Tensor, nodes: int, per_node: int, bits: int,
+                      block_size: int) -> Tensor:
+    """qgZ's first send, quantized straight into its order: `x` holds nodes x per_node
+    slices in rank order; the result is per_node payloads one after another, payload l
+    quantizing the slices of ranks {m * per_node + l} in node order. Slices must be whole
+    blocks of whole code bytes ([Note: payload pieces] in `reference`)."""
+    return backend_for(x, block_size).quantize_swizzled(x, nodes, per_node, bits, block_size)
+
+
 def dequantize_blockwise_many(
-    payloads: Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype
+    payloads: Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """Dequantize k payloads (k, nbytes) at once into (k, numel) values in `dtype`."""
+    """Dequantize k payloads (k, nbytes) at once into (k, numel) values in `dtype`; or into
+    `out` (contiguous, k x numel elements of any shape: a unit's flat buffer), returned."""
     return backend_for(payloads, block_size).dequantize_blockwise_many(
-        payloads, numel, bits, block_size, dtype
+        payloads, numel, bits, block_size, dtype, out
     )
 
 
-def dequantize_reduce(payloads: Tensor, numel: int, bits: int, block_size: int) -> Tensor:
-    """fp32 sum of k dequantized payloads (k, nbytes): the last step of qgZ."""
-    return backend_for(payloads, block_size).dequantize_reduce(payloads, numel, bits, block_size)
+def dequantize_reduce(payloads: Tensor, numel: int, bits: int, block_size: int,
+                      out: Tensor | None = None) -> Tensor:
+    """fp32 sum of k dequantized payloads (k, nbytes): the last step of qgZ; written into
+    `out` (contiguous, fp32/fp16/bf16: a gradient shard, the sum rounded once) if given."""
+    return backend_for(payloads, block_size).dequantize_reduce(payloads, numel, bits,
+                                                               block_size, out)
 
 
 def dequantize_reduce_quantize(
-    payloads: Tensor, numel: int, bits_in: int, bits_out: int, block_size: int
+    payloads: Tensor, numel: int, bits_in: int, bits_out: int, block_size: int, parts: int = 1
 ) -> Tensor:
-    """Dequantize k payloads, sum in fp32, requantize to `bits_out`: qgZ's middle step."""
+    """Dequantize k payloads, sum in fp32, requantize to `bits_out`: qgZ's middle step. With
+    `parts` > 1, the payloads of `parts` equal slices of the sum one after another (what the
+    second all-to-all sends)."""
     return backend_for(payloads, block_size).dequantize_reduce_quantize(
-        payloads, numel, bits_in, bits_out, block_size
+        payloads, numel, bits_in, bits_out, block_size, parts
     )

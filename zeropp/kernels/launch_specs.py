@@ -80,7 +80,7 @@ def _spec_quantize(layout: PayloadLayout, dtype: torch.dtype) -> LaunchSpec:
     return LaunchSpec(
         "quantize_kernel",
         {"x_ptr": "*" + _TRITON_TYPES[dtype], "codes_ptr": "*u8", "scale_bytes_ptr": "*u8",
-         "numel": "i64", "nblocks": "i64", "block_size": "i32"},
+         "numel": "i64", "nblocks": "i64", "block_size": "i32", "piece_nbytes": "i64"},
         {"QMAX": qmax_for_bits(layout.bits), "BITS": layout.bits,
          # True: the kernel packs sub-byte codes itself (int4 nibbles, or four int2 codes a byte)
          "PACK_NIBBLES": _packs_in_kernel(layout) and layout.bits < 8,
@@ -99,14 +99,17 @@ def _spec_dequantize(layout: PayloadLayout, dtype: torch.dtype) -> LaunchSpec:
         tile.num_warps, f"dequantize int{layout.bits} -> {_TRITON_TYPES[dtype]}")
 
 
-def _spec_dequantize_reduce(layout: PayloadLayout) -> LaunchSpec:
+def _spec_dequantize_reduce(layout: PayloadLayout,
+                            dtype: torch.dtype = torch.float32) -> LaunchSpec:
+    """``dtype``: the output's; qgZ's last sum lands in the gradient shard, fp32 or 16-bit."""
     tile = _tile_config(layout, _REDUCTION_VALUES_PER_THREAD)
     return LaunchSpec(
         "_dequantize_reduce_kernel",
-        {"payload_ptr": "*u8", "out_ptr": "*fp32", "payload_stride": "i64", "k": "i32",
-         "numel": "i64", "nblocks": "i64", "block_size": "i32", "data_nbytes": "i64"},
+        {"payload_ptr": "*u8", "out_ptr": "*" + _TRITON_TYPES[dtype], "payload_stride": "i64",
+         "k": "i32", "numel": "i64", "nblocks": "i64", "block_size": "i32",
+         "data_nbytes": "i64"},
         {"BITS": layout.bits, "ROWS": tile.rows, "COLS": tile.cols},
-        tile.num_warps, f"dequantize-reduce int{layout.bits} -> fp32")
+        tile.num_warps, f"dequantize-reduce int{layout.bits} -> {_TRITON_TYPES[dtype]}")
 
 
 def _spec_dequantize_reduce_quantize(layout_in: PayloadLayout,
@@ -116,7 +119,7 @@ def _spec_dequantize_reduce_quantize(layout_in: PayloadLayout,
         "dequantize_reduce_quantize_kernel",
         {"payload_ptr": "*u8", "codes_ptr": "*u8", "scale_bytes_ptr": "*u8",
          "payload_stride": "i64", "k": "i32", "numel": "i64", "nblocks": "i64",
-         "block_size": "i32", "data_nbytes_in": "i64"},
+         "block_size": "i32", "data_nbytes_in": "i64", "piece_nbytes": "i64"},
         {"BITS_IN": layout_in.bits, "QMAX_OUT": qmax_for_bits(layout_out.bits),
          "BITS_OUT": layout_out.bits,
          "PACK_NIBBLES": _packs_in_kernel(layout_out) and layout_out.bits < 8,
@@ -126,13 +129,14 @@ def _spec_dequantize_reduce_quantize(layout_in: PayloadLayout,
 
 def launch_specs(block_size: int, bits: int, dtype: torch.dtype) -> list[LaunchSpec]:
     """Every kernel variant the host launches for payloads of ``bits`` at ``block_size``
-    with values in ``dtype`` (the quantized input, the dequantized output); the qgZ
-    kernels read and write payloads only, so they are the same for every dtype. The
-    requantization between qgZ's hops may narrow the width (int4 in, int2 out), so it is
-    listed for every output width."""
+    with values in ``dtype`` (the quantized input, the dequantized output); qgZ's kernels
+    read payloads, and write payloads or fp32 sums, except that its last sum may land in a
+    gradient shard of ``dtype``. The requantization between qgZ's hops may narrow the width
+    (int4 in, int2 out), so it is listed for every output width."""
     layout = reference.payload_layout(block_size, bits, block_size)
     requantize = [_spec_dequantize_reduce_quantize(
         layout, reference.payload_layout(block_size, bits_out, block_size))
         for bits_out in reference.SUPPORTED_BITS]
     return [_spec_quantize(layout, dtype), _spec_dequantize(layout, dtype),
-            _spec_dequantize_reduce(layout), *requantize]
+            _spec_dequantize_reduce(layout), *requantize,
+            *([_spec_dequantize_reduce(layout, dtype)] if dtype != torch.float32 else [])]

@@ -39,15 +39,18 @@ def _dequantize_into(payload: Tensor, out: Tensor) -> None:
     return None
 
 
-@torch.library.custom_op("zeropp::dequantize_blockwise_many", mutates_args=(),
+# These two always write into a buffer the caller allocated (their own, when the caller
+# passed none): the kernel the trace sees is the same whether the engine dequantizes into a
+# fresh tensor or straight into a unit's buffer.
+@torch.library.custom_op("zeropp::dequantize_blockwise_many", mutates_args=("out",),
                          device_types="meta")
-def _dequantize_many(payloads: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
-    return torch.empty(payloads.shape[0], numel, dtype=dtype, device=payloads.device)
+def _dequantize_many(payloads: Tensor, out: Tensor) -> None:
+    return None
 
 
-@torch.library.custom_op("zeropp::dequantize_reduce", mutates_args=(), device_types="meta")
-def _dequantize_reduce(payloads: Tensor, numel: int) -> Tensor:
-    return torch.empty(numel, dtype=torch.float32, device=payloads.device)
+@torch.library.custom_op("zeropp::dequantize_reduce", mutates_args=("out",), device_types="meta")
+def _dequantize_reduce(payloads: Tensor, out: Tensor) -> None:
+    return None
 
 
 @torch.library.custom_op("zeropp::dequantize_reduce_quantize", mutates_args=(),
@@ -68,16 +71,29 @@ def dequantize_blockwise(payload: Tensor, numel: int, bits: int, block_size: int
     return out
 
 
+def quantize_swizzled(x: Tensor, nodes: int, per_node: int, bits: int,
+                      block_size: int) -> Tensor:
+    # The same bytes as a plain quantization, in another order: the same kernel's traffic.
+    return torch.ops.zeropp.quantize_blockwise(x, bits, block_size)
+
+
 def dequantize_blockwise_many(payloads: Tensor, numel: int, bits: int, block_size: int,
-                              dtype: torch.dtype) -> Tensor:
-    return torch.ops.zeropp.dequantize_blockwise_many(payloads, numel, dtype)
+                              dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    if out is None:
+        out = torch.empty(payloads.shape[0], numel, dtype=dtype, device=payloads.device)
+    torch.ops.zeropp.dequantize_blockwise_many(payloads, out)
+    return out
 
 
-def dequantize_reduce(payloads: Tensor, numel: int, bits: int, block_size: int) -> Tensor:
-    return torch.ops.zeropp.dequantize_reduce(payloads, numel)
+def dequantize_reduce(payloads: Tensor, numel: int, bits: int, block_size: int,
+                      out: Tensor | None = None) -> Tensor:
+    if out is None:
+        out = torch.empty(numel, dtype=torch.float32, device=payloads.device)
+    torch.ops.zeropp.dequantize_reduce(payloads, out)
+    return out
 
 
 def dequantize_reduce_quantize(payloads: Tensor, numel: int, bits_in: int, bits_out: int,
-                               block_size: int) -> Tensor:
+                               block_size: int, parts: int = 1) -> Tensor:
     nbytes = payload_layout(numel, bits_out, block_size).nbytes
     return torch.ops.zeropp.dequantize_reduce_quantize(payloads, nbytes)

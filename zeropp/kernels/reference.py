@@ -373,15 +373,20 @@ def _decode_into(payloads: Tensor, layout: PayloadLayout, out: Tensor) -> None:
 
 
 def dequantize_blockwise_many(
-    payloads: Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype
+    payloads: Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """Dequantize k payloads at once: (k, nbytes) uint8 -> (k, numel) in `dtype`."""
+    """Dequantize k payloads at once: (k, nbytes) uint8 -> (k, numel) in `dtype`, written
+    into `out` (contiguous, k x numel elements) if given."""
     layout = payload_layout(numel, bits, block_size)
     check_payloads(payloads, layout, ndim=2)
     check_float_dtype(dtype, "dtype")
-    out = torch.empty(payloads.shape[0], numel, dtype=dtype, device=payloads.device)
+    if out is None:
+        out = torch.empty(payloads.shape[0], numel, dtype=dtype, device=payloads.device)
+    else:
+        check_out(out, payloads.shape[0] * numel, dtype, payloads.device)
     if payloads.shape[0]:
-        _decode_into(payloads, layout, out)
+        _decode_into(payloads, layout, out.view(payloads.shape[0], numel))
     return out
 
 
@@ -397,23 +402,37 @@ def _reduce_run(payloads: Tensor, scales: Tensor, layout: PayloadLayout, first: 
     return total
 
 
-def dequantize_reduce(payloads: Tensor, numel: int, bits: int, block_size: int) -> Tensor:
-    """Sum of the k dequantized payloads (k, nbytes), in fp32, in payload order."""
+def dequantize_reduce(payloads: Tensor, numel: int, bits: int, block_size: int,
+                      out: Tensor | None = None) -> Tensor:
+    """Sum of the k dequantized payloads (k, nbytes), in fp32, in payload order; written
+    into `out` (contiguous, `numel` elements, any supported dtype: the sum rounded once to
+    it) if given."""
     layout = payload_layout(numel, bits, block_size)
     check_payloads(payloads, layout, ndim=2)
-    total = torch.empty(numel, dtype=torch.float32, device=payloads.device)
+    if out is None:
+        total = torch.empty(numel, dtype=torch.float32, device=payloads.device)
+    else:
+        check_float_dtype(out.dtype, "out.dtype")
+        check_out(out, numel, out.dtype, payloads.device)
+        total = out  # contiguous, so indexing it flat below is safe
     if numel == 0:
         return total
     scales = decode_scales(payloads, layout)
     for first, end in block_runs(layout, payloads.device):
-        total[_values(layout, first, end)] = _reduce_run(payloads, scales, layout, first, end)
+        total.view(-1)[_values(layout, first, end)] = _reduce_run(payloads, scales, layout,
+                                                                  first, end)
     return total
 
 
 def dequantize_reduce_quantize(
-    payloads: Tensor, numel: int, bits_in: int, bits_out: int, block_size: int
+    payloads: Tensor, numel: int, bits_in: int, bits_out: int, block_size: int,
+    parts: int = 1,
 ) -> Tensor:
-    """qgZ's middle step: dequantize k payloads, sum in fp32, quantize the sum to `bits_out`."""
+    """qgZ's middle step: dequantize k payloads, sum in fp32, quantize the sum to `bits_out`.
+
+    With `parts` > 1 the sum is quantized as `parts` equal slices, their payloads one after
+    another (`split_payload`'s layout, [Note: payload pieces]): what qgZ's second all-to-all
+    sends, slice m to node m. The bytes are the same, only their order differs."""
     layout_in = payload_layout(numel, bits_in, block_size)
     layout_out = payload_layout(numel, bits_out, block_size)
     check_payloads(payloads, layout_in, ndim=2)
@@ -425,7 +444,67 @@ def dequantize_reduce_quantize(
         total = _reduce_run(payloads, scales, layout_in, first, end)
         blocks, _ = _fp32_blocks(total, block_size)
         _encode_run(blocks, True, layout_out, first, out)  # the sum is ours to reuse
-    return out
+    if parts == 1:
+        return out
+    return split_payload(out, parts, numel // parts, bits_out, block_size).view(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Payload pieces.
+# ---------------------------------------------------------------------------------------------
+
+# [Note: payload pieces] A payload of `parts * numel` values is [codes | scales]; the payload
+# of each slice of `numel` values is [its codes | its scales]. When a slice is a whole number
+# of blocks whose codes are whole bytes, the slice's codes and scales are contiguous runs of
+# the big payload's two regions, so the pieces are a shuffle of the payload's bytes: the
+# same bytes quantizing each slice on its own would give. qgZ's all-to-alls send pieces,
+# and the kernels below write them directly.
+
+
+def _payload_regions(payload: Tensor, parts: int, numel: int, bits: int,
+                     block_size: int) -> tuple[Tensor, Tensor]:
+    """The codes and the scales of a payload of ``parts * numel`` values, as [parts, bytes]
+    views ([Note: payload pieces])."""
+    whole = payload_layout(parts * numel, bits, block_size)
+    piece = payload_layout(numel, bits, block_size)
+    if numel % block_size or whole.data_nbytes != parts * piece.data_nbytes:
+        raise ValueError(
+            f"cannot split a payload of {parts} x {numel} values at block size {block_size}: "
+            "slices must be whole blocks of whole bytes"
+        )
+    codes = payload[: whole.data_nbytes].view(parts, piece.data_nbytes)
+    scales = payload[whole.data_nbytes :].view(parts, piece.nbytes - piece.data_nbytes)
+    return codes, scales
+
+
+def split_payload(payload: Tensor, parts: int, numel: int, bits: int, block_size: int) -> Tensor:
+    """One payload of ``parts * numel`` values -> ``parts`` payloads of ``numel`` values each
+    ([parts, bytes]), a byte shuffle ([Note: payload pieces])."""
+    codes, scales = _payload_regions(payload, parts, numel, bits, block_size)
+    return torch.cat([codes, scales], dim=1)
+
+
+def swizzle_payload(payload: Tensor, nodes: int, per_node: int, slice_numel: int,
+                    bits: int, block_size: int) -> Tensor:
+    """The payload of N = nodes x per_node rank slices in rank order -> per_node payloads
+    ([per_node, bytes]), payload l holding the slices of ranks {m * per_node + l for every
+    node m}: ``split_payload(quantize(swizzle(x)), per_node, ...)``'s bytes, by a shuffle."""
+    codes, scales = _payload_regions(payload, nodes * per_node, slice_numel, bits, block_size)
+
+    def by_local_rank(region: Tensor) -> Tensor:
+        return region.view(nodes, per_node, -1).transpose(0, 1).reshape(per_node, -1)
+
+    return torch.cat([by_local_rank(codes), by_local_rank(scales)], dim=1)
+
+
+def quantize_swizzled(x: Tensor, nodes: int, per_node: int, bits: int,
+                      block_size: int) -> Tensor:
+    """qgZ's first send in one step: ``x`` holds N = nodes x per_node slices in rank order;
+    the result is per_node payloads one after another (flat uint8), payload l quantizing
+    the slices of ranks {m * per_node + l for every node m} in node order."""
+    slice_numel = _slice_numel(x.reshape(-1), nodes, per_node)
+    payload = quantize_blockwise(x, bits, block_size)
+    return swizzle_payload(payload, nodes, per_node, slice_numel, bits, block_size).view(-1)
 
 
 # ---------------------------------------------------------------------------------------------

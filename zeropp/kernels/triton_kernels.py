@@ -25,9 +25,14 @@ Bit-exactness with torch, and why each choice is needed:
 - Scales are written and read as four bytes each, because their offset in the payload is
   not 4-byte aligned for every block size.
 
+qgZ's sends are pieces ([Note: payload pieces] in the reference): `quantize_swizzled` and
+`dequantize_reduce_quantize(parts=...)` launch the same two kernels with extra grid
+dimensions, one per slice, and each program writes its codes and scales straight to their
+place in its piece, so the pieces cost no pass of their own.
+
 Int4 with an odd block size (int2: one not a multiple of 4) lets a byte straddle two blocks,
 which a per-block tile cannot pack; that rare configuration writes one code per byte to
-scratch and packs with torch.
+scratch, packs with torch and, for pieces, shuffles the bytes with torch too.
 
 Triton is imported at module import, and this module is only imported by
 `zeropp.kernels` when a CUDA tensor (or ZEROPP_KERNELS=triton) asks for it; without Triton
@@ -286,6 +291,7 @@ def quantize_kernel(
     numel,
     nblocks,
     block_size,
+    piece_nbytes,
     QMAX: tl.constexpr,
     BITS: tl.constexpr,
     PACK_NIBBLES: tl.constexpr,
@@ -293,16 +299,25 @@ def quantize_kernel(
     COLS: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
 ):
+    # [Note: payload pieces] Program (b, l, m) quantizes blocks b * ROWS.. of the slice of
+    # rank m * per_node + l (numel values, nblocks blocks) into piece l, whose slices are
+    # whole bytes in node order: there they are blocks m * nblocks.. of the piece's payload.
+    # A plain quantization is one slice in one piece.
     first, rows, row_valid = _program_blocks(nblocks, ROWS)
     left = _elements_left(numel, first, block_size, ROWS)
-    x = x_ptr + first * block_size
+    rank = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
+    x = x_ptr + rank.to(tl.int64) * numel + first * block_size
+    first_out = tl.program_id(2).to(tl.int64) * nblocks + first
+    piece = tl.program_id(1).to(tl.int64) * piece_nbytes
+    codes_ptr += piece
+    scale_bytes_ptr += piece
     if SINGLE_PASS:
         local, in_block, in_range = _chunk(rows, 0, block_size, left, row_valid, COLS)
         values = tl.load(x + local, mask=in_range, other=0.0).to(tl.float32)
         absmax, nonfinite = _tile_stats(values)
         scales = _block_scales(absmax, nonfinite, QMAX)
-        _store_codes(codes_ptr, _codes(values, scales, QMAX), first, rows, 0, local, in_block,
-                     row_valid, block_size, BITS, PACK_NIBBLES, COLS)
+        _store_codes(codes_ptr, _codes(values, scales, QMAX), first_out, rows, 0, local,
+                     in_block, row_valid, block_size, BITS, PACK_NIBBLES, COLS)
     else:
         absmax = tl.zeros([ROWS], dtype=tl.float32)
         nonfinite = tl.zeros([ROWS], dtype=tl.int32)
@@ -316,9 +331,9 @@ def quantize_kernel(
         for c0 in range(0, block_size, COLS):
             local, in_block, in_range = _chunk(rows, c0, block_size, left, row_valid, COLS)
             values = tl.load(x + local, mask=in_range, other=0.0).to(tl.float32)
-            _store_codes(codes_ptr, _codes(values, scales, QMAX), first, rows, c0, local,
+            _store_codes(codes_ptr, _codes(values, scales, QMAX), first_out, rows, c0, local,
                          in_block, row_valid, block_size, BITS, PACK_NIBBLES, COLS)
-    _store_scales(scale_bytes_ptr, first, rows, scales, row_valid)
+    _store_scales(scale_bytes_ptr, first_out, rows, scales, row_valid)
 
 
 @_jit
@@ -368,7 +383,8 @@ def _dequantize_reduce_kernel(
         local, in_block, in_range = _chunk(rows, c0, block_size, left, row_valid, COLS)
         total = _sum_chunk(payload_ptr, payload_stride, k, data_nbytes, first, rows, local,
                            in_block, row_valid, block_size, BITS, ROWS, COLS)
-        tl.store(out + local, total, mask=in_range)
+        # The fp32 sum rounded once to the output's dtype (a 16-bit gradient shard).
+        _store_values(out, total, local, in_range)
 
 
 @_jit
@@ -382,6 +398,7 @@ def dequantize_reduce_quantize_kernel(
     nblocks,
     block_size,
     data_nbytes_in,
+    piece_nbytes,
     BITS_IN: tl.constexpr,
     QMAX_OUT: tl.constexpr,
     BITS_OUT: tl.constexpr,
@@ -390,14 +407,21 @@ def dequantize_reduce_quantize_kernel(
     COLS: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
 ):
+    # [Note: payload pieces] Program (b, j) sums blocks b * ROWS.. of slice j (numel values,
+    # nblocks blocks) and writes them into piece j of the output. The inputs are addressed
+    # by their global block, `first_in`, since their slices need not start on a whole byte.
     first, rows, row_valid = _program_blocks(nblocks, ROWS)
     left = _elements_left(numel, first, block_size, ROWS)
+    part = tl.program_id(1).to(tl.int64)
+    first_in = part * nblocks + first
+    codes_ptr += part * piece_nbytes
+    scale_bytes_ptr += part * piece_nbytes
     # The reference requantizes a zero-padded sum; NaN scales would leak into the padding,
     # hence the where() on every sum.
     if SINGLE_PASS:
         local, in_block, in_range = _chunk(rows, 0, block_size, left, row_valid, COLS)
-        total = _sum_chunk(payload_ptr, payload_stride, k, data_nbytes_in, first, rows, local,
-                           in_block, row_valid, block_size, BITS_IN, ROWS, COLS)
+        total = _sum_chunk(payload_ptr, payload_stride, k, data_nbytes_in, first_in, rows,
+                           local, in_block, row_valid, block_size, BITS_IN, ROWS, COLS)
         total = tl.where(in_range, total, 0.0)
         absmax, nonfinite = _tile_stats(total)
         scales = _block_scales(absmax, nonfinite, QMAX_OUT)
@@ -410,7 +434,7 @@ def dequantize_reduce_quantize_kernel(
         nonfinite = tl.zeros([ROWS], dtype=tl.int32)
         for c0 in range(0, block_size, COLS):
             local, in_block, in_range = _chunk(rows, c0, block_size, left, row_valid, COLS)
-            total = _sum_chunk(payload_ptr, payload_stride, k, data_nbytes_in, first, rows,
+            total = _sum_chunk(payload_ptr, payload_stride, k, data_nbytes_in, first_in, rows,
                                local, in_block, row_valid, block_size, BITS_IN, ROWS, COLS)
             chunk_max, chunk_nonfinite = _tile_stats(tl.where(in_range, total, 0.0))
             absmax = tl.maximum(absmax, chunk_max)
@@ -418,7 +442,7 @@ def dequantize_reduce_quantize_kernel(
         scales = _block_scales(absmax, nonfinite, QMAX_OUT)
         for c0 in range(0, block_size, COLS):
             local, in_block, in_range = _chunk(rows, c0, block_size, left, row_valid, COLS)
-            total = _sum_chunk(payload_ptr, payload_stride, k, data_nbytes_in, first, rows,
+            total = _sum_chunk(payload_ptr, payload_stride, k, data_nbytes_in, first_in, rows,
                                local, in_block, row_valid, block_size, BITS_IN, ROWS, COLS)
             total = tl.where(in_range, total, 0.0)
             _store_codes(codes_ptr, _codes(total, scales, QMAX_OUT), first, rows, c0, local,
@@ -455,11 +479,12 @@ def kernel_function(spec: LaunchSpec):
     return globals()[spec.kernel]
 
 
-def _launch(spec: LaunchSpec, layout: PayloadLayout, *args, payload_rows: int = 1) -> None:
-    """Launch ``spec`` over every block of ``layout`` (and, for dequantize, every row)."""
+def _launch(spec: LaunchSpec, nblocks: int, *args, grid: tuple[int, ...] = ()) -> None:
+    """Launch ``spec`` over ``nblocks`` blocks, ROWS a program, times the extra ``grid``
+    dimensions (payload rows, pieces, slices)."""
     if len(args) != len(spec.signature):
         raise TypeError(f"{spec.kernel}: {len(args)} arguments for {list(spec.signature)}")
-    grid = (triton.cdiv(layout.nblocks, spec.constants["ROWS"]), payload_rows)
+    grid = (triton.cdiv(nblocks, spec.constants["ROWS"]), *grid)
     kernel_function(spec)[grid](*args, **spec.constants, num_warps=spec.num_warps,
                         enable_fp_fusion=False)
 
@@ -478,6 +503,19 @@ def _finish_codes(payload: Tensor, codes_target: Tensor, layout: PayloadLayout) 
         payload[: layout.data_nbytes] = reference.pack_stored_codes(codes_target, layout.bits)
 
 
+def _check_pieces(parts: int, numel: int, bits: int, block_size: int) -> PayloadLayout:
+    """The layout of one of ``parts`` slices of ``numel`` values, which must be whole blocks
+    of whole code bytes ([Note: payload pieces]); the reference's error otherwise."""
+    whole = reference.payload_layout(parts * numel, bits, block_size)
+    piece = reference.payload_layout(numel, bits, block_size)
+    if numel % block_size or whole.data_nbytes != parts * piece.data_nbytes:
+        raise ValueError(
+            f"cannot split a payload of {parts} x {numel} values at block size {block_size}: "
+            "slices must be whole blocks of whole bytes"
+        )
+    return piece
+
+
 def quantize_blockwise(x: Tensor, bits: int, block_size: int) -> Tensor:
     """Triton version of `reference.quantize_blockwise`."""
     layout = reference.check_quantize_input(x, bits, block_size)
@@ -486,17 +524,19 @@ def quantize_blockwise(x: Tensor, bits: int, block_size: int) -> Tensor:
     if layout.numel == 0:
         return payload
     codes_target = _codes_target(payload, layout)
-    _launch(_spec_quantize(layout, x.dtype), layout, x, codes_target,
-            payload[layout.data_nbytes :], layout.numel, layout.nblocks, layout.block_size)
+    # One slice in one piece: the piece strides are never multiplied by a nonzero index.
+    _launch(_spec_quantize(layout, x.dtype), layout.nblocks, x, codes_target,
+            payload[layout.data_nbytes :], layout.numel, layout.nblocks, layout.block_size,
+            layout.nbytes, grid=(1, 1))
     _finish_codes(payload, codes_target, layout)
     return payload
 
 
 def _dequantize_rows(payloads: Tensor, out: Tensor, layout: PayloadLayout) -> None:
     """Dequantize each row of `payloads` (k, nbytes) into the row of `out` (k, numel)."""
-    _launch(_spec_dequantize(layout, out.dtype), layout, payloads, out, payloads.stride(0),
-            out.stride(0), layout.numel, layout.nblocks, layout.block_size, layout.data_nbytes,
-            payload_rows=payloads.shape[0])
+    _launch(_spec_dequantize(layout, out.dtype), layout.nblocks, payloads, out,
+            payloads.stride(0), out.stride(0), layout.numel, layout.nblocks, layout.block_size,
+            layout.data_nbytes, grid=(payloads.shape[0],))
 
 
 def dequantize_blockwise(
@@ -522,46 +562,94 @@ def dequantize_blockwise(
 
 
 def dequantize_blockwise_many(
-    payloads: Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype
+    payloads: Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Triton version of `reference.dequantize_blockwise_many`."""
     layout = reference.payload_layout(numel, bits, block_size)
     reference.check_payloads(payloads, layout, ndim=2)
     reference.check_float_dtype(dtype, "dtype")
     _check_runnable(payloads, layout)
-    out = torch.empty(payloads.shape[0], numel, dtype=dtype, device=payloads.device)
+    if out is None:
+        out = torch.empty(payloads.shape[0], numel, dtype=dtype, device=payloads.device)
+    else:
+        reference.check_out(out, payloads.shape[0] * numel, dtype, payloads.device)
     if numel and payloads.shape[0]:
-        _dequantize_rows(payloads, out, layout)
+        _dequantize_rows(payloads, out.view(payloads.shape[0], numel), layout)
     return out
 
 
-def dequantize_reduce(payloads: Tensor, numel: int, bits: int, block_size: int) -> Tensor:
+def dequantize_reduce(payloads: Tensor, numel: int, bits: int, block_size: int,
+                      out: Tensor | None = None) -> Tensor:
     """Triton version of `reference.dequantize_reduce`."""
     layout = reference.payload_layout(numel, bits, block_size)
     reference.check_payloads(payloads, layout, ndim=2)
     _check_runnable(payloads, layout)
-    total = torch.empty(numel, dtype=torch.float32, device=payloads.device)
+    if out is None:
+        total = torch.empty(numel, dtype=torch.float32, device=payloads.device)
+    else:
+        reference.check_float_dtype(out.dtype, "out.dtype")
+        reference.check_out(out, numel, out.dtype, payloads.device)
+        total = out
     if numel == 0:
         return total
-    _launch(_spec_dequantize_reduce(layout), layout, payloads, total, payloads.stride(0),
+    _launch(_spec_dequantize_reduce(layout, total.dtype), layout.nblocks, payloads, total, payloads.stride(0),
             payloads.shape[0], numel, layout.nblocks, block_size, layout.data_nbytes)
     return total
 
 
+def quantize_swizzled(x: Tensor, nodes: int, per_node: int, bits: int,
+                      block_size: int) -> Tensor:
+    """Triton version of `reference.quantize_swizzled`: one launch that writes every slice
+    straight into its piece ([Note: payload pieces])."""
+    layout = reference.check_quantize_input(x, bits, block_size)
+    _check_runnable(x, layout)
+    slice_numel = reference._slice_numel(x.reshape(-1), nodes, per_node)
+    if not _packs_in_kernel(layout):
+        # Codes that straddle blocks are packed on the host, so the pieces are shuffled there.
+        payload = quantize_blockwise(x, bits, block_size)
+        return reference.swizzle_payload(payload, nodes, per_node, slice_numel, bits,
+                                         block_size).view(-1)
+    one_slice = _check_pieces(nodes * per_node, slice_numel, bits, block_size)
+    pieces = torch.empty(layout.nbytes, dtype=torch.uint8, device=x.device)
+    if slice_numel == 0:
+        return pieces
+    _launch(_spec_quantize(layout, x.dtype), one_slice.nblocks, x, pieces,
+            pieces[nodes * one_slice.data_nbytes :], slice_numel, one_slice.nblocks,
+            block_size, nodes * one_slice.nbytes, grid=(per_node, nodes))
+    return pieces
+
+
 def dequantize_reduce_quantize(
-    payloads: Tensor, numel: int, bits_in: int, bits_out: int, block_size: int
+    payloads: Tensor, numel: int, bits_in: int, bits_out: int, block_size: int,
+    parts: int = 1,
 ) -> Tensor:
-    """Triton version of `reference.dequantize_reduce_quantize` (one fused kernel)."""
+    """Triton version of `reference.dequantize_reduce_quantize`: one fused kernel, which
+    also writes the `parts` payloads in place ([Note: payload pieces])."""
     layout_in = reference.payload_layout(numel, bits_in, block_size)
     layout_out = reference.payload_layout(numel, bits_out, block_size)
     reference.check_payloads(payloads, layout_in, ndim=2)
     _check_runnable(payloads, layout_in)
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1 or numel % parts:
+        raise ValueError(f"parts must be a positive int dividing numel={numel}, got {parts!r}")
+    piece = (_check_pieces(parts, numel // parts, bits_out, block_size) if parts > 1
+             else layout_out)
     payload = torch.empty(layout_out.nbytes, dtype=torch.uint8, device=payloads.device)
     if numel == 0:
         return payload
+    spec = _spec_dequantize_reduce_quantize(layout_in, layout_out)
+    if _packs_in_kernel(layout_out):
+        _launch(spec, piece.nblocks, payloads, payload, payload[piece.data_nbytes :],
+                payloads.stride(0), payloads.shape[0], piece.numel, piece.nblocks, block_size,
+                layout_in.data_nbytes, piece.nbytes, grid=(parts,))
+        return payload
     codes_target = _codes_target(payload, layout_out)
-    _launch(_spec_dequantize_reduce_quantize(layout_in, layout_out), layout_out, payloads,
-            codes_target, payload[layout_out.data_nbytes :], payloads.stride(0),
-            payloads.shape[0], numel, layout_out.nblocks, block_size, layout_in.data_nbytes)
+    _launch(spec, layout_out.nblocks, payloads, codes_target,
+            payload[layout_out.data_nbytes :], payloads.stride(0), payloads.shape[0], numel,
+            layout_out.nblocks, block_size, layout_in.data_nbytes, layout_out.nbytes,
+            grid=(1,))
     _finish_codes(payload, codes_target, layout_out)
-    return payload
+    if parts == 1:
+        return payload
+    # Codes that straddle blocks are packed on the host, so the pieces are shuffled there.
+    return reference.split_payload(payload, parts, numel // parts, bits_out, block_size).view(-1)
