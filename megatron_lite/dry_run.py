@@ -210,6 +210,9 @@ def kernel_rate_lines(kernel_rates, clusters: list) -> list[str]:
              + f", from {kernel_rates.path}:"]
     lines += [f"    {op:<44} {rate / 1e9:8.0f} GB/s"
               for op, rate in sorted(kernel_rates.rates.items())]
+    if kernel_rates.host_seconds_per_op:
+        lines.append(f"  host cost {kernel_rates.host_seconds_per_op * 1e6:.1f} us per kernel or "
+                     "collective, as measured there")
     if peak:
         for cluster in clusters:
             if abs(cluster.memory_bandwidth / peak - 1) > 0.15:
@@ -463,20 +466,38 @@ def predicted_lines(report: DryRunReport, measurements: list, clusters: list,
 
     header = [label for plan in report.plans for label in (f"{plan.name} s", "TFLOPs")]
     lines = [_row("predicted per iteration, per GPU", header)]
+    host_lines = []
     for cluster in clusters:
         cells = []
-        for measurement in measurements:
+        for plan, measurement in zip(report.plans, measurements, strict=True):
             p = predict(measurement.trace, cluster)
             cells += [f"{p.seconds:.3g}", f"{p.tflops_per_gpu:.1f}"]
+            host_lines.append(host_line(plan.name, cluster, p))
         lines.append(_row(f"  {cluster.name}", cells))
     if not clusters:
         lines.append(f"  no built-in cluster has {report.cluster.ranks_per_node} GPUs per node; "
                      "name one with --dry-run-cluster")
     lines.append("  replay of rank 0's traced iteration (zeropp.step_time) with datasheet rates "
                  "and assumed efficiencies: a comparison, not a promise")
+    if host_lines:
+        lines.append("  the host issuing the iteration ([Note: host in the step-time model]):")
+        lines += host_lines
     if kernel_rates is not None:
         lines += kernel_rate_lines(kernel_rates, clusters)
     return lines
+
+
+def host_line(system: str, cluster, prediction) -> str:
+    """The host's seconds against the GPU's for one system on one cluster, and which one
+    sets the pace."""
+    p = prediction
+    verdict = ("HOST-BOUND: the GPU waits for the host" if p.host_bound
+               else "the GPU sets the pace")
+    return (f"    {system} on {cluster.name}: {p.host_ops:,} kernels and collectives at "
+            f"{cluster.host_seconds_per_op * 1e6:.1f} us = {p.host_issue_seconds:.3g} s of host "
+            f"time vs {p.compute_busy_seconds:.3g} s of GPU compute; {p.host_syncs} host "
+            f"sync(s), GPU idle {p.gpu_waits_for_host_seconds:.3g} s waiting to be issued; "
+            f"{verdict}")
 
 
 def measured_lines(report: DryRunReport, measurements: list) -> list[str]:

@@ -22,6 +22,7 @@ from scripts.bench.gpu_check_report import SectionResult, build_report, write_re
 from zeropp.simulation.trace import Collective, ComputeOp, IterationTrace, Launch, Wait
 from zeropp.step_time import (
     CLUSTERS,
+    DEFAULT_HOST_SECONDS_PER_OP,
     KernelRatesError,
     load_kernel_rates,
     predict,
@@ -36,14 +37,20 @@ H100 = {"name": "NVIDIA H100 80GB HBM3",
                                   "detail": "2 x 2619 MHz x 5120 bit / 8"}}
 
 
-def sample_report_file(tmp_path: Path, rates: dict[str, float]) -> Path:
-    """A report as the GPU check writes it (its own writer), sections a and b only."""
+HOST_SECONDS_PER_OP = 7.5e-6  # section e: host issue time over the GPU launches
+
+
+def sample_report_file(tmp_path: Path, rates: dict[str, float],
+                       host_seconds_per_op: float = HOST_SECONDS_PER_OP) -> Path:
+    """A report as the GPU check writes it (its own writer), sections a, b and e."""
     report = build_report(
         sections=[SectionResult("a", "pass", 40.0, "bit-exact"),
                   SectionResult("b", "fail", 12.0, "1 of 6 kernels below 70% of peak",
-                                {"kernel_rates": rates})],
-        device=json.loads(json.dumps(H100)), environment={}, total_seconds=55.0,
-        options={"quick": True, "sections": ["a", "b"], "budget_s": 570})
+                                {"kernel_rates": rates}),
+                  SectionResult("e", "pass", 30.0, "GPU busy 91%",
+                                {"host_seconds_per_op": host_seconds_per_op})],
+        device=json.loads(json.dumps(H100)), environment={}, total_seconds=85.0,
+        options={"quick": True, "sections": ["a", "b", "e"], "budget_s": 570})
     return write_report(report, tmp_path / f"run{len(list(tmp_path.iterdir()))}")
 
 
@@ -57,6 +64,11 @@ def test_kernel_rates_are_read_from_the_report(tmp_path):
     assert load_kernel_rates(minimal).rates == {QUANTIZE_OP: 1e12}
     cluster = with_kernel_rates(CLUSTERS["dgx_h100"], measured)
     assert cluster.kernel_bandwidth == RATES and CLUSTERS["dgx_h100"].kernel_bandwidth == {}
+    # Section e's host cost per launch replaces the cited default; without it, it stays.
+    assert measured.host_seconds_per_op == cluster.host_seconds_per_op == HOST_SECONDS_PER_OP
+    assert load_kernel_rates(minimal).host_seconds_per_op is None
+    assert with_kernel_rates(CLUSTERS["dgx_h100"], load_kernel_rates(minimal)) \
+        .host_seconds_per_op == DEFAULT_HOST_SECONDS_PER_OP
 
 
 @pytest.mark.parametrize(("content", "message"), [
@@ -70,6 +82,8 @@ def test_kernel_rates_are_read_from_the_report(tmp_path):
     ('{"kernel_rates": {"zeropp.quantize_blockwise.default": -3}}',
      "kernel_rates['zeropp.quantize_blockwise.default'] must be a positive number"),
     ('{"kernel_rates": {"zeropp.quantize_blockwise.default": true}}', "positive number"),
+    ('{"kernel_rates": {"zeropp.quantize_blockwise.default": 1}, "host_seconds_per_op": 0}',
+     "host_seconds_per_op must be a positive number of seconds, got 0"),
 ])
 def test_bad_kernel_rate_files_give_one_line(tmp_path, content, message):
     path = tmp_path / "gpu_check.json"
@@ -150,6 +164,9 @@ def test_dry_run_predicts_with_the_measured_rates(tmp_path):
         report, [measurement, measurement], predicted_clusters(args, 8)) if
                line.strip().startswith("dgx")}
     assert with_rates["dgx_h100"] > without["dgx_h100"]
+    # The host's line per system and cluster, at the host cost the report measured.
+    [host] = [line for line in lines if line.strip().startswith("ZeRO++ on dgx_h100:")]
+    assert f"at {measured.host_seconds_per_op * 1e6:.1f} us" in host and "host sync" in host
     assert any("measured on NVIDIA H100 80GB HBM3 (peak 3.35 TB/s)" in line for line in lines)
     notes = [line for line in kernel_rate_lines(measured, clusters) if "note:" in line]
     assert len(notes) == 1 and "dgx_a100" in notes[0]  # 2.0 TB/s against the H100's 3.35
@@ -181,7 +198,9 @@ def test_dry_run_end_to_end_with_slow_measured_rates(tmp_path, capsys):
     slow = {op: 0.335e12 for op in (QUANTIZE_OP, DEQUANTIZE_MANY_OP,
                                     "zeropp.dequantize_reduce.default",
                                     "zeropp.dequantize_reduce_quantize.default")}
-    with_rates = argv + ["--dry-run-kernel-rates", str(sample_report_file(tmp_path, slow))]
+    # The host cost as the default: only the kernel rates differ from the first run.
+    report = sample_report_file(tmp_path, slow, host_seconds_per_op=DEFAULT_HOST_SECONDS_PER_OP)
+    with_rates = argv + ["--dry-run-kernel-rates", str(report)]
     assert run_dry_run(parse_training_args(with_rates), with_rates) == 0
     out = capsys.readouterr().out
     slow_zero3_s, _, slow_zeropp_s, _ = predicted_row(out)

@@ -46,6 +46,7 @@ def test_fit_recovers_the_constants_that_made_the_figures():
     cells = predict_paper.cell_errors(rows, traces, 0.45, 0.8)
     # 0.8 / 0.7 of the bandwidth: 0.7 / 0.8 of the time (but for the ring's latency)
     assert cells[0]["error"] == pytest.approx(0.7 / 0.8 - 1, rel=1e-4)
-    assert cells[1]["error"] == pytest.approx(0.5 / 0.45 - 1)
+    # (but for the host's 5 us issuing the GEMM)
+    assert cells[1]["error"] == pytest.approx(0.5 / 0.45 - 1, rel=1e-4)
     table = predict_paper.render(cells, 0.45, 0.8)
     assert "| ZeRO-3 |" in table and f"{cells[0]['error']:+.0%}" in table

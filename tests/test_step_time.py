@@ -5,9 +5,17 @@ import math
 
 import pytest
 
-from zeropp.simulation.trace import Collective, ComputeOp, IterationTrace, Launch, Wait
+from zeropp.simulation.trace import (
+    Collective,
+    ComputeOp,
+    HostSync,
+    IterationTrace,
+    Launch,
+    Wait,
+)
 from zeropp.step_time import (
     CLUSTERS,
+    DEFAULT_HOST_SECONDS_PER_OP,
     V100_GEMM_FRACTION,
     V100_NETWORK_EFFICIENCY,
     ClusterSpec,
@@ -23,11 +31,12 @@ MiB = 2**20
 
 
 def toy_cluster(ranks_per_node=4, nics=1, **kw) -> ClusterSpec:
-    """Round numbers so expected values are easy to write out; no latency unless asked."""
+    """Round numbers so expected values are easy to write out; no latency and no host cost
+    unless asked."""
     spec = dict(name="toy", peak_flops=100e12, peak_flops_fp32=10e12, gemm_fraction=0.5,
                 memory_bandwidth=1000 * GB, memory_fraction=0.5, ranks_per_node=ranks_per_node,
                 intra_node_bandwidth=100 * GB, intra_node_latency=0.0, nics_per_node=nics,
-                nic_bandwidth=10 * GB, inter_node_latency=0.0)
+                nic_bandwidth=10 * GB, inter_node_latency=0.0, host_seconds_per_op=0.0)
     spec.update(kw)
     return ClusterSpec(**spec)
 
@@ -343,3 +352,55 @@ def test_host_driven_transport_takes_its_bytes_from_the_compute_stream():
     assert on_cpu.seconds == pytest.approx(on_gpu.seconds + size / GB)
     reduce = Collective("all_reduce", (0, 1, 2, 3), 4 * GB, 4 * GB)
     assert host_transport_bytes(reduce, cpu, 0) == pytest.approx(2 * 2 * 3 / 4 * 4 * GB)
+
+
+# -- the host ([Note: host in the step-time model]) ------------------------------------------
+
+def test_small_kernels_wait_for_the_host_and_large_ones_hide_it():
+    """Ten 1 us kernels issued at 5 us each: the GPU runs each as it is issued (the last
+    from 50 us to 51 us, 41 us of it idle); a 1 ms GEMM before them hides the host."""
+    c = toy_cluster(host_seconds_per_op=5e-6)
+    small = [quantize(1e-6, c) for _ in range(10)]
+    p = predict(trace_of(small, c), c)
+    assert p.seconds == pytest.approx(51e-6)
+    assert p.host_ops == 10 and p.host_issue_seconds == pytest.approx(50e-6)
+    assert p.gpu_waits_for_host_seconds == pytest.approx(5e-6 + 9 * 4e-6)
+    assert p.host_bound and p.compute_busy_seconds == pytest.approx(10e-6)
+    big = predict(trace_of([gemm(1e-3, c), *small], c), c)
+    assert big.seconds == pytest.approx(5e-6 + 1e-3 + 10e-6)  # issued ahead while the GEMM ran
+    assert not big.host_bound
+    # Views, allocations and metadata reach no GPU: not charged.
+    view = ComputeOp("aten.view.default", 0, 0, "forward")
+    assert predict(trace_of([view] * 100, c), c).host_ops == 0
+
+
+def test_a_host_sync_drains_the_compute_stream_before_the_host_goes_on():
+    """After a sync the host issues from where the GPU finished: the next kernel cannot
+    start before the host has issued it again."""
+    c = toy_cluster(host_seconds_per_op=5e-6)
+    events = [gemm(1e-3, c), HostSync("loss.item()"), quantize(1e-6, c)]
+    p = predict(trace_of(events, c), c)
+    # gemm issued at 5 us, runs to 1.005 ms; the host waits, issues the next at 1.010 ms.
+    assert p.seconds == pytest.approx(5e-6 + 1e-3 + 5e-6 + 1e-6)
+    assert p.host_syncs == 1
+    without = predict(trace_of([events[0], events[2]], c), c)
+    assert without.seconds == pytest.approx(5e-6 + 1e-3 + 1e-6)
+
+
+def test_a_side_lane_launch_starts_after_the_host_issued_it():
+    c = toy_cluster(host_seconds_per_op=5e-6)
+    world = list(range(4))
+    launch = Launch(0, "gather", (gather(world, 0),), "forward",
+                    compute_ops=(quantize(1e-6, c), quantize(1e-6, c)))
+    p = predict(trace_of([launch, Wait(0)], c, world_size=4), c)
+    # Three ops issued (two kernels, one collective: 15 us), then the lane runs its kernels.
+    assert p.host_ops == 3
+    assert p.seconds == pytest.approx(15e-6 + 2e-6)
+
+
+def test_gpu_clusters_carry_the_cited_host_cost_and_the_lab_none():
+    assert DEFAULT_HOST_SECONDS_PER_OP == 5e-6
+    assert all(c.host_seconds_per_op == DEFAULT_HOST_SECONDS_PER_OP for c in CLUSTERS.values())
+    assert lab_cluster(1e9, 1e9, 1e8).host_seconds_per_op == 0.0
+    with pytest.raises(ValueError, match="host_seconds_per_op"):
+        toy_cluster(host_seconds_per_op=-1.0)

@@ -19,7 +19,7 @@ from zeropp.comm.accounting import (
     all_to_all_bytes,
     reduce_scatter_bytes,
 )
-from zeropp.simulation.trace import ComputeOp, IterationTrace, Launch, Wait
+from zeropp.simulation.trace import ComputeOp, HostSync, IterationTrace, Launch, Wait
 
 NODES, GPUS = 2, 2
 SMALL = ("--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 128 "
@@ -78,7 +78,9 @@ def test_header(runs):
     assert (trace.rank, trace.world_size, trace.ranks_per_node) == (0, NODES * GPUS, GPUS)
     assert trace.tokens_per_iteration == 8 * 128 // (NODES * GPUS)  # global batch x seq / DP
     assert trace.dtype_bytes == 2  # fp16
-    assert {type(e) for e in trace.events} == {ComputeOp, Launch, Wait}
+    assert {type(e) for e in trace.events} == {ComputeOp, Launch, Wait, HostSync}
+    # The host reads the gradient norm (clipping, the overflow check) and the logged loss.
+    assert sum(isinstance(e, HostSync) for e in trace.events) == 2
 
 
 def test_flops_match_megatrons_formula(runs):
@@ -216,7 +218,7 @@ def test_json_round_trip(runs, tmp_path):
     trace.to_json(str(path))
     assert IterationTrace.load(str(path)) == trace
     assert {e["type"] for e in json.loads(path.read_text())["events"]} == {
-        "compute", "launch", "wait"}
+        "compute", "launch", "wait", "sync"}
 
 
 def test_quantization_kernels_are_one_op_with_the_triton_kernels_traffic():

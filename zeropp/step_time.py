@@ -71,6 +71,22 @@ launch's kernels (qwZ's and qgZ's quantization, the copies around a collective) 
 same cores, so on such a cluster they are charged to the compute stream there too, not to
 the lane. GPUs leave the rate None: NCCL's traffic is driven by NICs and copy engines, and a
 side stream's kernels run beside the compute stream's (their SM share is ignored).
+
+[Note: host in the step-time model]
+The host issues every kernel and collective in trace order and a GPU cannot start work
+before it was issued. Replay keeps a host clock: each op that launches a kernel
+(``launches_kernel``: views, allocations and metadata reach no GPU and are free) and each
+collective costs ``host_seconds_per_op`` of it; a compute-stream op starts no earlier than
+the host clock, a side-lane launch no earlier than the host issued its last op, and a
+``HostSync`` stops the host until the compute stream has run everything before it. The time
+the compute stream spends waiting for the host is reported (``gpu_waits_for_host_seconds``),
+and an iteration whose host issue time exceeds the compute stream's busy time is
+host-bound. The default per-op cost is the low end of the 5-20 us CPU-side launch time
+that PyTorch's Holistic Trace Analysis documents for CUDA kernels (its "CUDA kernel launch
+statistics" feature): eager PyTorch's dispatch plus ``cudaLaunchKernel``. The GPU check
+measures it on a lent GPU (scripts/gpu_check.sh), and ``--dry-run-kernel-rates`` takes the
+measured figure. CPU ranks (the lab) set it to 0: their kernel rates were measured with
+the dispatch included.
 """
 
 from __future__ import annotations
@@ -82,9 +98,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zeropp.simulation.trace import Collective, ComputeOp, IterationTrace, Launch, Wait
+from zeropp.simulation.trace import (
+    Collective,
+    ComputeOp,
+    HostSync,
+    IterationTrace,
+    Launch,
+    Wait,
+    launches_kernel,
+)
 
 ALGORITHMS = ("ring", "tree", "direct")
+# Holistic Trace Analysis (facebookresearch/HolisticTraceAnalysis, docs "CUDA kernel launch
+# statistics"): "the launch time on the CPU side is between 5-20 microseconds"; the low end.
+DEFAULT_HOST_SECONDS_PER_OP = 5e-6
 SIDE_LANES = ("gather", "reduce")
 
 
@@ -119,12 +146,17 @@ class ClusterSpec:
     # The lab's CPU ranks run the quantization kernels as chains of pure-torch ops, far from
     # one pass over memory; GPUs leave this empty (the Triton kernels stream at HBM rate).
     kernel_bandwidth: dict[str, float] = field(default_factory=dict)
+    # Host seconds to issue one kernel or collective ([Note: host in the step-time model]);
+    # 0 for CPU ranks, whose measured kernel rates include it.
+    host_seconds_per_op: float = DEFAULT_HOST_SECONDS_PER_OP
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm {self.algorithm!r} not in {ALGORITHMS}")
         if self.ranks_per_node < 1 or self.nics_per_node < 1:
             raise ValueError("ranks_per_node and nics_per_node must be at least 1")
+        if not self.host_seconds_per_op >= 0:
+            raise ValueError(f"host_seconds_per_op must be >= 0, got {self.host_seconds_per_op}")
 
     @property
     def host_driven(self) -> bool:
@@ -229,7 +261,7 @@ def lab_cluster(compute_flops: float, memory_bandwidth: float, link_bits_per_sec
         intra_node_latency=intra_node_latency, nics_per_node=1,
         nic_bandwidth=link_bits_per_second / 8, inter_node_latency=inter_node_latency,
         algorithm=algorithm, nodes=nodes, host_transport_bandwidth=host_transport_bandwidth,
-        kernel_bandwidth=dict(kernel_bandwidth or {}))
+        kernel_bandwidth=dict(kernel_bandwidth or {}), host_seconds_per_op=0.0)
 
 
 # -- measured kernel rates -----------------------------------------------------------------
@@ -251,6 +283,8 @@ class MeasuredKernelRates:
     device: str  # the GPU they were measured on
     peak_memory_bandwidth: float | None  # that GPU's peak, bytes/s, when the report has it
     path: str
+    # The host's issue time per GPU launch the check measured (section e), when it did.
+    host_seconds_per_op: float | None = None
 
 
 def _positive_number(value: object) -> bool:
@@ -289,6 +323,10 @@ def load_kernel_rates(path: str | Path) -> MeasuredKernelRates:
         if not _positive_number(rate):
             raise KernelRatesError(f"{where}: kernel_rates[{op!r}] must be a positive number "
                                    f"of bytes/s, got {rate!r}")
+    host_cost = data.get("host_seconds_per_op")
+    if host_cost is not None and not _positive_number(host_cost):
+        raise KernelRatesError(f"{where}: host_seconds_per_op must be a positive number of "
+                               f"seconds, got {host_cost!r}")
     device = data.get("device") if isinstance(data.get("device"), dict) else {}
     peak = (device.get("peak_memory_bandwidth") or {})
     peak_rate = peak.get("bytes_per_second") if isinstance(peak, dict) else None
@@ -296,16 +334,18 @@ def load_kernel_rates(path: str | Path) -> MeasuredKernelRates:
         rates={str(op): float(rate) for op, rate in rates.items()},
         device=str(device.get("name") or "an unnamed device"),
         peak_memory_bandwidth=float(peak_rate) if _positive_number(peak_rate) else None,
-        path=str(path))
+        path=str(path), host_seconds_per_op=None if host_cost is None else float(host_cost))
 
 
 def with_kernel_rates(cluster: ClusterSpec,
                       measured: MeasuredKernelRates | Mapping[str, float]) -> ClusterSpec:
     """``cluster`` with measured kernel rates in ``kernel_bandwidth`` (they replace the
     memory roofline for those ops, see ``compute_seconds``; rates it had stay unless
-    measured again)."""
+    measured again) and the measured host cost per op, when the report has one."""
     rates = measured.rates if isinstance(measured, MeasuredKernelRates) else dict(measured)
-    return dataclasses.replace(cluster, kernel_bandwidth={**cluster.kernel_bandwidth, **rates})
+    host_cost = getattr(measured, "host_seconds_per_op", None) or cluster.host_seconds_per_op
+    return dataclasses.replace(cluster, kernel_bandwidth={**cluster.kernel_bandwidth, **rates},
+                               host_seconds_per_op=host_cost)
 
 
 # -- costs ---------------------------------------------------------------------------------
@@ -432,6 +472,16 @@ class StepPrediction:
     exposed_comm_seconds: dict[tuple[str, str], float] = field(default_factory=dict)
     lane_compute_seconds: dict[str, float] = field(default_factory=dict)  # side-lane kernels
     host_transport_seconds: float = 0.0  # compute-stream time spent driving the transport
+    # [Note: host in the step-time model]
+    host_issue_seconds: float = 0.0  # the host's time issuing kernels and collectives
+    host_ops: int = 0  # kernels and collectives the host issued
+    host_syncs: int = 0
+    gpu_waits_for_host_seconds: float = 0.0  # the compute stream idle, waiting to be issued
+
+    @property
+    def host_bound(self) -> bool:
+        """The host needs longer to issue the iteration than the compute stream to run it."""
+        return self.host_issue_seconds > self.compute_busy_seconds
 
     @property
     def total_comm_seconds(self) -> float:
@@ -460,13 +510,30 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
     exposed: dict[tuple[str, str], float] = {}
     lane_kernels: dict[str, float] = {}
     host_seconds = 0.0
+    host = 0.0  # the host's clock: when it has issued everything so far
+    host_cost = cluster.host_seconds_per_op
+    host_ops = host_syncs = 0
+    gpu_waits = 0.0
+
+    def issue(ops: int) -> None:
+        nonlocal host, host_ops
+        host += ops * host_cost
+        host_ops += ops
+
+    def compute_start() -> float:
+        """The compute stream's next start: not before the host issued the op."""
+        nonlocal compute, gpu_waits
+        if host > compute:
+            gpu_waits += host - compute
+            compute = host
+        return compute
 
     def lane_kernel_seconds(launch: Launch) -> float:
         dt = sum(compute_seconds(op, cluster, trace.dtype_bytes) for op in launch.compute_ops)
         lane_kernels[launch.lane] = lane_kernels.get(launch.lane, 0.0) + dt
         return dt
 
-    def host_cost(launch: Launch) -> float:
+    def transport_cost(launch: Launch) -> float:
         """Compute-stream seconds a host-driven rank spends moving ``launch``'s bytes."""
         if not cluster.host_driven:
             return 0.0
@@ -490,25 +557,30 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
 
     for event in trace.events:
         if isinstance(event, ComputeOp):
+            if launches_kernel(event):
+                issue(1)
+                compute_start()
             dt = compute_seconds(event, cluster, trace.dtype_bytes)
             compute += dt
             busy += dt
         elif isinstance(event, Launch):
+            issue(len(event.collectives) + sum(map(launches_kernel, event.compute_ops)))
             # A host-driven rank moves the bytes and runs the lane's kernels on its own
             # cores: the compute stream pays for both where the launch is issued.
-            dt = host_cost(event)
+            dt = transport_cost(event)
             host_seconds += dt
             if cluster.host_driven:
                 dt += lane_kernel_seconds(event)
             compute += dt
             busy += dt
             if event.lane == "compute":
-                end = run_launch(event, compute)
+                start = compute_start()
+                end = run_launch(event, start)
                 key = (event.phase, event.lane)
-                exposed[key] = exposed.get(key, 0.0) + (end - compute)
+                exposed[key] = exposed.get(key, 0.0) + (end - start)
                 compute = end
             elif event.lane in lane_free:
-                end = run_launch(event, max(compute, lane_free[event.lane]))
+                end = run_launch(event, max(compute, lane_free[event.lane], host))
                 lane_free[event.lane] = end
             else:
                 raise ValueError(f"unknown lane {event.lane!r}")
@@ -523,12 +595,17 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
                 key = (phase, lane)
                 exposed[key] = exposed.get(key, 0.0) + (end - compute)
                 compute = end
+        elif isinstance(event, HostSync):
+            host = max(host, compute)
+            host_syncs += 1
         else:
             raise TypeError(f"unknown trace event {event!r}")
 
-    seconds = max(compute, *lane_free.values())
+    seconds = max(compute, host, *lane_free.values())
     tflops = trace.model_flops_per_iteration / seconds / 1e12 if seconds > 0 else 0.0
     return StepPrediction(cluster=cluster.name, seconds=seconds, tflops_per_gpu=tflops,
                           compute_busy_seconds=busy, comm_seconds=comm,
                           exposed_comm_seconds=exposed, lane_compute_seconds=lane_kernels,
-                          host_transport_seconds=host_seconds)
+                          host_transport_seconds=host_seconds,
+                          host_issue_seconds=host_ops * host_cost, host_ops=host_ops,
+                          host_syncs=host_syncs, gpu_waits_for_host_seconds=gpu_waits)

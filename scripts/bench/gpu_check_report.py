@@ -367,9 +367,12 @@ def build_report(*, sections: Sequence[SectionResult], device: dict[str, Any],
     measured any (also when a kernel missed the bandwidth target: the rates are what they
     are); `passed` is true when every section ran and passed."""
     kernel_rates: dict[str, float] = {}
+    host_seconds_per_op = None
     for result in sections:
         if result.key == "b":
             kernel_rates = dict(result.figures.get("kernel_rates") or {})
+        if result.key == "e":
+            host_seconds_per_op = result.figures.get("host_seconds_per_op")
     selected = list(options.get("sections") or [])
     ran = {result.key for result in sections}
     return json_safe({
@@ -385,6 +388,9 @@ def build_report(*, sections: Sequence[SectionResult], device: dict[str, Any],
         "device": dict(device),
         "sections": [result.to_dict() for result in sections],
         "kernel_rates": kernel_rates,
+        # Section e's host issue time per GPU launch: the step-time model's host cost.
+        **({"host_seconds_per_op": host_seconds_per_op}
+           if _is_number(host_seconds_per_op) and host_seconds_per_op > 0 else {}),
     })
 
 
@@ -430,6 +436,9 @@ def validate_report(report: Any) -> None:
     for op, rate in report["kernel_rates"].items():
         _require(isinstance(op, str) and op, "kernel_rates keys must be op names")
         _require(_is_number(rate) and rate > 0, f"kernel_rates[{op!r}] must be a positive number")
+    if "host_seconds_per_op" in report:
+        _require(_is_number(report["host_seconds_per_op"]) and report["host_seconds_per_op"] > 0,
+                 "'host_seconds_per_op' must be a positive number")
     peak = report["device"].get("peak_memory_bandwidth")
     if peak is not None:
         _require(isinstance(peak, dict) and _is_number(peak.get("bytes_per_second"))
@@ -473,6 +482,9 @@ def render_table(report: dict[str, Any]) -> str:
         for op, rate in rates.items():
             share = f"  ({rate / peak['bytes_per_second']:.0%} of peak)" if peak else ""
             lines.append(f"    {op:<44} {format_rate(rate):>12}{share}")
+    if report.get("host_seconds_per_op"):
+        lines.append(f"  host issue time per GPU launch: {report['host_seconds_per_op'] * 1e6:.1f} "
+                     "us (the step-time model's host cost)")
     verdict = "PASSED" if report.get("passed") else "NOT PASSED"
     if not report.get("complete", True):
         verdict += " (incomplete)"

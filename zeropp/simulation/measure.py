@@ -359,6 +359,23 @@ def _zero_scalar(dtype: torch.dtype) -> bool | int | float | complex:
 _COMPARISONS = (aten.allclose.default, aten.equal.default)
 
 
+def reads_device_value(func, args, kwargs, on_device: Callable[[torch.device], bool]) -> bool:
+    """Whether dispatching ``func`` makes the host read a value from a device ``on_device``
+    accepts: ``_local_scalar_dense`` (``item``, ``bool``, ...), ``allclose`` / ``equal``, a
+    ``_to_copy`` to the CPU, a ``copy_`` into a CPU tensor. The one rule the host-sync
+    counter and the trace recorder share."""
+    if func is aten._local_scalar_dense.default or func in _COMPARISONS:
+        return on_device(args[0].device)
+    if func is aten._to_copy.default:
+        target = kwargs.get("device")
+        return (on_device(args[0].device) and target is not None
+                and torch.device(target).type == "cpu")
+    if func is aten.copy_.default:
+        return (args[0].device.type == "cpu" and isinstance(args[1], torch.Tensor)
+                and on_device(args[1].device))
+    return False
+
+
 class HostSyncCounter(TorchDispatchMode):
     """Counts reads of ``device`` values by the host, by call site ("path:LINE in function",
     path relative to ``root``, default the working directory).
@@ -392,29 +409,23 @@ class HostSyncCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is aten._local_scalar_dense.default and self._on_device(args[0].device):
-            self._record()
-            if args[0].device.type == "meta":
-                return _zero_scalar(args[0].dtype)
-        elif func in _COMPARISONS and self._on_device(args[0].device):
-            self._record()  # dispatched whole, reading the scalar inside: count them here
-            if args[0].device.type == "meta":
-                return True  # "equal": the harmless answer for checks like `assert equal(...)`
-        elif func is aten._to_copy.default and self._on_device(args[0].device):
-            target = kwargs.get("device")
-            if target is not None and torch.device(target).type == "cpu":
-                self._record()
-                if args[0].device.type == "meta":
-                    # One zero broadcast to the shape: a meta shard read out (a checkpoint
-                    # save) costs no host memory and writes one element, not gigabytes.
-                    dtype = kwargs.get("dtype") or args[0].dtype
-                    return torch.zeros((), dtype=dtype).expand(args[0].shape)
-        elif (func is aten.copy_.default and args[0].device.type == "cpu"
-              and isinstance(args[1], torch.Tensor) and self._on_device(args[1].device)):
-            self._record()
-            if args[1].device.type == "meta":
-                return args[0].zero_()
-        return func(*args, **kwargs)
+        if not reads_device_value(func, args, kwargs, self._on_device):
+            return func(*args, **kwargs)
+        self._record()  # comparisons are dispatched whole, reading the scalar inside
+        source = args[1] if func is aten.copy_.default else args[0]
+        if source.device.type != "meta":
+            return func(*args, **kwargs)
+        # On meta the read would raise: the harmless answers.
+        if func is aten._local_scalar_dense.default:
+            return _zero_scalar(args[0].dtype)
+        if func in _COMPARISONS:
+            return True  # "equal": for checks like `assert equal(...)`
+        if func is aten._to_copy.default:
+            # One zero broadcast to the shape: a meta shard read out (a checkpoint save)
+            # costs no host memory and writes one element, not gigabytes.
+            dtype = kwargs.get("dtype") or args[0].dtype
+            return torch.zeros((), dtype=dtype).expand(args[0].shape)
+        return args[0].zero_()
 
     def __enter__(self) -> HostSyncCounter:
         # Tensor.numpy() rejects non-CPU tensors before any op is dispatched: wrap it.

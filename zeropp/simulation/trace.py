@@ -12,7 +12,12 @@ inline), in the order the training thread issues things:
   dequantize, qgZ's swizzle and requantization, a reduce-scatter's input cast);
 - ``Wait``: the compute stream waits for a launch to finish (``Pending.wait()``);
 - a collective issued on the compute stream itself (the gradient norm's all-reduce) is a
-  ``Launch`` with lane "compute": the compute stream runs it in place.
+  ``Launch`` with lane "compute": the compute stream runs it in place;
+- ``HostSync``: the host reads a device value (``item()``, ``cpu()``): it waits until the
+  compute stream has run everything issued before, and issues nothing meanwhile.
+
+The host issues every kernel and collective, in this order: [Note: host in the step-time
+model] in zeropp/step_time.py says what that costs.
 
 The trace holds no times: a cluster description turns FLOPs and bytes into seconds
 (zeropp.step_time). ``zeropp.simulation.tracing.TraceRecorder`` records one (its rules:
@@ -67,7 +72,20 @@ class Wait:
     launch_id: int
 
 
-Event = ComputeOp | Launch | Wait
+@dataclass(frozen=True)
+class HostSync:
+    """The host reads a device value, at ``site`` ("path:LINE in function")."""
+
+    site: str = ""
+
+
+Event = ComputeOp | Launch | Wait | HostSync
+
+
+def launches_kernel(op: ComputeOp) -> bool:
+    """Whether the op runs a kernel (it moves bytes or computes): views, allocations and
+    metadata do not reach the GPU, so they are not charged as launches."""
+    return op.bytes > 0 or op.flops > 0
 
 
 @dataclass
@@ -95,7 +113,7 @@ class IterationTrace:
     # -- JSON ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain data: the header fields and ``events``, a list of dicts with a "type" key
-        ("compute", "launch" or "wait"); a launch's collectives and compute_ops are lists of
+        ("compute", "launch", "wait" or "sync"); a launch's collectives and compute_ops are lists of
         dicts, a collective's group a list of ranks."""
         out = {k: v for k, v in asdict(self).items() if k != "events"}
         out["events"] = [_event_to_dict(e) for e in self.events]
@@ -133,6 +151,8 @@ def _event_to_dict(event: Event) -> dict[str, Any]:
                 "compute_ops": [asdict(op) for op in event.compute_ops]}
     if isinstance(event, Wait):
         return {"type": "wait", "launch_id": event.launch_id}
+    if isinstance(event, HostSync):
+        return {"type": "sync", "site": event.site}
     raise TypeError(f"not a trace event: {event!r}")
 
 
@@ -148,4 +168,6 @@ def _event_from_dict(data: dict[str, Any]) -> Event:
         return Launch(**fields)
     if kind == "wait":
         return Wait(**fields)
+    if kind == "sync":
+        return HostSync(**fields)
     raise ValueError(f"unknown trace event type {kind!r}")

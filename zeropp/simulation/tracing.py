@@ -30,6 +30,8 @@
 - A collective issued outside any launch (the gradient norm's all-reduce, the logged loss's
   all-reduce) is a ``Launch`` with lane "compute" and no ``Wait``: it runs in place on the
   compute stream.
+- Host reads of device values (``zeropp.simulation.measure.reads_device_value``: ``item``,
+  ``cpu()``, ...) on the training thread: a ``HostSync`` after the op that reads.
 - ``Pending.wait()``: a ``Wait`` for the launch that returned it, on its first wait only.
   A Pending not made by a recorded launch (a group of one rank, or launched before recording
   began) records nothing.
@@ -50,8 +52,13 @@ from torch.utils.flop_counter import flop_registry
 
 from zeropp.comm.streams import InlineExecution, Pending
 from zeropp.simulation.backend import _flat, _SimProcessGroup
-from zeropp.simulation.measure import _restore_method, _save_method, _tensors
-from zeropp.simulation.trace import Collective, ComputeOp, Event, Launch, Wait
+from zeropp.simulation.measure import (
+    _restore_method,
+    _save_method,
+    _tensors,
+    reads_device_value,
+)
+from zeropp.simulation.trace import Collective, ComputeOp, Event, HostSync, Launch, Wait
 
 __all__ = ["TraceRecorder", "collective_name"]
 
@@ -110,6 +117,8 @@ class _OpMode(TorchDispatchMode):
                 return out
         out = func(*args, **kwargs)
         self.recorder._op(func, args, kwargs, out)
+        if reads_device_value(func, args, kwargs, self.recorder._on_device_type):
+            self.recorder._host_sync()
         return out
 
 
@@ -134,6 +143,14 @@ class TraceRecorder:
     def _on_device(self, t: torch.Tensor) -> bool:
         return t.device.type == self.device.type and (
             self.device.index is None or t.device.index == self.device.index)
+
+    def _on_device_type(self, device: torch.device) -> bool:
+        return device.type == self.device.type and (
+            self.device.index is None or device.index == self.device.index)
+
+    def _host_sync(self) -> None:
+        if not self._open:  # a read inside a launch's issue would be the launch's business
+            self.events.append(HostSync())
 
     def _op(self, func, args, kwargs, out) -> None:
         inputs = [t for t in _tensors((args, kwargs)) if self._on_device(t)]
