@@ -19,9 +19,15 @@ N = n nodes x a ranks per node; the input holds N slices of S elements, slice r 
 4. All-to-all across nodes among ranks with the same local index: slice m goes to node m.
 5. Dequantize and sum in fp32: this rank's slice summed over all N ranks.
 Reductions happen in full precision between hops, so the error does not grow with N the way
-requantizing at every step of a ring would. With one node, step 4 is a local copy; with one
-rank per node, step 2 is. ``bits=None`` keeps the hierarchy but sends raw values, which must
-equal the exact reduce-scatter (up to the order of the fp32 additions).
+requantizing at every step of a ring would. ``bits=None`` keeps the hierarchy but sends raw
+values, which must equal the exact reduce-scatter (up to the order of the fp32 additions).
+
+[Note: no quantized send to itself]
+A hop within a group of one rank sends to itself; quantizing it would add error and move no
+byte. With one node, step 5 sums the intra-node hop's payloads straight into the slice (steps
+3-4 do not run); with one rank per node, steps 1-2 do not run and step 3 quantizes this
+rank's own values. Either way every rank's gradient is quantized exactly once, as on the
+one-hop path the error is then measured against.
 """
 
 from __future__ import annotations
@@ -264,7 +270,7 @@ class HierarchicalReduceScatter(Collective):
     def error_feedback_nbytes(self, bucket_numel: int) -> int:
         """Bytes of the errors kept for a bucket of ``bucket_numel`` elements: one chunk,
         1 / ranks-per-node of it ([Note: error feedback]); 0 without error feedback."""
-        if self.error_feedback is None:
+        if self.error_feedback is None or self.nodes == 1:  # one node: nothing requantized
             return 0
         return ErrorFeedback.nbytes(bucket_numel // self.per_node, self.block_size)
 
@@ -302,6 +308,20 @@ class HierarchicalReduceScatter(Collective):
             return
 
         bits, inter_bits, block = self.bits, self.inter_node_bits, self.block_size
+        feedback = self.error_feedback
+        in_flight["bits"] = inter_bits
+        if self.per_node == 1 and self.nodes > 1:
+            # [Note: no quantized send to itself] One rank per node: hop 1 would send this
+            # rank's values to itself, so its sum is the values themselves, exact; only the
+            # inter-node hop quantizes.
+            if feedback is None:
+                send2 = kernels.quantize_swizzled(full, 1, self.nodes, inter_bits, block)
+            else:
+                partial = feedback.compensate(key, full.reshape(-1).float())
+                send2 = self._requantize_with_feedback(key, partial, slice_numel)
+            self._send_across_nodes(send2, in_flight)
+            return
+
         # Steps 1 and 2 in one kernel: quantized straight into the swizzled order, the
         # per_node payloads one after another, as the all-to-all splits its input.
         send = kernels.quantize_swizzled(full, self.nodes, self.per_node, bits, block)
@@ -309,8 +329,13 @@ class HierarchicalReduceScatter(Collective):
         all_to_all(received, send, self.intra, untracked, "gradient_reduce")
         del send
         received = received.view(self.per_node, -1)
+        if self.nodes == 1:
+            # One node: hop 2 would send the node's requantized sums to the node itself.
+            # The intra-node hop's payloads are summed straight into this rank's slice: one
+            # quantization, as every rank's gradient is quantized once.
+            in_flight.update(work=None, received=received, bits=bits)
+            return
 
-        feedback = self.error_feedback
         if feedback is None:
             # Step 3 writes the node's n slices as n payloads, the second hop's layout.
             send2 = kernels.dequantize_reduce_quantize(received, chunk_numel, bits, inter_bits,
@@ -318,14 +343,26 @@ class HierarchicalReduceScatter(Collective):
         else:
             partial = feedback.compensate(
                 key, kernels.dequantize_reduce(received, chunk_numel, bits, block))
-            send2 = kernels.quantize_swizzled(partial, 1, self.nodes, inter_bits, block)
-            sent = kernels.dequantize_blockwise_many(send2.view(self.nodes, -1), slice_numel,
-                                                     inter_bits, block, torch.float32)
-            feedback.record(key, partial, sent.view(-1))
-        received2 = torch.empty_like(send2)
-        in_flight["work"] = all_to_all(received2, send2, self.inter, untracked,
+            send2 = self._requantize_with_feedback(key, partial, slice_numel)
+        self._send_across_nodes(send2, in_flight)
+
+    def _requantize_with_feedback(self, key: object, partial: torch.Tensor,
+                                  slice_numel: int) -> torch.Tensor:
+        """The node's partial sums (already compensated) as one payload per node, and what
+        that dropped kept for the next reduction ([Note: error feedback])."""
+        inter_bits, block = self.inter_node_bits, self.block_size
+        send = kernels.quantize_swizzled(partial, 1, self.nodes, inter_bits, block)
+        sent = kernels.dequantize_blockwise_many(send.view(self.nodes, -1), slice_numel,
+                                                 inter_bits, block, torch.float32)
+        self.error_feedback.record(key, partial, sent.view(-1))
+        return send
+
+    def _send_across_nodes(self, send: torch.Tensor, in_flight: dict[str, object]) -> None:
+        """Step 4, left in flight: slice m of ``send`` to node m."""
+        received = torch.empty_like(send)
+        in_flight["work"] = all_to_all(received, send, self.inter, CommStats(),
                                        "gradient_reduce", async_op=True)
-        in_flight["received"] = received2
+        in_flight["received"] = received.view(self.nodes, -1)
 
     def _receive(self, output: torch.Tensor, in_flight: dict[str, object]) -> None:
         """Step 5: wait for the inter-node hop, sum what it brought into ``output``."""
@@ -337,9 +374,9 @@ class HierarchicalReduceScatter(Collective):
         # once to its dtype by the kernel.
         if self.bits is None:
             output.copy_(received.view(self.nodes, slice_numel).sum(0))
-        elif output.is_contiguous():
-            kernels.dequantize_reduce(received.view(self.nodes, -1), slice_numel,
-                                      self.inter_node_bits, self.block_size, out=output)
+            return
+        bits = in_flight.pop("bits")
+        if output.is_contiguous():
+            kernels.dequantize_reduce(received, slice_numel, bits, self.block_size, out=output)
         else:
-            output.copy_(kernels.dequantize_reduce(received.view(self.nodes, -1), slice_numel,
-                                                   self.inter_node_bits, self.block_size))
+            output.copy_(kernels.dequantize_reduce(received, slice_numel, bits, self.block_size))
