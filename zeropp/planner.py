@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from zeropp.comm.accounting import LOCALITIES, PHASES, all_reduce_bytes, locality
-from zeropp.comm.collectives import CommGroup
+from zeropp.comm.collectives import AllGather, CommGroup
 from zeropp.comm.registry import Collectives, collectives_for
 from zeropp.config import ZeroConfig
 from zeropp.flat_layout import FlatLayout
@@ -301,7 +301,11 @@ def plan_communication(units: Sequence[UnitPlan], cluster: ClusterShape, zero: Z
         def world_gathers(calls: int, unit=unit) -> dict[str, int]:
             return collectives.gather.step_bytes(unit.shard_numel, dtype, world, calls)
 
-        if unit.persistent:  # re-gathered once, when the update refreshes it
+        if unit.persistent and not unit.is_root:
+            # Re-gathered once, when the update refreshes it, exactly ([Note: persistent
+            # units]): 16-bit values, whatever the other units' gather sends.
+            volume.add("forward_all_gather", AllGather().bytes_sent(unit.shard_numel, dtype, world))
+        elif unit.persistent:
             volume.add("forward_all_gather", world_gathers(1))
         else:
             volume.add("forward_all_gather", world_gathers(micro_batches))

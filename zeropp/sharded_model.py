@@ -233,9 +233,8 @@ class ShardedModel:
         # [Note: persistent units] Small units other than the root, at stage 3: joint
         # collectives (one-by-one gathers with a gather that keeps state per unit).
         self.persistent_units = PersistentUnits(
-            [u for u in self.units[1:] if u.persistent and not u.replicated], self.comm)
+            [u for u in self.units if u.joins_persistent_gather], self.comm)
         self._persistent = set(self.persistent_units.units)  # for membership tests
-        self._joint_gathers = not isinstance(self.comm.gather, DeltaWeightGather)
         self._gather_persistent()
         _LIVE_MODELS.add(self)
 
@@ -464,11 +463,7 @@ class ShardedModel:
         unit.finish_reduce()
 
     def _gather_persistent(self) -> None:
-        if self._joint_gathers:
-            self.persistent_units.gather_now("forward_all_gather")
-        else:
-            for unit in self.persistent_units.units:
-                unit.gather_now("forward_all_gather")
+        self.persistent_units.gather_now("forward_all_gather")
 
     def _make_room(self, numel: int) -> None:
         """[Note: reductions in flight] Reductions still running hold their units' flat

@@ -134,6 +134,9 @@ class ShardedUnit:
         self.secondary_shard: torch.Tensor | None = None
         # Units released between forward and backward keep a secondary shard (hpZ); with the
         # int8 one, its payload is taken from each forward gather as it lands.
+        # Persistent units other than the root are gathered exactly, jointly
+        # ([Note: persistent units]).
+        self.joins_persistent_gather = self.persistent and not (is_root or replicated)
         self._keeps_payload = (comm.hpz is not None and not (self.persistent or is_root)
                                and comm.secondary_gather.secondary_from_gather)
         self._forward_payload: torch.Tensor | None = None
@@ -263,7 +266,8 @@ class ShardedUnit:
     @property
     def gathers_exactly(self) -> bool:
         """Whether ``full``, once gathered, equals the shards (False under qwZ's gather)."""
-        return self.replicated or isinstance(self.comm.gather, AllGather)
+        return (self.replicated or self.joins_persistent_gather
+                or isinstance(self.comm.gather, AllGather))
 
     def gather_exact(self, stats: CommStats, refresh: bool = False) -> None:
         """Gather the working shards unquantized (reading weights out, not training).
@@ -483,9 +487,13 @@ class PersistentUnits:
     reduction of all their gradients after backward, instead of one of each per unit (40
     of each for a 40-block model, each too small to use the link). Every rank holds the same
     units in the same order, so the joint buffers line up; each unit's slices are whole
-    multiples of the collectives' alignment, so a quantized collective sends the same blocks
-    as it would unit by unit. A gather that keeps state per unit (weight deltas) gathers
-    them one by one instead.
+    multiples of the collectives' alignment, so a quantized reduction sends the same blocks
+    as it would unit by unit.
+
+    The gather is exact whatever the other units' is (qwZ, weight deltas): these are the
+    few elements every forward uses, layer norms whose gains sit near 1.0, where int8 would
+    move each in steps of about 0.8%, and DeepSpeed keeps such parameters whole and exact.
+    It costs 16 bits for a few elements per block, once per step.
 
     The reduction is deferred to the end of backward: their gradients are the few elements
     of the norms, held in their flat buffers until then.
@@ -509,7 +517,7 @@ class PersistentUnits:
         shards = torch.cat([u.shard for u in units])
         gathered = torch.empty(world.size * shards.numel(), dtype=shards.dtype,
                                device=shards.device)
-        self.comm.gather(gathered, shards, world, self.comm.stats, phase, key=self.KEY).wait()
+        all_gather(gathered, shards, world, self.comm.stats, phase).wait()
         by_rank, offset = gathered.view(world.size, -1), 0
         for unit in units:
             width = unit.layout.shard_numel
