@@ -466,14 +466,16 @@ def predicted_lines(report: DryRunReport, measurements: list, clusters: list,
 
     header = [label for plan in report.plans for label in (f"{plan.name} s", "TFLOPs")]
     lines = [_row("predicted per iteration, per GPU", header)]
-    host_lines = []
+    by_system: dict[str, list] = {plan.name: [] for plan in report.plans}
     for cluster in clusters:
         cells = []
         for plan, measurement in zip(report.plans, measurements, strict=True):
             p = predict(measurement.trace, cluster)
             cells += [f"{p.seconds:.3g}", f"{p.tflops_per_gpu:.1f}"]
-            host_lines.append(host_line(plan.name, cluster, p))
+            by_system[plan.name].append((cluster, p))
         lines.append(_row(f"  {cluster.name}", cells))
+    host_lines = [host_line(system, predictions) for system, predictions in by_system.items()
+                  if predictions]
     if not clusters:
         lines.append(f"  no built-in cluster has {report.cluster.ranks_per_node} GPUs per node; "
                      "name one with --dry-run-cluster")
@@ -487,17 +489,20 @@ def predicted_lines(report: DryRunReport, measurements: list, clusters: list,
     return lines
 
 
-def host_line(system: str, cluster, prediction) -> str:
-    """The host's seconds against the GPU's for one system on one cluster, and which one
-    sets the pace."""
-    p = prediction
-    verdict = ("HOST-BOUND: the GPU waits for the host" if p.host_bound
-               else "the GPU sets the pace")
-    return (f"    {system} on {cluster.name}: {p.host_ops:,} kernels and collectives at "
-            f"{cluster.host_seconds_per_op * 1e6:.1f} us = {p.host_issue_seconds:.3g} s of host "
-            f"time vs {p.compute_busy_seconds:.3g} s of GPU compute; {p.host_syncs} host "
-            f"sync(s), GPU idle {p.gpu_waits_for_host_seconds:.3g} s waiting to be issued; "
-            f"{verdict}")
+def host_line(system: str, predictions: list) -> str:
+    """The host's work for one system (the same trace on every cluster) against the GPU's
+    compute on each cluster, and where the host sets the pace."""
+    cluster, p = predictions[0]
+    costs = {c.host_seconds_per_op for c, _ in predictions}
+    cost = (f"{cluster.host_seconds_per_op * 1e6:.1f} us each" if len(costs) == 1
+            else "each cluster's host cost")
+    bound = [c.name for c, q in predictions if q.host_bound]
+    fastest = min(q.compute_busy_seconds for _, q in predictions)
+    verdict = (f"HOST-BOUND on {', '.join(bound)}: the GPU waits for the host" if bound
+               else f"the GPU sets the pace (its compute, {fastest:.3g} s or more, hides it)")
+    return (f"    {system}: {p.host_ops:,} kernels and collectives per iteration, "
+            f"{p.host_issue_seconds:.3g} s of host time at {cost}, {p.host_syncs} host "
+            f"sync(s); {verdict}")
 
 
 def measured_lines(report: DryRunReport, measurements: list) -> list[str]:
