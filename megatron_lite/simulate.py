@@ -254,6 +254,8 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
                 iteration_syncs.append(dict(syncs.counts))
             syncs.reset()
             measuring["steps"] += 1
+            if measuring["steps"] == 1:  # the engine is built: its communicators must be too
+                counting["simulation"].communicators_ready()
             stop_counting()  # the measured iteration ends where the next one starts
             stop_tracing()
             if measuring["run"] == 0 and measuring["steps"] == 2:

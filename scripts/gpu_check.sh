@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check (README "GPU check"): the Triton kernels against the reference and at HBM
-# rate, the engine on NCCL against CPU/gloo, its streams' overlap and its host overhead, on
-# one CUDA device in under 10 minutes. Arguments go to scripts/bench/gpu_check.py:
-#   scripts/gpu_check.sh [--out DIR] [--quick] [--sections abcde] [--budget-s S]
+# rate, the engine on NCCL against CPU/gloo, its streams' overlap and its host overhead, the
+# engine under the CUDA sanitizer, and two ranks on two GPUs (when there are two), in under
+# 10 minutes. Arguments go to scripts/bench/gpu_check.py:
+#   scripts/gpu_check.sh [--out DIR] [--quick] [--sections abcdefg] [--budget-s S]
 # No set-up here: the GPU machine may have no network. PYTHON overrides the interpreter
 # (default: the repository's .venv, which needs a CUDA build of torch and triton).
 set -euo pipefail

@@ -53,14 +53,14 @@ TRACE_KERNEL_OPS = {f"zeropp.{name}.default" for name in (
 # ---- arguments and the no-CUDA exit --------------------------------------------------------
 
 
-@pytest.mark.parametrize(("text", "keys"), [("all", list("abcde")), ("abcde", list("abcde")),
+@pytest.mark.parametrize(("text", "keys"), [("all", list("abcdefg")), ("abcde", list("abcde")),
                                             ("c,a", ["a", "c"]), ("E", ["e"])])
 def test_sections_are_parsed_into_run_order(text, keys):
     assert gpu_check.parse_sections(text) == keys
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--sections", "xyz"], "--sections 'xyz': choose from a, b, c, d, e"),
+    (["--sections", "xyz"], "--sections 'xyz': choose from a, b, c, d, e, f, g"),
     (["--sections", ""], "--sections '': choose from"),
     (["--budget-s", "0"], "--budget-s 0 must be positive"),
     (["--budget-s", "-5"], "--budget-s -5 must be positive"),
@@ -165,7 +165,7 @@ def test_report_is_written_valid_and_read_back(tmp_path):
     read = json.loads(path.read_text())
     validate_report(read)
     assert [s["key"] for s in read["sections"]] == list("abcde")
-    assert [s["name"] for s in read["sections"]] == [name for name, _ in SECTIONS.values()]
+    assert [s["name"] for s in read["sections"]] == [SECTIONS[k][0] for k in "abcde"]
     assert read["kernel_rates"] == RATES
     assert read["passed"] is False  # e was skipped
     assert not list(tmp_path.glob("*.partial"))
@@ -185,7 +185,8 @@ def test_table_lists_every_section_and_the_kernel_rates():
     lines = table.splitlines()
     assert lines[0] == ("GPU check on NVIDIA H100 80GB HBM3, peak memory bandwidth 3.35 TB/s "
                         "(device properties)")
-    for key, (_, title) in SECTIONS.items():
+    for key in "abcde":
+        title = SECTIONS[key][1]
         assert any(line.split()[:1] == [key] and title in line for line in lines)
     assert any(QUANTIZE_OP in line and "2.50 TB/s" in line and "(75% of peak)" in line
                for line in lines)
@@ -473,14 +474,16 @@ def test_bandwidth_bytes_are_the_bytes_the_trace_charges():
 def test_section_limits_leave_the_later_sections_their_shares():
     shares = gpu_check.SECTION_SHARES_S
     assert sum(shares.values()) == gpu_check.DEFAULT_BUDGET_S
-    assert gpu_check.section_limit("a", list("abcde"), 570, 570) == shares["a"]
-    # a took 70 s of its 150: b may use what a left, c, d and e keep theirs
-    assert gpu_check.section_limit("b", list("abcde"), 500, 570) == 150
+    every = list("abcdefg")
+    assert gpu_check.section_limit("a", every, 570, 570) == shares["a"]
+    # a took 60 s of its 130: b may use what a left, the later sections keep theirs
+    assert gpu_check.section_limit("b", every, 510, 570) == pytest.approx(
+        510 - sum(shares[k] for k in "cdefg"))
     assert gpu_check.section_limit("c", list("ac"), 300, 570) == 300  # the last gets the rest
-    assert gpu_check.section_limit("e", list("abcde"), 42, 570) == 42
+    assert gpu_check.section_limit("g", every, 42, 570) == 42
     # a smaller budget, or fewer sections: the shares scale to the budget
-    assert gpu_check.section_limit("a", list("abcde"), 57, 57) == pytest.approx(15)
-    assert gpu_check.section_limit("a", list("ab"), 220, 220) == pytest.approx(150)
+    assert gpu_check.section_limit("a", every, 57, 57) == pytest.approx(13)
+    assert gpu_check.section_limit("a", list("ab"), 190, 190) == pytest.approx(130)
 
 
 def check_args(tmp_path: Path) -> SimpleNamespace:
@@ -623,3 +626,41 @@ def test_gpu_check_quick_writes_a_valid_report(tmp_path):
     validate_report(report)
     assert [s["key"] for s in report["sections"]] == ["a", "b"]
     assert set(report["kernel_rates"]) == TRACE_KERNEL_OPS, result.stdout[-3000:]
+
+
+# ---- sections f and g ------------------------------------------------------------------------
+
+
+def test_the_sanitizer_section_runs_in_a_process_with_the_sanitizer_on():
+    from scripts.bench import gpu_check_nccl
+
+    assert gpu_check_nccl.section_env("f") == {"TORCH_CUDA_SANITIZER": "1"}
+    assert gpu_check_nccl.section_env("a") == {}
+    if not HAS_CUDA:  # here the sanitizer is off: the section says how to run it
+        outcome = gpu_check_nccl.check_under_sanitizer()
+        assert outcome.status == "fail" and "TORCH_CUDA_SANITIZER=1" in outcome.summary
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="on a CPU machine the two-GPU section is skipped")
+def test_the_two_gpu_section_is_skipped_with_its_reason_on_fewer_gpus(tmp_path):
+    from scripts.bench import gpu_check_nccl
+
+    outcome = gpu_check_nccl.check_two_ranks(tmp_path)
+    assert outcome.status == "skip"
+    assert outcome.summary == "0 GPU(s) visible: the two-process NCCL section needs 2"
+
+
+def test_two_ranks_pass_only_on_their_own_gpus_with_equal_losses():
+    from scripts.bench.gpu_check_nccl import rank_env, two_rank_verdict
+
+    good = [{"device": "cuda:0", "losses": [5.1, 4.9]}, {"device": "cuda:1", "losses": [5.1, 4.9]}]
+    assert two_rank_verdict(good).status == "pass"
+    same_gpu = [dict(good[0]), dict(good[1], device="cuda:0")]
+    assert "not one GPU each by LOCAL_RANK" in two_rank_verdict(same_gpu).summary
+    apart = [dict(good[0]), dict(good[1], losses=[5.1, 4.8])]
+    assert "losses differ" in two_rank_verdict(apart).summary
+    nan = [dict(good[0], losses=[float("nan")]), dict(good[1], losses=[float("nan")])]
+    assert "non-finite" in two_rank_verdict(nan).summary
+    env = rank_env(1, 29400)
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"],
+            env["MASTER_PORT"]) == ("1", "1", "2", "1", "29400")

@@ -101,6 +101,39 @@ def test_resume_with_error_feedback_is_bit_exact(tmp_path, inter_node_bits):
     assert not any(run_ranks(resume_run, 4, str(tmp_path / "b"), False, inter_node_bits))
 
 
+def module_only_run(rank, world, save_dir):
+    """Errors kept after two steps, a save, then a module-only load into the same engine."""
+    engine = build(qgz_config(error_feedback="plain"))
+    train_steps(engine, rank, world, 2)
+    had_errors = bool(engine.sharded.error_feedback.errors)
+    engine.save_checkpoint(save_dir, tag="step2")
+    train_steps(engine, rank, world, 1, first_step=2)
+    engine.load_checkpoint(save_dir, tag="step2", load_module_only=True)
+    left = dict(engine.sharded.error_feedback.errors)
+    engine.close()
+    return had_errors, left
+
+
+def test_a_module_only_load_drops_the_error_feedback_residuals(tmp_path):
+    """The residuals go with the optimizer state of the run that made them (DeepSpeed's
+    load_module_only restores the weights alone): they were restored anyway."""
+    for had_errors, left in run_ranks(module_only_run, 4, str(tmp_path)):
+        assert had_errors and left == {}
+
+
+def test_weight_delta_bases_load_in_the_working_dtype():
+    """A checkpoint of an fp32 run resumed in bf16: the bases the hpZ gather sends must be
+    bf16 too (they kept their saved dtype, and the gather failed)."""
+    from zeropp.comm.delta import DeltaWeightGather
+    from zeropp.topology import Topology
+
+    gather = DeltaWeightGather(Topology(world_size=4, ranks_per_node=2, rank=0, hpz_size=2))
+    saved = {"unit": {"values": torch.randn(2, 8, dtype=torch.float32), "current": True}}
+    gather.load_state_dict(saved, torch.device("cpu"), torch.bfloat16)
+    assert gather.bases["unit"].values.dtype == torch.bfloat16
+    assert torch.equal(gather.bases["unit"].values, saved["unit"]["values"].bfloat16())
+
+
 def test_errors_are_stored_unscaled_in_int4():
     feedback = ErrorFeedback(block_size=16)
     send = torch.linspace(-1, 1, 64)

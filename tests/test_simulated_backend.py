@@ -59,6 +59,21 @@ def test_cpu_tensor_is_a_violation_at_the_call_site():
         f"{__file__}:{line} in test_cpu_tensor_is_a_violation_at_the_call_site")
 
 
+def test_a_communicator_first_used_after_training_started_is_a_violation():
+    """[Note: eager communicators] NCCL would create it there, from a side stream perhaps."""
+    with simulated_process_group(rank=0, world_size=4) as sim:
+        warm, lazy = dist.new_group([0, 1]), dist.new_group([0, 2])
+        dist.all_reduce(meta(1), group=warm)
+        sim.communicators_ready()
+        dist.all_reduce(meta(1), group=warm)
+        dist.all_reduce(meta(1), group=lazy)
+        later = dist.new_group([0, 3])  # made after: its own warm-up is still allowed
+        dist.all_reduce(meta(1), group=later)
+    (violation,) = sim.violations
+    assert violation.rule == "lazy communicator"
+    assert "group [0,2]" in violation.message or "[0, 2]" in violation.message, violation
+
+
 def test_an_exception_in_the_program_closes_the_simulation():
     with pytest.raises(KeyError), simulated_process_group(rank=0, world_size=2):
         raise KeyError("program failed")

@@ -302,9 +302,11 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
         saved_bases = mine.get("weight_bases") if mine is not None else None
         same_layout = old.meta["topology"] == engine.topology.as_dict()
         if saved_bases is not None and same_layout and not load_module_only:
-            deltas.load_state_dict(saved_bases, engine.sharded.device)
+            # In the working dtype, whatever the run that saved them trained in: a base is
+            # what the gathers send deltas against, and the hpZ gather sends it as is.
+            deltas.load_state_dict(saved_bases, engine.sharded.device, engine.sharded.dtype)
         else:  # bases belong to one topology's shards: the next gathers send them exactly
-            deltas.load_state_dict({}, engine.sharded.device)
+            deltas.load_state_dict({}, engine.sharded.device, engine.sharded.dtype)
     # Every derived copy of the weights (gathered buffers, hpZ secondary shards) is stale.
     engine.sharded.refresh_after_update("load")
 
@@ -324,9 +326,11 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
     if feedback is not None:
         saved = mine.get("error_feedback") if mine is not None else None
         same_layout = old.meta["topology"] == engine.topology.as_dict()
-        if saved is not None and same_layout:
+        if saved is not None and same_layout and not load_module_only:
             feedback.load_state_dict(saved, engine.sharded.device)
-        else:  # errors belong to one rank's buckets in one topology: start them afresh
+        else:
+            # Errors belong to one rank's buckets in one topology, and to the run whose
+            # optimizer state they go with: a module-only load starts them afresh.
             feedback.reset()
     if mine is not None and old.world_size == engine.topology.world_size:
         # Same world: every rank resumes its own random streams (bit-exact continuation).

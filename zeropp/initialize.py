@@ -35,23 +35,70 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> N
     ends the job instead of hanging it.
     """
     if dist.is_initialized():
+        # The script made the group itself: its device may never have been set (every rank
+        # of a node would then run on cuda:0). DeepSpeed takes the GPU from LOCAL_RANK.
+        if dist.get_backend() != SIMULATED_BACKEND:
+            bind_local_device(user_group=True)
         return
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = bind_local_device() if backend == "nccl" else None
+    # NCCL with device_id creates its communicator now (and those of the groups split from
+    # it), not at the first collective ([Note: eager communicators] in zeropp.topology).
+    bound = {"device_id": device} if device is not None else {}
     timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get("WORLD_SIZE", "1") == "1" and "MASTER_PORT" not in os.environ:
         # One rank and no launcher: an in-process store, no port to pick (picking a free
         # port and binding it later races with every other program on the machine).
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+                                timeout=timeout, **bound)
         return
     if "MASTER_PORT" not in os.environ:
         raise RuntimeError("MASTER_PORT is not set: start multi-rank jobs with a launcher")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group(backend, timeout=timeout)
+    dist.init_process_group(backend, timeout=timeout, **bound)
+
+
+def bind_local_device(user_group: bool = False) -> torch.device | None:
+    """Make this process's GPU current: ``LOCAL_RANK``'s (the launcher's), as DeepSpeed does,
+    else the current one; None without CUDA.
+
+    ``user_group``: the process group exists already (the script created it). Its device is
+    taken from LOCAL_RANK unless the script chose another GPU on purpose (a current device
+    other than cuda:0, or a group bound to a device): then the two disagree and guessing
+    would put two ranks on one GPU, so it is a one-line error.
+    """
+    if not torch.cuda.is_available():
+        return None
+    local = os.environ.get("LOCAL_RANK")
+    count = torch.cuda.device_count()
+    index = int(local) if local is not None else torch.cuda.current_device()
+    if not 0 <= index < count:
+        raise RuntimeError(f"LOCAL_RANK={local} but this process sees {count} GPU(s) "
+                           "(check CUDA_VISIBLE_DEVICES and the launcher's --nproc-per-node)")
+    device = torch.device("cuda", index)
+    if user_group:
+        chosen = _bound_device()
+        current = torch.cuda.current_device()
+        if chosen is None and current != 0:
+            chosen = torch.device("cuda", current)
+        if chosen is not None and chosen != device:
+            raise RuntimeError(
+                f"the process group runs on {chosen} but LOCAL_RANK={local} names {device}: set "
+                f"the device from LOCAL_RANK before init_process_group, or unset LOCAL_RANK")
+    torch.cuda.set_device(device)
+    return device
+
+
+def _bound_device() -> torch.device | None:
+    """The device the default process group was created for (``device_id``), if any."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+    bound = getattr(group, "bound_device_id", None)
+    return torch.device(bound) if bound is not None else None
 
 SIMULATED_BACKEND = "zeropp_sim"  # zeropp.simulation's process group: the meta device
 
@@ -104,6 +151,7 @@ def build_engine(
     topology = build_topology(ranks_per_node, quantization.hpz_size,
                               weight_deltas=quantization.weight_deltas)
     device = device or default_device()
+    topology.warm_up(device)  # [Note: eager communicators]
     if param_init_fn is None and hasattr(model, "initial_value"):
         param_init_fn = model.initial_value
     residency = Residency.for_stage(sharding.stage, quantization.hpz_size)

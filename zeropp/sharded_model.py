@@ -168,9 +168,13 @@ class ShardedModel:
         # ``world`` is the group parameters are sharded over; ``dp_size`` the number of
         # replicas whose gradients are averaged (the same ranks unless stage 0 replicates).
         self.dp_size = topology.world_size
+        reduce_world = None
         if self.residency.shard_optimizer_states:
             self.world = CommGroup(None, topology.world_size, topology.rank,
                                    topology.spans_nodes)
+            if topology.reduce_world_group is not None:
+                reduce_world = CommGroup(topology.reduce_world_group, topology.world_size,
+                                         topology.rank, topology.spans_nodes)
         else:
             self.world = CommGroup(None, 1, 0, False)
         self.comm = UnitComm(
@@ -185,6 +189,7 @@ class ShardedModel:
             reduce_dtype=collectives.reduce.output_dtype or options.communication_dtype,
             predivide_factor=float(options.gradient_predivide_factor or self.dp_size),
             grad_dtype=grad_dtype,
+            reduce_world=reduce_world,
         )
         self.phase = TrainingPhase.IDLE
         self.units, self.initial_masters = self._build_units(
@@ -214,6 +219,7 @@ class ShardedModel:
         self._forward_order: list[ShardedUnit] = []
         self._last_forward_order: list[ShardedUnit] = []
         self._forward_position: dict[ShardedUnit, int] = {}  # unit -> index in the above
+        self._forward_seen: set[ShardedUnit] = set()  # units run in this forward
         self._backward_needs: list[ShardedUnit] = []
         self._last_backward_needs: list[ShardedUnit] = []
         self._backward_cursor = -1
@@ -328,12 +334,21 @@ class ShardedModel:
         if unit is self.root:
             self.phase = TrainingPhase.FORWARD
             self._training_forward = torch.is_grad_enabled()
+            self._forward_seen.clear()
             if self._forward_order:
                 self._last_forward_order = self._forward_order
                 self._forward_position = {u: i for i, u in
                                           reversed(list(enumerate(self._forward_order)))}
             self._forward_order = []
             self._kept_for_backward = self._blocks_to_keep(self._last_forward_order)
+        elif self._training_forward and unit in self._forward_seen:
+            # Its first use's backward would free the weights its second use's backward then
+            # reads: garbage on gloo, an illegal memory access on CUDA.
+            raise RuntimeError(
+                f"module {unit.name!r} ran twice in one training forward; a unit's weights "
+                "are released after its backward, so each module may run once per forward "
+                "(give the second use a module of its own, or share weights at the root)")
+        self._forward_seen.add(unit)
         # Prefetch before waiting: the gathers queue behind this one at once (on the host
         # worker the next unit's transfer starts the moment this one's ends, not after the
         # compute thread has seen it end).

@@ -15,6 +15,17 @@ Groups, built once (``dist.new_group`` must be called by every rank in the same 
   together (the backward all-gather runs in it).
 - ``weight_inter``: the inter-node groups again, built only for weight deltas (their
   forward gather, [Note: weight deltas]), so the gather and reduce lanes never share one.
+- ``reduce_world``: all ranks again, for the gradient reductions. NCCL runs one stream per
+  communicator, so gathers and reductions on one world group would queue behind each other
+  (the reduce-scatter of unit k waiting for the gather of unit k+1) where the engine means
+  them to overlap, as the step-time model times them.
+
+[Note: eager communicators] NCCL creates a communicator at its first collective unless the
+group was made with a device (``device_id``). First uses from two side streams at once can
+deadlock, and the time they take lands in iteration 1. So ``warm_up`` runs one small
+all-reduce on every group this rank belongs to, in the order above on every rank, from the
+training thread, before the engine is returned; the simulated cluster reports a
+communicator first used after that.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 
@@ -95,6 +107,20 @@ class Topology(ClusterShape):
     # The inter-node group again, for the weight-delta gather ([Note: weight deltas]): a
     # communicator of its own, so the gather lane never shares one with qgZ's reduce lane.
     weight_inter_group: object = field(default=None, compare=False, repr=False)
+    # All ranks, for the reductions: a communicator apart from the gathers' world group.
+    reduce_world_group: object = field(default=None, compare=False, repr=False)
+
+    def groups(self) -> list[object]:
+        """Every process group this rank belongs to, in creation order (the default group
+        first): what ``warm_up`` initializes."""
+        built = [self.intra_node_group, self.inter_node_group, self.hpz_group,
+                 self.weight_inter_group, self.reduce_world_group]
+        return [dist.group.WORLD, *(g for g in built if g is not None)]
+
+    def warm_up(self, device) -> None:
+        """[Note: eager communicators] One small all-reduce on each of this rank's groups."""
+        for group in self.groups():
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
 
     @classmethod
     def planned(cls, shape: ClusterShape, hpz_size: int = 1) -> Topology:
@@ -170,6 +196,7 @@ def build_topology(ranks_per_node: int | None = None, hpz_size: int = 1,
         group = dist.new_group([node * per_node + local for node in range(num_nodes)])
         if local == rank % per_node:
             weight_inter = group
+    reduce_world = dist.new_group(list(range(world_size)))
     return Topology(world_size=world_size, ranks_per_node=per_node, rank=rank, hpz_size=hpz_size,
                     intra_node_group=intra, inter_node_group=inter, hpz_group=hpz,
-                    weight_inter_group=weight_inter)
+                    weight_inter_group=weight_inter, reduce_world_group=reduce_world)

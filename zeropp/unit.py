@@ -67,6 +67,13 @@ class UnitComm:
     grad_dtype: torch.dtype = torch.float32
     # Gathered elements of all units, kept as units change state ([Note: live count]).
     live: LiveCount = field(default_factory=lambda: LiveCount())
+    # The world again, on a communicator of its own: reductions overlap gathers on NCCL
+    # (``zeropp.topology``'s ``reduce_world``). None: ``world``.
+    reduce_world: CommGroup | None = None
+
+    @property
+    def reduce_group(self) -> CommGroup:
+        return self.reduce_world if self.reduce_world is not None else self.world
 
 
 class LiveCount:
@@ -420,7 +427,7 @@ class ShardedUnit:
             return
         flat = self.take_gradients()
         out_dtype = self.comm.reduce_dtype or self.dtype
-        world = self.comm.world
+        world = self.comm.reduce_group
         # Into the gradient shard itself while it holds nothing (the step zeroed it) and
         # the reduction rounds to its dtype anyway: no temporary and no addition. qgZ sums in
         # fp32 and rounds once on the write, as the addition to zero would.
@@ -530,7 +537,7 @@ class PersistentUnits:
         units = [u for u in self.units if u.num_grad_params]
         if not units:
             return
-        world = self.comm.world
+        world = self.comm.reduce_group
         joint = torch.cat([u.take_gradients().view(world.size, -1) for u in units], dim=1)
         out = torch.empty(joint.shape[1], dtype=self.comm.reduce_dtype or units[0].dtype,
                           device=joint.device)

@@ -1,6 +1,6 @@
 """The GPU check: one command, under 10 minutes on one GPU, for the moment a GPU is at hand.
 
-    scripts/gpu_check.sh [--out DIR] [--quick] [--sections abcde] [--budget-s 570]
+    scripts/gpu_check.sh [--out DIR] [--quick] [--sections abcdefg] [--budget-s 570]
     (= .venv/bin/python -m scripts.bench.gpu_check ...)
 
 Sections (each timed, each pass / fail / skip with its figures; a failing one does not stop
@@ -14,7 +14,11 @@ the others):
      the same run on CPU/gloo (scripts/bench/gpu_check_engine.py);
   d. a profiled iteration shows the gather and reduce streams overlapping compute (the
      chrome trace is kept in DIR);
-  e. host time against GPU time per iteration at the 18B's block shape, few layers.
+  e. host time against GPU time per iteration at the 18B's block shape, few layers;
+  f. the engine at world size 1 under PyTorch's CUDA sanitizer: no cross-stream race
+     (scripts/bench/gpu_check_nccl.py);
+  g. two processes on two GPUs over NCCL, started as torchrun starts them: one GPU each by
+     LOCAL_RANK, equal losses (skipped on a one-GPU machine).
 
 Writes DIR/gpu_check.json (rewritten after every section, so a killed run leaves what it
 had) and prints a short table. Exit status: 0 when every section passed, 1 when one did not,
@@ -61,7 +65,8 @@ DEFAULT_BUDGET_S = 570.0  # 9.5 minutes: the check must fit 10 on one H100, star
 # Not measured on a GPU yet: estimates from the work each does (section a compiles a Triton
 # variant per dtype, width, block size and length; e builds a 1.2B-parameter model whose
 # initial values are drawn on the host).
-SECTION_SHARES_S = {"a": 150.0, "b": 70.0, "c": 100.0, "d": 100.0, "e": 150.0}
+SECTION_SHARES_S = {"a": 130.0, "b": 60.0, "c": 90.0, "d": 90.0, "e": 130.0, "f": 45.0,
+                    "g": 25.0}
 SECTION_GRACE_S = 15.0  # a section stops starting new work this long before its limit
 NO_CUDA_EXIT = 3
 SECTIONS_DIR = "sections"  # per-section results and logs, inside the out dir
@@ -72,14 +77,14 @@ class UsageError(ValueError):
 
 
 def parse_sections(text: str) -> list[str]:
-    """'abcde', 'a,c' or 'all' -> the section keys in run order."""
+    """'abcdefg', 'a,c' or 'all' -> the section keys in run order."""
     if text.strip().lower() == "all":
         return list(SECTIONS)
     keys = [k for k in text.replace(",", "").replace(" ", "").lower()]
     unknown = sorted(set(keys) - set(SECTIONS))
     if not keys or unknown:
         raise UsageError(f"--sections {text!r}: choose from {', '.join(SECTIONS)} (e.g. "
-                         "'abcde', 'a,c' or 'all')")
+                         "'abcdefg', 'a,c' or 'all')")
     return [k for k in SECTIONS if k in keys]
 
 
@@ -94,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help="smaller tensors, models and case lists (a minute or two)")
     parser.add_argument("--sections", default="all", metavar="KEYS",
-                        help="which sections to run: letters of abcde, or 'all' (default)")
+                        help="which sections to run: letters of abcdefg, or 'all' (default)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, metavar="S",
                         help=f"wall-clock budget for all sections together (default: "
                         f"{DEFAULT_BUDGET_S:g})")
@@ -200,9 +205,16 @@ def section_function(key: str, out_dir: Path, quick: bool, limit_s: float | None
     if key == "d":
         shape = engine_sections.OVERLAP_GPT["quick" if quick else "full"]
         return lambda: engine_sections.check_stream_overlap(out_dir, **shape)
-    return lambda: engine_sections.check_host_vs_gpu(
-        out_dir, num_layers=1 if quick else 2, micro_batch=1 if quick else 2,
-        timed_iterations=2 if quick else 3)
+    if key == "e":
+        return lambda: engine_sections.check_host_vs_gpu(
+            out_dir, num_layers=1 if quick else 2, micro_batch=1 if quick else 2,
+            timed_iterations=2 if quick else 3)
+    from scripts.bench import gpu_check_nccl as nccl_sections
+
+    if key == "f":
+        return lambda: nccl_sections.check_under_sanitizer(steps=2 if quick else 3)
+    return lambda: nccl_sections.check_two_ranks(out_dir, steps=2 if quick else 3,
+                                                 timeout_s=work_s or 120)
 
 
 def result_path(out_dir: Path, key: str) -> Path:
@@ -257,8 +269,11 @@ def run_section_in_child(key: str, args: argparse.Namespace, limit_s: float) -> 
     start = time.perf_counter()
     with open(log_path, "w") as log:
         # Its own session: on timeout the whole group goes, section c's CPU worker included.
+        from scripts.bench.gpu_check_nccl import section_env
+
         child = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+                                 start_new_session=True,
+                                 env={**os.environ, **section_env(key)})
         try:
             child.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:

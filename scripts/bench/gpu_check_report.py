@@ -43,6 +43,8 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "c": ("engine_nccl_vs_gloo", "engine on NCCL vs CPU/gloo"),
     "d": ("streams_overlap", "side streams overlap compute"),
     "e": ("host_vs_gpu_time", "host vs GPU time, 18B block"),
+    "f": ("cuda_sanitizer", "no cross-stream race (sanitizer)"),
+    "g": ("two_ranks_nccl", "two ranks on two GPUs over NCCL"),
 }
 
 

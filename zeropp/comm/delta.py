@@ -152,10 +152,13 @@ class DeltaWeightGather(Collective):
         return {name: {"values": base.values.detach().cpu(), "current": base.current}
                 for name, base in self.bases.items()}
 
-    def load_state_dict(self, state: dict, device: torch.device) -> None:
+    def load_state_dict(self, state: dict, device: torch.device,
+                        dtype: torch.dtype | None = None) -> None:
+        """``dtype``: the working dtype the bases must be in (a checkpoint of an fp32 run
+        resumed in bf16, say); None keeps the saved one."""
         self.bases = {}
         for name, saved in state.items():
-            self.bases[name] = _Base(saved["values"].to(device))
+            self.bases[name] = _Base(saved["values"].to(device=device, dtype=dtype))
             self.bases[name].current = bool(saved["current"])
 
     # ---- the gather -----------------------------------------------------------------------

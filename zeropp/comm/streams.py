@@ -100,6 +100,10 @@ class InlineExecution(Execution):
         return Pending(keep=keep)
 
 
+# CUDA's stream priorities: lower is higher; -1 is the highest torch's API exposes everywhere.
+HIGH_STREAM_PRIORITY = -1
+
+
 class CudaExecution(Execution):
     """A gather stream and a reduce stream on one CUDA device; events to the compute stream."""
 
@@ -108,8 +112,12 @@ class CudaExecution(Execution):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         # Gathers and reductions on separate streams so a reduction of block i overlaps the
-        # gather of block i-1 in backward, and neither blocks compute.
-        self.streams = {lane: torch.cuda.Stream(device=device) for lane in ("gather", "reduce")}
+        # gather of block i-1 in backward, and neither blocks compute. At high priority (as
+        # FSDP2's): the block scheduler serves their few small kernels (quantization, NCCL's)
+        # before the compute stream's queue, instead of a large GEMM starving them while the
+        # next unit's weights are late.
+        self.streams = {lane: torch.cuda.Stream(device=device, priority=HIGH_STREAM_PRIORITY)
+                        for lane in ("gather", "reduce")}
 
     def launch(self, lane, issue, *, finish=None, keep=(), sequence=False) -> Pending:
         stream = self.streams[lane]

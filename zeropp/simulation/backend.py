@@ -97,6 +97,14 @@ class Simulation:
         self.in_flight = 0  # async works not yet waited
         self.max_in_flight = 0
         self._orders: dict[CommKey, list[OpRecord]] = {}
+        # Communicators that existed at the last communicators_ready(): a first collective on
+        # one of them is a violation.
+        self._ready: set[CommKey] = set()
+
+    def communicators_ready(self) -> None:
+        """Training starts: every communicator that exists now must have been used (so
+        created, on NCCL) already ([Note: eager communicators] in zeropp.topology)."""
+        self._ready = set(self._orders)
 
     # -- results -------------------------------------------------------------------------
 
@@ -298,6 +306,9 @@ class _SimProcessGroup(dist.ProcessGroup):
             record = OpRecord(op, tuple(tuple(t.shape) for t in both),
                               tuple(str(t.dtype).removeprefix("torch.") for t in both), detail)
         if op not in ("send", "recv"):  # point-to-point is not part of the collective order
+            if self._key in sim._ready and not sim._orders[self._key]:
+                sim._violation("lazy communicator", f"{where}: the communicator's first "
+                               "collective, after training started", site)
             sim._orders[self._key].append(record)
         sim.counts[(op, self._key)] += 1
         sim.bytes[(op, self._key)] += sum(t.numel() * t.element_size() for t in inputs)

@@ -1,0 +1,177 @@
+"""What a first NCCL run would meet and gloo hides, checked without a GPU: the device each
+rank takes, communicators created before training, reductions on their own communicator,
+and high-priority side streams. CUDA and torch.distributed are faked where a GPU is needed."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_ranks
+
+# The module (the package's ``zeropp.initialize`` is the function of that name).
+init_module = importlib.import_module("zeropp.initialize")
+
+
+class FakeCuda:
+    """torch.cuda as seen by a rank of an 8-GPU node, recording set_device."""
+
+    def __init__(self, monkeypatch, current: int = 0, count: int = 8) -> None:
+        self.current, self.set_to = current, []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "set_device", self.set_device)
+
+    def set_device(self, device) -> None:
+        self.set_to.append(torch.device(device))
+        self.current = torch.device(device).index
+
+
+def user_group(monkeypatch, backend: str = "nccl", bound: torch.device | None = None) -> None:
+    """The script called init_process_group itself (without a device, unless ``bound``)."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *args: backend)
+    monkeypatch.setattr(init_module, "_bound_device", lambda: bound)
+
+
+def test_a_group_the_script_created_gets_local_ranks_gpu(monkeypatch):
+    """Every rank of a node used to land on cuda:0 when the script had initialized the
+    process group: init_distributed returned early without choosing a device."""
+    cuda = FakeCuda(monkeypatch)
+    user_group(monkeypatch)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    init_module.init_distributed()
+    assert cuda.set_to == [torch.device("cuda", 3)]
+
+
+@pytest.mark.parametrize("bound", [None, torch.device("cuda", 5)])
+def test_a_group_on_another_gpu_than_local_rank_is_a_one_line_error(monkeypatch, bound):
+    cuda = FakeCuda(monkeypatch, current=5 if bound is None else 0)
+    user_group(monkeypatch, bound=bound)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(RuntimeError) as error:
+        init_module.init_distributed()
+    message = str(error.value)
+    assert "cuda:5" in message and "LOCAL_RANK=3" in message and "\n" not in message
+    assert cuda.set_to == []
+
+
+def test_the_engine_creates_the_nccl_group_for_local_ranks_gpu(monkeypatch):
+    """device_id makes NCCL create the communicator at init_process_group (and the groups
+    split from it), instead of at the first collective in iteration 1."""
+    cuda = FakeCuda(monkeypatch)
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    init_module.init_distributed()
+    [(args, kwargs)] = calls
+    assert args == ("nccl",) and kwargs["device_id"] == torch.device("cuda", 1)
+    assert cuda.set_to == [torch.device("cuda", 1)]
+
+
+def test_local_rank_beyond_the_visible_gpus_is_a_one_line_error(monkeypatch):
+    FakeCuda(monkeypatch, count=2)
+    user_group(monkeypatch)
+    monkeypatch.setenv("LOCAL_RANK", "4")
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=4 but this process sees 2 GPU"):
+        init_module.init_distributed()
+
+
+def test_side_streams_are_created_at_high_priority(monkeypatch):
+    """Compute kernels must not starve the gathers and reductions (FSDP2's choice)."""
+    from zeropp.comm.streams import CudaExecution
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda **kwargs: made.append(kwargs) or object())
+    execution = CudaExecution(torch.device("cuda", 2))
+    assert set(execution.streams) == {"gather", "reduce"}
+    assert made == [{"device": torch.device("cuda", 2), "priority": -1}] * 2
+
+
+def _groups_of_an_engine(rank: int, world: int) -> dict:
+    """Which process groups the gathers and the reductions of two training steps used."""
+    import zeropp
+    import zeropp.comm.collectives as collectives
+    from tests.toy_models import toy_batches, toy_loss, toy_model
+
+    used: dict[str, set] = {"all_gather_into_tensor": set(), "reduce_scatter_tensor": set()}
+
+    def recording(original, groups):
+        def record(*args, **kwargs):
+            groups.add(id(kwargs.get("group")))
+            return original(*args, **kwargs)
+        return record
+
+    for name, groups in used.items():  # a spawned rank's own module: nothing to restore
+        setattr(collectives, name, recording(getattr(collectives, name), groups))
+    engine, *_ = zeropp.initialize(
+        model=toy_model(layers=2),
+        config={"train_micro_batch_size_per_gpu": 2,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    tokens = toy_batches(2, 1, 2 * world)[:, 0, rank * 2:(rank + 1) * 2]
+    for step in range(2):
+        engine.backward(toy_loss(engine(tokens[step]), tokens[step]))
+        engine.step()
+    engine.close()
+    return {name: len(groups) for name, groups in used.items()} | {
+        "shared": bool(used["all_gather_into_tensor"] & used["reduce_scatter_tensor"])}
+
+
+def test_exact_gathers_and_reductions_use_separate_communicators():
+    """On NCCL one communicator is one stream: the reduce-scatter of unit k would wait for
+    the gather of unit k+1 behind it."""
+    for result in run_ranks(_groups_of_an_engine, 2):
+        assert result["all_gather_into_tensor"] >= 1 and result["reduce_scatter_tensor"] >= 1
+        assert not result["shared"], result
+
+
+class _TwiceModel(torch.nn.Module):
+    """Calls its first block twice in one forward (weight sharing inside the blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = self.layers[0](x)
+        x = self.layers[1](x)
+        return self.layers[0](x)
+
+
+def _forward_twice(rank: int, world: int) -> tuple[str, bool]:
+    import zeropp
+
+    engine, *_ = zeropp.initialize(
+        model=_TwiceModel(),
+        config={"train_micro_batch_size_per_gpu": 2,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    ids = torch.arange(8).view(2, 4)
+    with torch.no_grad():  # no backward to come: a second use reads weights still gathered
+        evaluated = engine(ids).isfinite().all().item()
+    try:
+        engine(ids)
+    except RuntimeError as error:
+        return str(error), evaluated
+    finally:
+        engine.close()
+    return "", evaluated
+
+
+def test_a_module_run_twice_in_a_training_forward_is_a_one_line_error():
+    """Its first backward would free the weights its second backward reads: on CUDA an
+    illegal memory access."""
+    for message, evaluated in run_ranks(_forward_twice, 2):
+        assert evaluated
+        assert message.startswith("module 'layers.0' ran twice in one training forward")
+        assert "\n" not in message
