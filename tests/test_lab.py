@@ -279,7 +279,9 @@ def test_report_makes_old_recorded_commands_portable(tmp_path):
 # ---- the whole pipeline on a simulated cluster (root only) ---------------------------------------
 
 _UNAVAILABLE = cluster.unavailable_reason()
-TINY_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2",
+# Hidden 96: a block (110K parameters) above stage3_param_persistence_threshold's 1e5, so it
+# is gathered through qwZ as a real model's blocks are (persistent units go exactly).
+TINY_MODEL = ["--num-layers", "2", "--hidden-size", "96", "--num-attention-heads", "2",
               "--seq-length", "32", "--vocab-size", "512", "--global-batch-size", "4"]
 
 

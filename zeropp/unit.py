@@ -241,6 +241,8 @@ class ShardedUnit:
             assert self.comm.hpz is not None and self.secondary_shard is not None
             pending = self.comm.secondary_gather(
                 self.full, self.secondary_shard, self.comm.hpz, self.comm.stats, phase)
+        elif self.joins_persistent_gather:  # exact on every path ([Note: persistent units])
+            pending = all_gather(self.full, self.shard, self.comm.world, self.comm.stats, phase)
         else:
             # A replicated unit's shard lies inside ``full``: NCCL allows that in-place
             # gather, gloo copies each input into its slot with memcpy (source == target),
