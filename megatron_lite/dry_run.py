@@ -23,9 +23,10 @@ is exactly Megatron's formula. Selective recomputation (``--recompute-granularit
 selective``) drops the 5as^2b of scores, softmax and dropout mask. With full recomputation
 (``--checkpoint-activations``) only
 each checkpointed chunk's input (2*s*b*h bytes) stays for the whole backward, plus one
-chunk's full activations while it is recomputed. The logits add s*b*V*(d + 8) bytes: the
-d-byte logits, their fp32 copy and the fp32 log-softmax kept by the fp32 loss. With fp32
-compute the 16-bit terms are doubled. The estimate counts no allocator fragmentation, no
+chunk's full activations while it is recomputed. The logits add s*b*V*d bytes, and the fp32
+loss two fp32 chunks of them at a time (at most 2 x 2**26 values: [Note: chunked
+cross-entropy] in megatron_lite/model/gpt.py). With fp32 compute the 16-bit terms are
+doubled. The estimate counts no allocator fragmentation, no
 CUDA context and no communication buffers, so leave a few GiB of margin.
 
 The simulated GPU cluster measures what the program allocates on meta tensors, where attention
@@ -65,6 +66,7 @@ from megatron_lite.arguments import (
 )
 from megatron_lite.ds_config import read_ds_config
 from megatron_lite.model import GPTConfig, GPTModel, describe_count
+from megatron_lite.model.gpt import LOSS_CHUNK_ELEMENTS
 from zeropp.config import ConfigError, EngineConfig, ZeroConfig
 from zeropp.planner import (
     SystemPlan,
@@ -273,7 +275,10 @@ def plan_activations(config: GPTConfig, seq_length: int, micro_batch: int,
                      dtype_bytes: int) -> ActivationPlan:
     scale = dtype_bytes / ACTIVATION_REFERENCE_BYTES
     per_layer = layer_activation_bytes(config, seq_length, micro_batch)
-    logits = seq_length * micro_batch * config.padded_vocab_size * (dtype_bytes + 8)
+    # The logits, and the loss's fp32 working set: two chunks of its tokens at a time
+    # ([Note: chunked cross-entropy]), not fp32 copies of all of them.
+    logit_count = seq_length * micro_batch * config.padded_vocab_size
+    logits = logit_count * dtype_bytes + 4 * min(logit_count, 2 * LOSS_CHUNK_ELEMENTS)
     if not config.checkpoint_activations:
         return ActivationPlan(int(config.num_layers * per_layer * scale), 0, logits)
     layer_input = ACTIVATION_REFERENCE_BYTES * seq_length * micro_batch * config.hidden_size

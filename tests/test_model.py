@@ -381,3 +381,61 @@ def test_lm_loss_all_masked_is_zero_and_shapes_are_checked() -> None:
         lm_loss(logits, labels[:, :3], torch.ones(2, 4))
     with pytest.raises(ValueError, match="logits must be"):
         lm_loss(logits[0], labels, torch.ones(2, 4))
+
+
+# ---- the loss ([Note: chunked cross-entropy]) --------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_elements", [10**9, 7 * 97, 97])  # one chunk, ragged, one row
+def test_chunked_cross_entropy_matches_torchs_values_and_gradients(chunk_elements) -> None:
+    from megatron_lite.model.gpt import chunked_cross_entropy
+
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(23, 97, generator=generator) * 4).requires_grad_()
+    labels = torch.randint(0, 97, (23,), generator=generator)
+    labels[5] = -100  # ignored, as torch ignores it
+    upstream = torch.rand(23, generator=generator)
+    expected = F.cross_entropy(logits, labels, reduction="none")
+    (expected_grad,) = torch.autograd.grad(expected, logits, upstream)
+    got = chunked_cross_entropy(logits, labels, chunk_elements=chunk_elements)
+    (got_grad,) = torch.autograd.grad(got, logits, upstream)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_grad, expected_grad, rtol=1e-6, atol=1e-7)
+    assert got[5] == 0 and (got_grad[5] == 0).all()
+    # 16-bit logits: the gradient in their dtype, computed in fp32, as autograd's cast gives.
+    half = logits.detach().bfloat16().requires_grad_()
+    reference = F.cross_entropy(half.float(), labels, reduction="none")
+    (reference_grad,) = torch.autograd.grad(reference, half, upstream)
+    chunked = chunked_cross_entropy(half, labels, chunk_elements=chunk_elements)
+    (chunked_grad,) = torch.autograd.grad(chunked, half, upstream)
+    assert chunked_grad.dtype == torch.bfloat16
+    torch.testing.assert_close(chunked, reference, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(chunked_grad.float(), reference_grad.float(), rtol=2**-7, atol=1e-6)
+
+
+def test_the_loss_of_llama3_8b_at_8k_holds_an_eighth_of_the_fp32_logits() -> None:
+    """8K tokens of a 128K vocabulary: fp32 logits are 4 GiB. Measured on the meta device:
+    what the loss holds beyond the 16-bit logits and their 16-bit gradient, forward and
+    backward, chunked against torch's cross-entropy of the fp32 cast."""
+    from zeropp.simulation import MemoryTracker
+
+    tokens, vocab = 8192, 128_256
+
+    def transient(loss_of) -> int:
+        logits = torch.empty(1, tokens, vocab, dtype=torch.bfloat16, device="meta",
+                             requires_grad=True)
+        labels = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+        mask = torch.ones(1, tokens, device="meta")
+        with MemoryTracker() as memory:
+            loss_of(logits, labels, mask).backward()
+        sixteen_bit = 2 * tokens * vocab  # the logits' gradient, which any loss produces
+        return memory.peak_bytes - sixteen_bit
+
+    def unchunked(logits, labels, mask):
+        losses = F.cross_entropy(logits.float().reshape(-1, vocab), labels.reshape(-1),
+                                 reduction="none")
+        return (losses * mask.reshape(-1)).sum() / mask.sum()
+
+    before, after = transient(unchunked), transient(lm_loss)
+    assert before >= 8 * 2**30  # the fp32 copy and torch's fp32 log-softmax or gradient
+    assert after <= before / 8, (after / 2**30, before / 2**30)

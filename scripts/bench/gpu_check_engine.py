@@ -414,21 +414,29 @@ def check_host_vs_gpu(out_dir: Path, num_layers: int = 2, micro_batch: int = 2,
     return outcome
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.bench.gpu_check_engine",
-                                     description="GPU check section c's CPU/gloo reference run")
+def worker_main(argv: list[str] | None, module: str, description: str, command: str,
+                what: str, run) -> int:
+    """The command line of a section's worker process: ``command --steps N --out FILE``,
+    running ``run(steps, out)``; a failure is one line on stderr for the parent's report."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
     commands = parser.add_subparsers(dest="command", required=True)
-    cpu = commands.add_parser("cpu-losses", help="train the tiny GPT on CPU with gloo")
-    cpu.add_argument("--steps", type=int, required=True)
-    cpu.add_argument("--out", type=Path, required=True, help="write the losses here (JSON)")
+    worker = commands.add_parser(command, help=what)
+    worker.add_argument("--steps", type=int, required=True)
+    worker.add_argument("--out", type=Path, required=True, help="write the result here (JSON)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
     try:
-        return cpu_reference_main(args.steps, args.out)
+        return run(args.steps, args.out)
     except Exception as error:  # noqa: BLE001 (one line for the parent's report)
         print(f"error: {one_line(error)}", file=sys.stderr)
         return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return worker_main(argv, "scripts.bench.gpu_check_engine",
+                       "GPU check section c's CPU/gloo reference run", "cpu-losses",
+                       "train the tiny GPT on CPU with gloo", cpu_reference_main)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -37,6 +36,7 @@ from scripts.bench.gpu_check_engine import (
     ensure_process_group,
     token_batches,
     train_iteration,
+    worker_main,
 )
 from scripts.bench.gpu_check_report import Outcome, one_line
 
@@ -189,16 +189,9 @@ def rank_main(steps: int, out_path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.bench.gpu_check_nccl",
-                                     description="one rank of the GPU check's section g")
-    commands = parser.add_subparsers(dest="command", required=True)
-    rank = commands.add_parser("rank", help="train the tiny GPT as one of two NCCL ranks")
-    rank.add_argument("--steps", type=int, required=True)
-    rank.add_argument("--out", type=Path, required=True, help="write device and losses here")
-    args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error(f"--steps must be at least 1, got {args.steps}")
-    return rank_main(args.steps, args.out)
+    return worker_main(argv, "scripts.bench.gpu_check_nccl",
+                       "one rank of the GPU check's section g", "rank",
+                       "train the tiny GPT as one of two NCCL ranks", rank_main)
 
 
 if __name__ == "__main__":
