@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from zeropp.comm.accounting import LOCALITIES, PHASES, all_reduce_bytes, locality
-from zeropp.comm.collectives import AllGather, CommGroup
+from zeropp.comm.collectives import CommGroup, all_gather
 from zeropp.comm.registry import Collectives, collectives_for
 from zeropp.config import ZeroConfig
 from zeropp.flat_layout import FlatLayout
@@ -304,7 +304,7 @@ def plan_communication(units: Sequence[UnitPlan], cluster: ClusterShape, zero: Z
         if unit.persistent and not unit.is_root:
             # Re-gathered once, when the update refreshes it, exactly ([Note: persistent
             # units]): 16-bit values, whatever the other units' gather sends.
-            volume.add("forward_all_gather", AllGather().bytes_sent(unit.shard_numel, dtype, world))
+            volume.add("forward_all_gather", all_gather.bytes_sent(unit.shard_numel, dtype, world))
         elif unit.persistent:
             volume.add("forward_all_gather", world_gathers(1))
         else:

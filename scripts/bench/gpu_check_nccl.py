@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -115,7 +116,7 @@ def two_rank_verdict(results: list[dict[str, Any]]) -> Outcome:
         return Outcome("fail", f"ranks ran on {devices}, not one GPU each by LOCAL_RANK",
                        figures)
     losses = [r["losses"] for r in results]
-    if any(loss != loss or abs(loss) == float("inf") for run in losses for loss in run):
+    if not all(math.isfinite(loss) for run in losses for loss in run):
         return Outcome("fail", f"non-finite losses: {losses}", figures)
     if losses[0] != losses[1]:
         return Outcome("fail", f"the ranks' losses differ: {losses}", figures)

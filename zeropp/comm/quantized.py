@@ -288,21 +288,23 @@ class HierarchicalReduceScatter(Collective):
         sent[locality(self.inter.spans_nodes)] += all_to_all_bytes(second, self.nodes)
         return sent
 
+    # The hops' bytes are recorded by __call__, in the caller's thread: not again here.
+    _UNTRACKED = CommStats()
+
     def _send(self, output: torch.Tensor, full: torch.Tensor, key: object,
               in_flight: dict[str, object]) -> None:
         """Steps 1-4 of [Note: qgZ data path], leaving step 4 (the inter-node all-to-all) in
         flight in ``in_flight`` for ``_receive``."""
-        untracked = CommStats()  # already recorded by the caller
         slice_numel = output.numel()
         chunk_numel = self.nodes * slice_numel
 
         if self.bits is None:
             swizzled = kernels.swizzle(full.reshape(-1), self.nodes, self.per_node)
             received = torch.empty_like(swizzled)
-            all_to_all(received, swizzled, self.intra, untracked, "gradient_reduce")
+            all_to_all(received, swizzled, self.intra, self._UNTRACKED, "gradient_reduce")
             partial = received.view(self.per_node, chunk_numel).float().sum(0)
             second = torch.empty_like(partial)
-            in_flight["work"] = all_to_all(second, partial, self.inter, untracked,
+            in_flight["work"] = all_to_all(second, partial, self.inter, self._UNTRACKED,
                                            "gradient_reduce", async_op=True)
             in_flight["received"] = second
             return
@@ -326,7 +328,7 @@ class HierarchicalReduceScatter(Collective):
         # per_node payloads one after another, as the all-to-all splits its input.
         send = kernels.quantize_swizzled(full, self.nodes, self.per_node, bits, block)
         received = torch.empty_like(send)
-        all_to_all(received, send, self.intra, untracked, "gradient_reduce")
+        all_to_all(received, send, self.intra, self._UNTRACKED, "gradient_reduce")
         del send
         received = received.view(self.per_node, -1)
         if self.nodes == 1:
@@ -360,7 +362,7 @@ class HierarchicalReduceScatter(Collective):
     def _send_across_nodes(self, send: torch.Tensor, in_flight: dict[str, object]) -> None:
         """Step 4, left in flight: slice m of ``send`` to node m."""
         received = torch.empty_like(send)
-        in_flight["work"] = all_to_all(received, send, self.inter, CommStats(),
+        in_flight["work"] = all_to_all(received, send, self.inter, self._UNTRACKED,
                                        "gradient_reduce", async_op=True)
         in_flight["received"] = received.view(self.nodes, -1)
 
