@@ -9,6 +9,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
+# A bare name (PYTHON=python3) is looked up on the PATH.
+if [[ "$PYTHON" != */* ]]; then PYTHON="$(command -v "$PYTHON" || echo "$PYTHON")"; fi
 if [[ ! -x "$PYTHON" ]]; then
   echo "error: $PYTHON not found: run scripts/setup.sh first, or set PYTHON" >&2
   exit 2

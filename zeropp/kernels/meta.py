@@ -14,27 +14,47 @@ would make the quantization kernels invisible to the step-time model.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from zeropp.kernels.reference import check_quantize_input, payload_layout
 
 
-@torch.library.custom_op("zeropp::quantize_blockwise", mutates_args=(), device_types="meta")
+def meta_op(qualname: str, *, mutates_args: tuple[str, ...] = ()):
+    """Define ``qualname`` as a dispatcher op whose only implementation is ``shape_fn`` on the
+    meta device (its fake implementation, which the Meta dispatch key runs).
+
+    Why not ``custom_op(..., device_types="meta")``: torch 2.11 gives every custom op a Meta
+    kernel of its own (the fake implementation) and refuses a second one for that key, so the
+    op is defined with a body for the real devices that says where their kernels are."""
+    def register(shape_fn):
+        @functools.wraps(shape_fn)  # the op's schema is read from shape_fn's signature
+        def off_meta(*args, **kwargs):
+            raise RuntimeError(f"{qualname} is the meta device's kernel: on CPU and CUDA "
+                               "zeropp.kernels runs the reference or the Triton kernel")
+
+        op = torch.library.custom_op(qualname, off_meta, mutates_args=mutates_args)
+        op.register_fake(shape_fn)
+        return op
+    return register
+
+
+@meta_op("zeropp::quantize_blockwise", mutates_args=())
 def _quantize(x: Tensor, bits: int, block_size: int) -> Tensor:
     layout = check_quantize_input(x, bits, block_size)
     return torch.empty(layout.nbytes, dtype=torch.uint8, device=x.device)
 
 
-@torch.library.custom_op("zeropp::dequantize_blockwise", mutates_args=(), device_types="meta")
+@meta_op("zeropp::dequantize_blockwise", mutates_args=())
 def _dequantize(payload: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
     return torch.empty(numel, dtype=dtype, device=payload.device)
 
 
 # The ``out=`` form: ``out`` is written, so it is an argument the op mutates (its bytes count
 # once, as the kernel's writes) and nothing is returned.
-@torch.library.custom_op("zeropp::dequantize_blockwise_into", mutates_args=("out",),
-                         device_types="meta")
+@meta_op("zeropp::dequantize_blockwise_into", mutates_args=("out",))
 def _dequantize_into(payload: Tensor, out: Tensor) -> None:
     return None
 
@@ -42,19 +62,17 @@ def _dequantize_into(payload: Tensor, out: Tensor) -> None:
 # These two always write into a buffer the caller allocated (their own, when the caller
 # passed none): the kernel the trace sees is the same whether the engine dequantizes into a
 # fresh tensor or straight into a unit's buffer.
-@torch.library.custom_op("zeropp::dequantize_blockwise_many", mutates_args=("out",),
-                         device_types="meta")
+@meta_op("zeropp::dequantize_blockwise_many", mutates_args=("out",))
 def _dequantize_many(payloads: Tensor, out: Tensor) -> None:
     return None
 
 
-@torch.library.custom_op("zeropp::dequantize_reduce", mutates_args=("out",), device_types="meta")
+@meta_op("zeropp::dequantize_reduce", mutates_args=("out",))
 def _dequantize_reduce(payloads: Tensor, out: Tensor) -> None:
     return None
 
 
-@torch.library.custom_op("zeropp::dequantize_reduce_quantize", mutates_args=(),
-                         device_types="meta")
+@meta_op("zeropp::dequantize_reduce_quantize", mutates_args=())
 def _dequantize_reduce_quantize(payloads: Tensor, nbytes: int) -> Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=payloads.device)
 
