@@ -9,7 +9,7 @@ a. Every kernel, through the dispatcher the engine uses (`zeropp.kernels`), equa
 b. Each kernel's bandwidth on 64 MiB tensors, as the step-time trace counts bytes (the
    tensors an op reads plus those it writes; `zeropp/kernels/meta.py`), timed with CUDA
    events (median after warmup), against the device's peak. Every variant is also compared
-   with the reference on the same device, to check the large grids. The per-op rates become
+   with the reference on the CPU (as in a), to check the large grids. The per-op rates become
    the report's `kernel_rates`, keyed by the trace's op names.
 
 The functions take a device and sizes, so the tests run their plumbing on CPU (reference
@@ -277,7 +277,7 @@ class KernelWorkload:
     ops: tuple[str, ...]  # trace op names whose rate this call measures
     call: Callable[[], torch.Tensor]
     nbytes: int  # bytes of the tensors it reads plus the tensors it writes
-    reference: Callable[[], torch.Tensor]  # the same call on the reference backend
+    reference: Callable[[], torch.Tensor]  # the same call on the CPU reference
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
@@ -307,37 +307,41 @@ def kernel_workloads(device: torch.device, tensor_bytes: int, block: int | None 
     requantized_nbytes = kernels.quantized_nbytes(reduce_numel, 4, block)
     name = trace_op_name
     ref = reference
+    # The reference runs on the CPU, as in section a: the CPU reference is the contract. The
+    # same torch code on CUDA is not bit-identical to it (seen on an H100: bf16 codes and a
+    # reduction's scales differ in the last bit), so it cannot be the yardstick.
+    x_cpu, q8_cpu, q8_rows_cpu, q4_rows_cpu = (t.cpu() for t in (x, q8, q8_rows, q4_rows))
     return [
         KernelWorkload("quantize bf16 -> int8 (qwZ)", (name("quantize_blockwise"),),
                        lambda: kernels.quantize_blockwise(x, 8, block), _nbytes(x, q8),
-                       lambda: ref.quantize_blockwise(x, 8, block)),
+                       lambda: ref.quantize_blockwise(x_cpu, 8, block)),
         KernelWorkload("quantize bf16 -> int4 (qgZ)", (name("quantize_blockwise"),),
                        lambda: kernels.quantize_blockwise(x, 4, block), _nbytes(x, q4),
-                       lambda: ref.quantize_blockwise(x, 4, block)),
+                       lambda: ref.quantize_blockwise(x_cpu, 4, block)),
         KernelWorkload("dequantize int8 -> bf16, out=",
                        (name("dequantize_blockwise"), name("dequantize_blockwise_into")),
                        lambda: kernels.dequantize_blockwise(q8, numel, 8, block, torch.bfloat16,
                                                             out=out16),
                        _nbytes(q8, out16),
-                       lambda: ref.dequantize_blockwise(q8, numel, 8, block, torch.bfloat16)),
+                       lambda: ref.dequantize_blockwise(q8_cpu, numel, 8, block, torch.bfloat16)),
         KernelWorkload(f"dequantize_many {rows} x int8 -> bf16 (qwZ)",
                        (name("dequantize_blockwise_many"),),
                        lambda: kernels.dequantize_blockwise_many(q8_rows, row_numel, 8, block,
                                                                  torch.bfloat16),
                        _nbytes(q8_rows, many_out),
-                       lambda: ref.dequantize_blockwise_many(q8_rows, row_numel, 8, block,
+                       lambda: ref.dequantize_blockwise_many(q8_rows_cpu, row_numel, 8, block,
                                                              torch.bfloat16)),
         KernelWorkload(f"dequantize_reduce {rows} x int4 -> fp32 (qgZ hop 2)",
                        (name("dequantize_reduce"),),
                        lambda: kernels.dequantize_reduce(q4_rows, reduce_numel, 4, block),
                        _nbytes(q4_rows, sum_out),
-                       lambda: ref.dequantize_reduce(q4_rows, reduce_numel, 4, block)),
+                       lambda: ref.dequantize_reduce(q4_rows_cpu, reduce_numel, 4, block)),
         KernelWorkload(f"dequantize_reduce_quantize {rows} x int4 -> int4 (qgZ hop 1)",
                        (name("dequantize_reduce_quantize"),),
                        lambda: kernels.dequantize_reduce_quantize(q4_rows, reduce_numel, 4, 4,
                                                                   block),
                        _nbytes(q4_rows) + requantized_nbytes,
-                       lambda: ref.dequantize_reduce_quantize(q4_rows, reduce_numel, 4, 4,
+                       lambda: ref.dequantize_reduce_quantize(q4_rows_cpu, reduce_numel, 4, 4,
                                                               block)),
     ]
 
@@ -397,7 +401,7 @@ def measure_bandwidth(device: torch.device | str, tensor_bytes: int, peak: float
                       repeats: int = 10, warmup: int = 3, timer=None,
                       target: float = BANDWIDTH_TARGET) -> Outcome:
     """Section b: bytes/s of each workload, its share of `peak`, whether its output equals
-    the reference's on the same device, and `kernel_rates` per trace op name. Passes when
+    the CPU reference's, and `kernel_rates` per trace op name. Passes when
     every kernel reaches `target` of the peak and matches the reference."""
     device = torch.device(device)
     if timer is None:
