@@ -29,6 +29,7 @@ from scripts.bench.gpu_check_report import (
     combined_rate,
     device_peak_bandwidth,
     gpu_events_from_chrome_trace,
+    host_blocked_seconds,
     intersection_seconds,
     median_seconds,
     merge_intervals,
@@ -329,6 +330,26 @@ def test_host_against_gpu_verdict():
     assert busy.status == "pass" and busy.figures["gpu_busy_fraction"] == pytest.approx(0.9)
     starved = gpu_check_engine.host_gpu_verdict([0.2], [0.2], [0.19], gpu_busy=0.05)
     assert starved.status == "fail" and starved.summary.startswith("host-bound: ")
+
+
+def test_host_waits_inside_the_iteration_are_not_issue_time():
+    """As an H100 traced it: launches, the step's gradient-norm read (a stream synchronize
+    while the GPU catches up), more launches, then the check's own synchronize."""
+    def call(name, ts, dur, cat="cuda_runtime"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    trace = {"traceEvents": [
+        call("cudaLaunchKernel", 0, 10), call("cuLaunchKernelEx", 20, 12, "cuda_driver"),
+        call("cudaStreamSynchronize", 40, 10_000), call("cudaMemcpyAsync", 10_050, 20),
+        call("cudaLaunchKernel", 10_100, 10), call("cudaDeviceSynchronize", 10_200, 18_000),
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 5, "dur": 9_000, "args": {"stream": 7}}]}
+    blocked = host_blocked_seconds(trace)
+    assert blocked == pytest.approx(0.010)
+    verdict = gpu_check_engine.host_gpu_verdict([0.03], [0.03], [0.0104], gpu_busy=0.029,
+                                                launches=4, host_blocked=blocked)
+    assert verdict.figures["host_blocked_s"] == pytest.approx(0.010)
+    assert verdict.figures["host_seconds_per_op"] == pytest.approx(0.0004 / 4)
+    assert host_blocked_seconds({"traceEvents": []}) == 0.0
 
 
 def test_loss_comparison():

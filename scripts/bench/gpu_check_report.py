@@ -259,6 +259,33 @@ def gpu_events_from_chrome_trace(trace: dict[str, Any] | list) -> list[GpuEvent]
     return found
 
 
+HOST_API_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+def _is_host_wait(name: str) -> bool:
+    """A CUDA API call in which the host waits for the device: a stream, event or device
+    synchronize, or a synchronous copy (``cudaMemcpy`` without Async)."""
+    return "Synchronize" in name or name in ("cudaMemcpy", "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2")
+
+
+def host_blocked_seconds(trace: dict[str, Any] | list) -> float:
+    """Seconds the host spent waiting for the GPU while it issued one profiled iteration:
+    the synchronizing CUDA API calls (`_is_host_wait`) of a torch.profiler chrome trace that
+    began before its last issuing call, so that the caller's own synchronize after the
+    iteration does not count. Subtracted from the host's issue time, it leaves the host's own
+    work: a host sync inside the iteration (the gradient norm's read) is waiting, which the
+    step-time model charges as a sync, not as issue time per op."""
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    calls = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"
+             and str(e.get("cat", "")).lower() in HOST_API_CATEGORIES]
+    issuing = [float(e["ts"]) for e in calls if not _is_host_wait(str(e.get("name", "")))]
+    if not issuing:
+        return 0.0
+    last_issue = max(issuing)
+    return sum(float(e.get("dur", 0)) for e in calls
+               if _is_host_wait(str(e.get("name", ""))) and float(e["ts"]) < last_issue) * 1e-6
+
+
 def merge_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """The union of [start, end) intervals as sorted, disjoint intervals."""
     merged: list[tuple[float, float]] = []
