@@ -62,9 +62,9 @@ DEFAULT_OUT = Path("cache") / "gpu_check"
 DEFAULT_BUDGET_S = 570.0  # 9.5 minutes: the check must fit 10 on one H100, start-up included
 # Seconds reserved for each section within the budget (they add up to the default budget;
 # with another budget or fewer sections they are scaled to it).
-# Not measured on a GPU yet: estimates from the work each does (section a compiles a Triton
-# variant per dtype, width, block size and length; e builds a 1.2B-parameter model whose
-# initial values are drawn on the host).
+# Estimates with room to spare: on an H100 (docs/gpu_runs.md) the sections took a 29 s,
+# b 4 s, c 10 s, d 10 s, e 20 s, f 6 s (128 s in all, first Triton compiles included); a
+# slower host or a cold compile cache takes longer.
 SECTION_SHARES_S = {"a": 130.0, "b": 60.0, "c": 90.0, "d": 90.0, "e": 130.0, "f": 45.0,
                     "g": 25.0}
 SECTION_GRACE_S = 15.0  # a section stops starting new work this long before its limit

@@ -353,17 +353,13 @@ def host_gpu_verdict(walls: list[float], gpu_spans: list[float], issues: list[fl
     return Outcome("pass", line, figures)
 
 
-def check_host_vs_gpu(out_dir: Path, num_layers: int = 2, micro_batch: int = 2,
-                      timed_iterations: int = 3, hidden_size: int | None = None,
-                      num_attention_heads: int | None = None) -> Outcome:
-    """Section e: the 18B's block shape (hidden size, heads, sequence) with `num_layers`
-    layers, bf16 ZeRO++ with the tutorial's units and activation checkpointing."""
-    from torch.profiler import ProfilerActivity, profile
-
+def build_18b_block_engine(device: torch.device, num_layers: int, micro_batch: int,
+                           hidden_size: int | None = None,
+                           num_attention_heads: int | None = None):
+    """(engine, tokens, config): the 18B's block shape (hidden size, heads, sequence) with
+    `num_layers` layers, bf16 ZeRO++ with the tutorial's units and activation checkpointing,
+    and one micro-batch of tokens on `device`."""
     shape = read_model_args(MODEL_ARGS_18B)
-    free_memory()
-    ensure_process_group("nccl")
-    device = torch.device("cuda", torch.cuda.current_device())
     seq = shape["seq-length"]
     config = GPTConfig(num_layers=num_layers,
                        hidden_size=hidden_size or shape["hidden-size"],
@@ -378,8 +374,23 @@ def check_host_vs_gpu(out_dir: Path, num_layers: int = 2, micro_batch: int = 2,
                                max_live_numel=1_000_000_000, persistence_threshold=100_000,
                                max_reuse_distance=0, max_unit_numel=50_000_000)
     engine = build_gpt_engine(config, device, torch.bfloat16, ZEROPP, sharding)
+    tokens = token_batches(1, micro_batch, seq, GPT2_VOCAB)[0].to(device)
+    return engine, tokens, config
+
+
+def check_host_vs_gpu(out_dir: Path, num_layers: int = 2, micro_batch: int = 2,
+                      timed_iterations: int = 3, hidden_size: int | None = None,
+                      num_attention_heads: int | None = None) -> Outcome:
+    """Section e: `build_18b_block_engine`'s iteration, timed on the host and the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    free_memory()
+    ensure_process_group("nccl")
+    device = torch.device("cuda", torch.cuda.current_device())
+    engine, tokens, config = build_18b_block_engine(device, num_layers, micro_batch,
+                                                    hidden_size, num_attention_heads)
+    seq = tokens.shape[1] - 1
     try:
-        tokens = token_batches(1, micro_batch, seq, GPT2_VOCAB)[0].to(device)
         for _ in range(WARMUP_ITERATIONS):
             train_iteration(engine, tokens)
         walls, spans, issues = [], [], []
