@@ -85,6 +85,7 @@ class RunControl:
         self.model_config = model_config
         self.last_saved_iteration: int | None = None
         self.nonfinite_streak = 0
+        self._device_streak: torch.Tensor | None = None  # where the device decides skips
         self._signal_received = False
         # The clock of --exit-duration-in-mins starts here, once the model and engine are set
         # up and before the checkpoint is loaded.
@@ -195,14 +196,38 @@ class RunControl:
             self.save(trainer)
 
     # ---- stop conditions -----------------------------------------------------------------
-    def should_stop(self, trainer, loss: torch.Tensor, applied: bool) -> bool:
+    def check_nonfinite_streak(self, trainer) -> None:
+        """At the log interval: the device-kept streak of skipped iterations with a
+        non-finite loss against ``--exit-on-nan`` (the same on every rank: skips are agreed)."""
+        if self._device_streak is not None:
+            self._raise_on_nonfinite_streak(trainer, int(self._device_streak))
+
+    def _raise_on_nonfinite_streak(self, trainer, streak: int) -> None:
+        limit = self.config.exit_on_nan
+        if limit and streak >= limit:
+            raise FloatingPointError(
+                f"the loss was not finite for {streak} consecutive iterations "
+                f"(up to iteration {trainer.iteration}); stopping (--exit-on-nan {limit})"
+            )
+
+    def should_stop(self, trainer, loss: torch.Tensor, applied: bool | torch.Tensor) -> bool:
         """Agree across ranks on SIGTERM, on the time budget and on a loss that stays
         non-finite.
 
         Reading the loss is a host sync, so it is read only when the update was skipped:
         a non-finite loss gives a non-finite gradient norm, which every rank's engine
         agrees to skip. The flags cross ranks only when there is something to agree on.
+        Where the device decided the skip (``applied`` a device flag), the streak of
+        non-finite losses is kept on the device and read at the log interval
+        (`check_nonfinite_streak`).
         """
+        if isinstance(applied, torch.Tensor):
+            if self.config.exit_on_nan:
+                bad = ~applied & ~torch.isfinite(loss.detach().float())
+                streak = self._device_streak if self._device_streak is not None else \
+                    torch.zeros((), dtype=torch.int64, device=loss.device)
+                self._device_streak = torch.where(bad, streak + 1, torch.zeros_like(streak))
+            applied = True  # for the host's checks below: nothing read here
         check_loss = bool(self.config.exit_on_nan) and not applied
         limit_minutes = self.config.exit_duration_in_mins
         if not (self.config.exit_signal_handler or check_loss or limit_minutes):
@@ -220,12 +245,7 @@ class RunControl:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         signalled, nonfinite, late = flags.tolist()
         self.nonfinite_streak = self.nonfinite_streak + 1 if nonfinite else 0
-        limit = self.config.exit_on_nan
-        if limit and self.nonfinite_streak >= limit:
-            raise FloatingPointError(
-                f"the loss was not finite for {self.nonfinite_streak} consecutive iterations "
-                f"(up to iteration {trainer.iteration}); stopping (--exit-on-nan {limit})"
-            )
+        self._raise_on_nonfinite_streak(trainer, self.nonfinite_streak)
         if signalled:
             trainer.log(f"SIGTERM received: saving at iteration {trainer.iteration} and "
                            "exiting")

@@ -95,10 +95,15 @@ class IntervalTotals:
     # Summed on the device: reading a loss every iteration would force a sync per iteration.
     loss_sum: torch.Tensor | None = None
     skipped_loss_sum: torch.Tensor | None = None
+    # Iterations the device skipped ([Note: step outcome on the device]), until `resolve`.
+    skipped_on_device: torch.Tensor | None = None
     comm_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
 
-    def add_iteration(self, loss: torch.Tensor, applied: bool) -> None:
+    def add_iteration(self, loss: torch.Tensor, applied: bool | torch.Tensor) -> None:
         self.iterations += 1
+        if isinstance(applied, torch.Tensor):  # decided on the device: sum both ways there
+            self._add_on_device(loss, applied)
+            return
         if not applied:
             # Left out of the average of applied iterations, as in Megatron; logged only when
             # every iteration of the interval was skipped (an fp16 overflow is in the scaled
@@ -108,6 +113,26 @@ class IntervalTotals:
                 else self.skipped_loss_sum + loss
             return
         self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+
+    def _add_on_device(self, loss: torch.Tensor, applied: torch.Tensor) -> None:
+        zero = torch.zeros_like(loss)
+        kept, dropped = torch.where(applied, loss, zero), torch.where(applied, zero, loss)
+        skipped = (~applied).to(torch.int64)
+        self.loss_sum = kept if self.loss_sum is None else self.loss_sum + kept
+        self.skipped_loss_sum = (dropped if self.skipped_loss_sum is None
+                                 else self.skipped_loss_sum + dropped)
+        self.skipped_on_device = (skipped if self.skipped_on_device is None
+                                  else self.skipped_on_device + skipped)
+
+    def resolve(self) -> None:
+        """Read the device's count of skipped iterations (once, at the log interval)."""
+        if self.skipped_on_device is not None:
+            self.skipped += int(self.skipped_on_device)
+            self.skipped_on_device = None
+            if self.skipped == 0:
+                self.skipped_loss_sum = None
+            elif self.skipped == self.iterations:
+                self.loss_sum = None
 
     def local_mean_loss(self) -> torch.Tensor | None:
         """This rank's logged loss: the mean over applied iterations, or over the skipped
@@ -230,6 +255,8 @@ class Trainer:
             self._interval.add_iteration(loss, applied)
             if self.iteration % config.log_interval == 0:
                 self._log_interval()
+                if self.run_control is not None:
+                    self.run_control.check_nonfinite_streak(self)
             if config.eval_interval and self.iteration % config.eval_interval == 0:
                 # As in Megatron, evaluation time is not training time.
                 self.timers("interval-time").stop()
@@ -249,9 +276,10 @@ class Trainer:
         if self.run_control is not None:
             self.run_control.save_at_end(self)
 
-    def train_step(self, batches: Iterator[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    def train_step(self, batches: Iterator[torch.Tensor]) -> tuple[torch.Tensor,
+                                                                   bool | torch.Tensor]:
         """One global batch; returns this rank's mean micro-batch loss and whether the
-        engine applied the update."""
+        engine applied the update (a device flag where the device decided)."""
         micro_losses = []
         for _ in range(self.config.gradient_accumulation_steps):
             self.timers("batch-generator").start()
@@ -267,9 +295,16 @@ class Trainer:
             self.engine.step()
             self.timers("optimizer").stop()
             micro_losses.append(loss.detach())
-        applied = not self.engine.last_step_overflowed
         self.iteration += 1
         self.consumed_samples += self.config.global_batch_size
+        if getattr(self.engine, "defers_step_outcome", False):
+            # The device decided whether to skip ([Note: step outcome on the device]): the
+            # flag stays there, the interval counts skips at the log, and the schedule
+            # advances every iteration.
+            self.applied_updates += 1
+            self.lr_scheduler.step(self.applied_updates)
+            return torch.stack(micro_losses).mean(), self.engine.step_applied_flag()
+        applied = not self.engine.last_step_overflowed
         if applied:
             self.applied_updates += 1
             self.lr_scheduler.step(self.applied_updates)
@@ -340,6 +375,9 @@ class Trainer:
     def _log_interval(self) -> None:
         interval = self._interval
         self._interval = IntervalTotals()
+        interval.resolve()
+        if interval.iterations and getattr(self.engine, "defers_step_outcome", False):
+            self.skipped_iterations += interval.skipped
         interval.add_comm_bytes(self.engine.comm_bytes(reset=True))
         iterations = interval.iterations
         # Overflows are agreed across ranks, so every rank makes the same choice here and

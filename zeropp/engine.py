@@ -44,9 +44,13 @@ class ZeroEngine:
         self.config = config
         self.micro_steps = 0
         self.global_steps = 0
-        self.skipped_steps = 0
-        self.last_grad_norm: float | None = None
-        self.last_step_overflowed = False
+        # A step's outcome (its gradient norm, whether it was skipped) is a host value where
+        # the host decides the skip, a device tensor where the device does
+        # ([Note: step outcome on the device]); the properties below read either.
+        self._skipped_on_host = 0
+        self._skipped_on_device: torch.Tensor | None = None
+        self._last_grad_norm: float | torch.Tensor | None = None
+        self._last_overflow: bool | torch.Tensor = False
         # (directory, tag) that checkpoint_to_load has just verified: load_checkpoint does
         # not read its files a second time.
         self._verified_checkpoint: tuple[Path, str] | None = None
@@ -144,24 +148,79 @@ class ZeroEngine:
             self.sharded.dp_size * self._accumulation_steps * self.loss_scaler.scale
             / self.sharded.comm.predivide_factor
         )
+        self.global_steps += 1
+        if self.defers_step_outcome:
+            norm, skipped = self._average_clip_and_update_on_device(divisor)
+            self._last_grad_norm, self._last_overflow = norm, skipped
+            counted = skipped.to(torch.int64)
+            self._skipped_on_device = (counted if self._skipped_on_device is None
+                                       else self._skipped_on_device + counted)
+            # The host does not know whether the device skipped, so a schedule owned by the
+            # engine advances on every step (DeepSpeed's bf16 path, which never skips, does).
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self._step_applied = ~skipped
+            return True
         norm, overflow = self._average_clip_and_update(divisor)
         self.loss_scaler.update(overflow)
         if self.sharded.error_feedback is not None:
             self.sharded.error_feedback.after_step(skipped=overflow)
-        self.last_grad_norm = norm
-        self.last_step_overflowed = overflow
-        self.global_steps += 1
+        self._last_grad_norm, self._last_overflow = norm, overflow
         if overflow:
-            self.skipped_steps += 1
+            self._skipped_on_host += 1
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self._step_applied = not overflow
         return not overflow
 
+    # [Note: step outcome on the device]
+    # With a fixed loss scale (bf16, fp32) and an optimizer that can skip its own update on a
+    # device flag (torch's fused Adam/AdamW read ``found_inf``, as GradScaler uses them), the
+    # whole step stays on the device: the gradient norm is a tensor, the clip factor
+    # min(1, max_norm / (norm + 1e-6)) is computed from it there, and a non-finite norm sets
+    # the flag that makes the fused update leave weights, moments and step counts as they were.
+    # The host never waits for the GPU in such a step; the norm, the skipped flag and the
+    # count of skipped steps are read when someone asks (the training loop's log interval, a
+    # checkpoint). The dynamic fp16 loss scaler and qgZ's error feedback still decide on the
+    # host (their state changes with the verdict), and so does any other optimizer. On the
+    # meta device (the simulated GPU cluster) nothing is computed, so the deferred path runs
+    # whatever the optimizer, to count what a GPU run with the fused optimizer issues.
+    @property
+    def defers_step_outcome(self) -> bool:
+        """Whether a step's skip decision stays on the device ([Note: step outcome on the
+        device]): then ``step()`` returns True without knowing, and ``was_step_applied()``,
+        ``last_step_overflowed``, ``get_global_grad_norm()`` and ``skipped_steps`` read the
+        device when called."""
+        return (not self.loss_scaler.dynamic and self.sharded.error_feedback is None
+                and (self.optimizer.skips_on_device or self.sharded.device.type == "meta"))
+
+    @property
+    def skipped_steps(self) -> int:
+        on_device = 0 if self._skipped_on_device is None else int(self._skipped_on_device)
+        return self._skipped_on_host + on_device
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_on_host, self._skipped_on_device = int(value), None
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        norm = self._last_grad_norm
+        return None if norm is None else float(norm)
+
+    @property
+    def last_step_overflowed(self) -> bool:
+        return bool(self._last_overflow)
+
     # ---- DeepSpeed's engine API (DeepSpeedEngine's meanings) -------------------------------
     def was_step_applied(self) -> bool:
         """Whether the last ``step()`` updated the weights (False off the boundary and on a
-        skipped fp16 step)."""
+        skipped step; read from the device where the device decided)."""
+        return bool(self._step_applied)
+
+    def step_applied_flag(self) -> bool | torch.Tensor:
+        """``was_step_applied()`` without a host read: a 0-dim bool tensor on the device where
+        the device decided ([Note: step outcome on the device]), else the bool."""
         return self._step_applied
 
     def gradient_accumulation_steps(self) -> int:
@@ -240,6 +299,19 @@ class ZeroEngine:
             self.optimizer.step(grad_multiplier=inv * clip_coefficient(norm, self.gradient_clipping))
         self.sharded.refresh_after_update("step")
         return norm, overflow
+
+    def _average_clip_and_update_on_device(self, divisor: float) -> tuple[torch.Tensor,
+                                                                            torch.Tensor]:
+        """``_average_clip_and_update`` with no host read: (norm, skipped) as device tensors."""
+        inv = 1.0 / divisor
+        norm = self.optimizer.grad_norm_squared_tensor(inv).sqrt()
+        skipped = ~torch.isfinite(norm)
+        multiplier: torch.Tensor | float = inv
+        if self.gradient_clipping > 0:
+            multiplier = (self.gradient_clipping / (norm + 1e-6)).clamp_(max=1.0) * inv
+        self.optimizer.step_on_device(multiplier, skipped)
+        self.sharded.refresh_after_update("step")
+        return norm, skipped
 
     def close(self) -> None:
         """Finish what is in flight, stop the engine's communication threads, close monitors."""

@@ -146,6 +146,8 @@ def _multi_tensor_settings(cls: type[torch.optim.Optimizer], defaults: dict[str,
     torch picks the per-tensor loop on CPU and on the meta device, which issues a dozen
     kernels per tensor where the multi-tensor ones issue a dozen per group."""
     accepted = inspect.signature(cls.__init__).parameters
+    if defaults.get("fused"):  # asked for: passed on, so torch sets up its fused step
+        return {"fused": True}  # (and its found_inf / grad_scale support) as for the user
     if defaults.get("foreach") is not None or defaults.get("fused") is not None:
         return {}
     if device.type == "cuda" and cls in _FUSED_ON_CUDA and "fused" in accepted:
@@ -256,14 +258,39 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         for unit in self.units:
             unit.grad_shard_is_zero = True
 
-    def grad_norm_squared(self, inv_scale: float) -> float:
-        """Squared global gradient norm (true units), over all ranks: one all-reduce."""
+    def grad_norm_squared_tensor(self, inv_scale: float) -> torch.Tensor:
+        """Squared global gradient norm (true units), over all ranks, as a 0-dim fp32 tensor
+        on the device: one all-reduce, no host read."""
         # In fp32 (16-bit squares would overflow), summed as torch.sum sums (pairwise: the
         # same value whatever the number of ranks, to rounding).
         total = self._gradients_fp32().pow(2).sum().reshape(1)
         if self.world is not None:
             all_reduce_sum(total, self.world, self.units[0].comm.stats, "optimizer")
-        return float(total.item()) * inv_scale * inv_scale
+        return total.reshape(()) * (inv_scale * inv_scale)
+
+    def grad_norm_squared(self, inv_scale: float) -> float:
+        """``grad_norm_squared_tensor`` read by the host, scaled in float64."""
+        return float(self.grad_norm_squared_tensor(1.0)) * inv_scale * inv_scale
+
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether the torch optimizer skips its update on a device flag (``found_inf``, read
+        by torch's fused Adam and AdamW: ``_step_supports_amp_scaling``)."""
+        return bool(getattr(self.inner, "_step_supports_amp_scaling", False))
+
+    def step_on_device(self, grad_multiplier: torch.Tensor | float,
+                       skipped: torch.Tensor) -> None:
+        """``step`` with the multiplier a device tensor, skipped on the device where
+        ``skipped`` is true ([Note: step outcome on the device])."""
+        try:
+            self._gradients_fp32().mul_(grad_multiplier)
+            if self.skips_on_device:
+                self.inner.found_inf = skipped.to(torch.float32)
+            self.inner.step()
+        finally:
+            self.inner.found_inf = None
+            self._end_step()
+        self._cast_masters_to_shards()
 
     def step(self, closure=None, *, grad_multiplier: float | None = None):
         """Update with gradients ``grad_shard * grad_multiplier``; cast back to the shards."""
@@ -275,12 +302,15 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             self.inner.step()
         finally:
             self._end_step()
+        self._cast_masters_to_shards()
+        return None
+
+    def _cast_masters_to_shards(self) -> None:
         if self.shards_flat is not None:
             self.shards_flat.copy_(self.master_flat)
         else:  # replicated units: each shard lies inside its unit's whole weights
             for unit, (start, end) in zip(self.units, self.unit_ranges, strict=True):
                 unit.shard.copy_(self.master_flat[start:end])
-        return None
 
     def skip_step(self) -> None:
         self._end_step()
