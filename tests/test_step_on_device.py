@@ -109,3 +109,21 @@ def test_a_nonfinite_step_is_skipped_on_the_device():
         before, after = result["steps"]
         assert before == after == [1.0] * len(before)  # Adam's step counts not advanced
         assert result["after"] == (True, 1)
+
+
+def test_the_log_interval_counts_device_decided_skips_as_host_decided_ones():
+    """The training loop's interval totals: the same mean loss (skipped iterations left out)
+    and the same skipped count whether each step's outcome came as a bool or a device flag."""
+    from megatron_lite.training import IntervalTotals
+
+    def totals(losses, applied, on_device):
+        interval = IntervalTotals()
+        for loss, ok in zip(losses, applied, strict=True):
+            interval.add_iteration(torch.tensor(loss), torch.tensor(ok) if on_device else ok)
+        interval.resolve()
+        return interval.skipped, float(interval.local_mean_loss())
+
+    some = ([2.0, float("nan"), 3.0, 4.0], [True, False, True, True])
+    assert totals(*some, on_device=True) == totals(*some, on_device=False) == (1, 3.0)
+    every = ([7.0, 5.0], [False, False])  # all skipped: the skipped losses' mean is logged
+    assert totals(*every, on_device=True) == totals(*every, on_device=False) == (2, 6.0)
