@@ -180,6 +180,10 @@ def build_engine(
         lambda index: partitioned.load_shard(index, sharded.units[index].shard))
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(partitioned)  # DeepSpeed's callable: optimizer -> schedule
+    elif lr_scheduler is not None:
+        from zeropp.lr_schedules import bind_client_schedule
+
+        lr_scheduler = bind_client_schedule(lr_scheduler, partitioned)
     return ZeroEngine(
         sharded,
         partitioned,

@@ -249,3 +249,34 @@ class WarmupSchedule(ParamGroupSchedule):
     def _resume(self, state: dict[str, Any]) -> None:
         self.last_step, self.base_lr = int(state["last_step"]), float(state["base_lr"])
         self._set_lr(self.get_lr())
+
+
+def bind_client_schedule(schedule: Any, optimizer: HasParamGroups) -> Any:
+    """Make a schedule the caller built on its own optimizer drive ``optimizer`` (the engine's).
+
+    DeepSpeed steps the client's optimizer itself, so a schedule built on it drives training
+    there. This engine steps its own optimizer over the shards, built from the client's class,
+    hyperparameters and groups (the same groups in the same order): the schedule's
+    ``optimizer`` is pointed at it, with the lr values the schedule has written so far, so
+    ``engine.get_lr()`` follows the schedule. torch's schedulers (Hugging Face's
+    ``get_scheduler`` returns them) and DeepSpeed's keep their optimizer there. A schedule that
+    cannot reach the engine's optimizer is an error: it would train silently at the lr it has
+    now (0 during a warm-up)."""
+    target = getattr(schedule, "optimizer", None)
+    if target is optimizer:
+        return schedule
+    name = type(schedule).__name__
+    if target is None or not hasattr(target, "param_groups"):
+        raise ValueError(f"lr_scheduler: {name} has no .optimizer the engine can point at its "
+                         "own: pass a schedule built on the optimizer initialize returns, or a "
+                         "callable taking that optimizer")
+    if len(target.param_groups) != len(optimizer.param_groups):
+        raise ValueError(f"lr_scheduler: {name} drives {len(target.param_groups)} param groups, "
+                         f"the engine's optimizer has {len(optimizer.param_groups)}: build the "
+                         "schedule on the optimizer passed to initialize")
+    for theirs, ours in zip(target.param_groups, optimizer.param_groups, strict=True):
+        for key, value in theirs.items():
+            if key != "params" and (key not in ours or key in ("lr", "initial_lr")):
+                ours[key] = value  # the schedule's lr so far, and its own keys (initial_lr)
+    schedule.optimizer = optimizer
+    return schedule

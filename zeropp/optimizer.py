@@ -282,6 +282,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                        skipped: torch.Tensor) -> None:
         """``step`` with the multiplier a device tensor, skipped on the device where
         ``skipped`` is true ([Note: step outcome on the device])."""
+        self._opt_called = True
         try:
             self._gradients_fp32().mul_(grad_multiplier)
             if self.skips_on_device:
@@ -297,6 +298,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         if closure is not None or grad_multiplier is None:
             raise RuntimeError("call engine.step(), not optimizer.step(): the engine averages, "
                                "clips and unscales the sharded gradients before this update")
+        self._opt_called = True
         try:
             self._gradients_fp32().mul_(grad_multiplier)
             self.inner.step()
@@ -311,6 +313,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         else:  # replicated units: each shard lies inside its unit's whole weights
             for unit, (start, end) in zip(self.units, self.unit_ranges, strict=True):
                 unit.shard.copy_(self.master_flat[start:end])
+
+    # torch's lr schedulers warn at their first step unless the optimizer's step is theirs
+    # (wrapped) and has run. The engine steps this optimizer before any schedule it drives
+    # (``_opt_called``, set by each step), so a schedule bound to it later
+    # (``bind_client_schedule``) has nothing to warn about.
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
     def skip_step(self) -> None:
         self._end_step()
