@@ -250,6 +250,8 @@ def _add_checkpointing_args(group: argparse._ArgumentGroup) -> None:
                        "exit cleanly (what schedulers send before killing a job).")
     group.add_argument("--no-load-optim", action="store_true",
                        help="Load only the weights from --load, not optimizer states.")
+    group.add_argument("--no-load-rng", action="store_true",
+                       help="Do not restore each rank's random streams from --load.")
     group.add_argument("--no-load-fallback", action="store_true",
                        help="Stop when the latest checkpoint in --load is incomplete or fails "
                        "its checksums, instead of resuming from the newest one that verifies.")

@@ -60,6 +60,7 @@ class CheckpointConfig:
     save_error: str = "stop"  # "stop" or "continue" past a storage failure
     no_load_optim: bool = False  # resume the weights only
     no_load_fallback: bool = False  # a latest checkpoint that fails verification stops the run
+    no_load_rng: bool = False  # keep this run's random streams on resume
     exit_signal_handler: bool = False  # save and stop on SIGTERM
     exit_on_nan: int = 0  # stop after this many consecutive non-finite losses; 0 = never
     exit_duration_in_mins: float | None = None  # save and stop once training ran this long
@@ -128,6 +129,10 @@ class RunControl:
             self.config.load, tag=tag, load_optimizer_states=not weights_only
         )
         trainer.load_state_dict(client)
+        if not self.config.no_load_rng:  # as Megatron: the run's random streams continue
+            from zeropp.checkpoint import restore_rng_state
+
+            restore_rng_state(getattr(self.engine, "loaded_rng_state", None))
         if not weights_only and client.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(client["lr_scheduler"], strict=False)
         if imported:

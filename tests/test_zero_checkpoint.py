@@ -124,3 +124,30 @@ def test_shape_mismatch_names_tensor_and_shapes(tmp_path):
     assert run_ranks(mismatched, 1, str(tmp_path)) == [True]
     consolidated = __import__("zeropp.checkpoint", fromlist=["x"]).consolidate(tmp_path)
     assert consolidated["layers.0.up.weight"].shape == (43, 17)
+
+
+def rng_after_load(rank, world, ckpt):
+    from zeropp import checkpoint
+    from zeropp.initialize import build_engine
+
+    engine = build_engine(toy_model(hidden=43), lr=3e-3)
+    tokens = toy_batches(1, 1, 8)[0, 0, rank * 4:(rank + 1) * 4]
+    engine.backward(toy_loss(engine(tokens), tokens))
+    engine.step()
+    at_save = torch.get_rng_state()
+    engine.save_checkpoint(ckpt, tag="t")
+    torch.rand(7)  # the script's own draws after the save
+    before_load = torch.get_rng_state()
+    engine.load_checkpoint(ckpt, tag="t")
+    untouched = torch.equal(torch.get_rng_state(), before_load)
+    kept = torch.equal(engine.loaded_rng_state["torch"], at_save)
+    restored = checkpoint.restore_rng_state(engine.loaded_rng_state)
+    return untouched, kept, restored and torch.equal(torch.get_rng_state(), at_save)
+
+
+def test_load_checkpoint_leaves_the_random_streams_alone(tmp_path):
+    """As DeepSpeed's load_checkpoint: the global RNG is the script's; each rank's saved
+    streams are there to restore (the Megatron program does, unless --no-load-rng)."""
+    for untouched, kept, restored in run_ranks(rng_after_load, 2, str(tmp_path / "ckpt")):
+        assert untouched and kept and restored
+

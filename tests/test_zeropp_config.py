@@ -784,3 +784,14 @@ def test_resolve_auto_reads_files(tmp_path):
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "bfloat16": {"enabled": "auto"}}))
     assert resolve_auto(path, world_size=1, micro_batch_size=2, bf16=True) == {
         "train_micro_batch_size_per_gpu": 2, "bfloat16": {"enabled": True}}
+
+
+def test_gradient_clipping_defaults_to_deepspeeds_value():
+    """A JSON without gradient_clipping clips as DeepSpeed does (its runtime constants)."""
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    from zeropp.config import EngineConfig
+
+    assert EngineConfig.from_mapping({}).gradient_clipping == GRADIENT_CLIPPING_DEFAULT == 1.0
+    assert EngineConfig.from_mapping({"gradient_clipping": 0.0}).gradient_clipping == 0.0
+

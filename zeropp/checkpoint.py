@@ -332,12 +332,24 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
             # Errors belong to one rank's buckets in one topology, and to the run whose
             # optimizer state they go with: a module-only load starts them afresh.
             feedback.reset()
-    if mine is not None and old.world_size == engine.topology.world_size:
-        # Same world: every rank resumes its own random streams (bit-exact continuation).
-        torch.set_rng_state(mine["rng"]["torch"])
-        if torch.cuda.is_available() and mine["rng"]["cuda"] is not None:
-            torch.cuda.set_rng_state(mine["rng"]["cuda"])
+    # Each rank's random streams as saved, for the program to restore if it wants them: as
+    # DeepSpeed's load_checkpoint, this one leaves the global RNG alone (a script resumed
+    # under DeepSpeed shuffles its data as it would have; Megatron's program restores its
+    # RNG itself, `restore_rng_state`). Only in the same world: streams belong to ranks.
+    engine.loaded_rng_state = (mine["rng"] if mine is not None
+                               and old.world_size == engine.topology.world_size else None)
     return dict(reference["client_state"])
+
+
+def restore_rng_state(state: dict | None) -> bool:
+    """Set torch's CPU (and CUDA) random streams to a rank's saved ones
+    (``engine.loaded_rng_state``); False when there are none (another world size)."""
+    if state is None:
+        return False
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"])
+    return True
 
 
 def consolidate(load_dir: str | os.PathLike, tag: str | None = None) -> dict[str, torch.Tensor]:

@@ -51,6 +51,9 @@ class ZeroEngine:
         self._skipped_on_device: torch.Tensor | None = None
         self._last_grad_norm: float | torch.Tensor | None = None
         self._last_overflow: bool | torch.Tensor = False
+        # This rank's random streams from the last load_checkpoint (restored by whoever wants
+        # them: zeropp.checkpoint.restore_rng_state), None before a load or across worlds.
+        self.loaded_rng_state: dict | None = None
         # (directory, tag) that checkpoint_to_load has just verified: load_checkpoint does
         # not read its files a second time.
         self._verified_checkpoint: tuple[Path, str] | None = None

@@ -47,7 +47,9 @@ class EngineConfig(_Section):
     train_batch_size: int | None = _field(None, "samples per optimizer step, all ranks", _batch)
     train_micro_batch_size_per_gpu: int | None = _field(None, "samples per rank per pass", _batch)
     gradient_accumulation_steps: int | None = _field(None, "micro-batches per step", _batch)
-    gradient_clipping: float = _field(0.0, "max global gradient norm; 0 = off", _non_negative_float)
+    gradient_clipping: float = _field(1.0, "max global gradient norm; 0 = off (DeepSpeed's "
+                                      "default, 1.0, when the JSON is silent)",
+                                      _non_negative_float)
     fp16: FP16Config = _field(FP16Config, "fp16 mixed precision", _section(FP16Config), factory=True)
     bf16: BF16Config = _field(BF16Config, "bf16 mixed precision", _section(BF16Config), factory=True)
     optimizer: OptimizerConfig | None = _field(
