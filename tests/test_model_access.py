@@ -29,6 +29,7 @@ def _engine(model, zero: dict):
 
     engine, *_ = zeropp.initialize(model, config={
         "train_micro_batch_size_per_gpu": MICRO, "zero_optimization": zero,
+        "gradient_clipping": 0.0,  # the torch reference does not clip (DeepSpeed's default: 1.0)
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}})
     sharded = engine.sharded
     # The optimizer's fp32 masters follow shards written by GatheredParameters(modifier_rank).

@@ -40,6 +40,7 @@ def fsdp_vs_engine(rank, world, steps):
     engine, optimizer, _, _ = zeropp.initialize(
         model=model, model_parameters=model.parameters(),
         config={"train_micro_batch_size_per_gpu": per_rank,
+                "gradient_clipping": 0.0,  # FSDP2's run does not clip (DeepSpeed's default: 1.0)
                 "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.0}},
                 "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
     )
