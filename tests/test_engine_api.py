@@ -145,3 +145,51 @@ def _refused(rank, world, ckpt):
     except ValueError as error:
         return str(error)
     pytest.fail("no error")
+
+
+def module_face(rank, world):
+    """Hugging Face's Llama, as DeepSpeedExamples' fine-tuning scripts wrap it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import zeropp
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, max_position_embeddings=16))
+    names = [name for name, _ in model.named_modules()]
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+    engine, _, _, _ = zeropp.initialize(model, config=config)
+    out = {
+        "model": engine.model is model.model,  # an attribute of the wrapped module
+        "lm_head": engine.lm_head is model.lm_head,
+        "named_modules": [name for name, _ in engine.named_modules()] == names,
+        "modules": sum(1 for _ in engine.modules()) == len(names),
+        "children": [name for name, _ in engine.named_children()] == ["model", "lm_head"],
+        "to_same": engine.to(engine.device) is engine and engine.to("cpu") is engine,
+    }
+    errors = []
+    for call in (lambda: engine.to("meta"), lambda: engine.to(torch.float16),
+                 lambda: engine.no_such_thing):
+        try:
+            call()
+            errors.append(None)
+        except (ValueError, AttributeError) as error:
+            errors.append(str(error))
+    out["errors"] = errors
+    engine.close()
+    return out
+
+
+def test_the_engine_answers_as_deepspeeds_module_does():
+    """DeepSpeed's engine is an nn.Module that forwards what it lacks to the model: scripts
+    read ``engine.model``, walk ``engine.named_modules()`` and call ``engine.to(device)``."""
+    out = run_ranks(module_face, 1)[0]
+    errors = out.pop("errors")
+    assert all(out.values()), out
+    to_meta, to_half, missing = errors
+    assert to_meta.startswith("engine.to(meta): the engine's weights live sharded on cpu")
+    assert to_half.startswith("engine.to(torch.float16): the engine computes in torch.float32")
+    assert missing == ("'ZeroEngine' object has no attribute 'no_such_thing', nor has its "
+                       "model (LlamaForCausalLM)")

@@ -102,6 +102,57 @@ class ZeroEngine:
         self.module.train(mode)
         return self
 
+    # ---- the wrapped module's face ---------------------------------------------------------
+    # DeepSpeed's engine is an nn.Module around the model and forwards what it lacks to it;
+    # scripts read `engine.model`, walk `engine.named_modules()`, call `engine.to(device)`.
+    # This engine is not a Module (its weights are shards, which torch's Module machinery
+    # would move, cast or register as its own); it answers those calls from the model.
+    def __getattr__(self, name: str):
+        """What the engine lacks, from the wrapped model (``engine.model`` of a Hugging Face
+        causal LM, say), as DeepSpeed's engine forwards it."""
+        if name.startswith("__") or "sharded" not in self.__dict__:  # not while building
+            raise AttributeError(f"'ZeroEngine' object has no attribute {name!r}")
+        module = self.sharded.module
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(f"'ZeroEngine' object has no attribute {name!r}, nor has "
+                                 f"its model ({type(module).__name__})") from None
+
+    def modules(self):
+        return self.module.modules()
+
+    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
+        return self.module.named_modules(memo, prefix, remove_duplicate)
+
+    def children(self):
+        return self.module.children()
+
+    def named_children(self):
+        return self.module.named_children()
+
+    def buffers(self, recurse: bool = True):
+        return self.module.buffers(recurse)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True):
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def to(self, *args, **kwargs) -> ZeroEngine:
+        """``engine.to(device)`` as scripts call it after ``initialize``: the engine already
+        lives on its device in its working dtype, so a move there returns the engine;
+        another device or dtype is an error (the shards, masters and streams stay where
+        the engine put them)."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and not _same_device(torch.device(device), self.device):
+            raise ValueError(f"engine.to({device}): the engine's weights live sharded on "
+                             f"{self.device}; choose the device before initialize (LOCAL_RANK "
+                             "picks the GPU)")
+        if dtype is not None and dtype != self.sharded.dtype:
+            raise ValueError(f"engine.to({dtype}): the engine computes in {self.sharded.dtype}; "
+                             "set fp16 / bf16 in the config instead")
+        return self
+
     def eval(self) -> ZeroEngine:
         return self.train(False)
 
@@ -436,3 +487,11 @@ class ZeroEngine:
             "fp32_master_shards": nbytes([self.optimizer.master_flat]),
             "optimizer_moments": nbytes(moments),
         }
+
+
+def _same_device(asked: torch.device, actual: torch.device) -> bool:
+    """``cuda`` names the current CUDA device, as torch's ``.to`` reads it."""
+    if asked.type != actual.type:
+        return False
+    return asked.index is None or actual.index is None or asked.index == actual.index
+

@@ -301,6 +301,13 @@ def engine_from_config(
             given = model_parameters if model_parameters is not None else model.parameters()
             optimizer = optimizer(OptimizerRecipe.groups_of(given))
         recipe = OptimizerRecipe.from_optimizer(optimizer)
+        if recipe.translated_from is not None and (not dist.is_initialized()
+                                                   or dist.get_rank() == 0):
+            settings = ", ".join(f"{key}={recipe.defaults[key]}" for key in
+                                 ("lr", "betas", "eps", "weight_decay") if key in recipe.defaults)
+            print(f"note: {recipe.translated_from} is stepped as torch.optim."
+                  f"{recipe.cls.__name__}({settings}) over each rank's shard, with its "
+                  f"{len(recipe.groups)} param group(s)", flush=True)
     else:
         # No optimizer block: AdamW with the block's defaults (decay 0, not torch's 0.01).
         params = (dict(cfg.optimizer.params) if cfg.optimizer is not None

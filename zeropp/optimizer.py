@@ -49,6 +49,18 @@ ELEMENTWISE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 }
 
 
+# DeepSpeed's Adam classes (deepspeed.ops.adam), which scripts build themselves and pass to
+# initialize: read into the torch Adam/AdamW taking the same step (from_deepspeed_adam).
+DEEPSPEED_ADAMS = ("FusedAdam", "DeepSpeedCPUAdam")
+_DEEPSPEED_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "bias_correction")
+_DEEPSPEED_ONLY_KEYS = ("bias_correction",)  # always true once checked
+
+
+def is_deepspeed_adam(optimizer: object) -> bool:
+    kind = type(optimizer)
+    return kind.__name__ in DEEPSPEED_ADAMS and kind.__module__.startswith("deepspeed.")
+
+
 @dataclass
 class OptimizerRecipe:
     """What to run over the shards: a torch optimizer class, its keyword arguments, and the
@@ -61,6 +73,7 @@ class OptimizerRecipe:
     cls: type[torch.optim.Optimizer]
     defaults: dict[str, Any]
     groups: list[dict[str, Any]]
+    translated_from: str | None = None  # the client's class, when read into a torch one
 
     def __post_init__(self) -> None:
         if self.cls not in ELEMENTWISE_OPTIMIZERS.values():
@@ -75,8 +88,36 @@ class OptimizerRecipe:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer or a callable returning "
                             f"one, got {type(optimizer).__name__}")
+        if is_deepspeed_adam(optimizer):
+            return cls.from_deepspeed_adam(optimizer)
         groups = [dict(group) for group in optimizer.param_groups]
         return cls(type(optimizer), dict(optimizer.defaults), groups)
+
+    @classmethod
+    def from_deepspeed_adam(cls, optimizer: torch.optim.Optimizer) -> OptimizerRecipe:
+        """DeepSpeed's FusedAdam or DeepSpeedCPUAdam as the torch optimizer that takes the
+        same step: AdamW where ``adam_w_mode`` (their default), else Adam (L2 decay), with
+        their lr, betas, eps, weight decay and amsgrad, group by group. Their kernels are
+        DeepSpeed's implementations of that update; this engine steps each rank's fp32 shard
+        with torch's (fused on CUDA)."""
+        name = type(optimizer).__name__
+        defaults = dict(optimizer.defaults)
+        unknown = set(defaults) - set(_DEEPSPEED_ADAM_KEYS)
+        if unknown:
+            raise ValueError(f"optimizer {name}: settings {sorted(unknown)} have no torch "
+                             "Adam equivalent here")
+        groups = []
+        for group in optimizer.param_groups:
+            if not group.get("bias_correction", True):
+                raise ValueError(f"optimizer {name}: bias_correction=False has no torch Adam "
+                                 "equivalent; leave it True")
+            groups.append({key: value for key, value in group.items()
+                           if key not in _DEEPSPEED_ONLY_KEYS})
+        torch_cls = torch.optim.AdamW if getattr(optimizer, "adam_w_mode", True) else torch.optim.Adam
+        kept = {key: value for key, value in defaults.items() if key not in _DEEPSPEED_ONLY_KEYS}
+        recipe = cls(torch_cls, kept, groups)
+        recipe.translated_from = name
+        return recipe
 
     @staticmethod
     def groups_of(model_parameters) -> list[dict[str, Any]]:
