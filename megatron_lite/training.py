@@ -124,15 +124,19 @@ class IntervalTotals:
         self.skipped_on_device = (skipped if self.skipped_on_device is None
                                   else self.skipped_on_device + skipped)
 
-    def resolve(self) -> None:
-        """Read the device's count of skipped iterations (once, at the log interval)."""
-        if self.skipped_on_device is not None:
-            self.skipped += int(self.skipped_on_device)
-            self.skipped_on_device = None
-            if self.skipped == 0:
-                self.skipped_loss_sum = None
-            elif self.skipped == self.iterations:
-                self.loss_sum = None
+    def resolve(self) -> int:
+        """Read the device's count of skipped iterations (once, at the log interval); returns
+        how many it read (0 where the host decided every skip)."""
+        if self.skipped_on_device is None:
+            return 0
+        read = int(self.skipped_on_device)
+        self.skipped += read
+        self.skipped_on_device = None
+        if self.skipped == 0:
+            self.skipped_loss_sum = None
+        elif self.skipped == self.iterations:
+            self.loss_sum = None
+        return read
 
     def local_mean_loss(self) -> torch.Tensor | None:
         """This rank's logged loss: the mean over applied iterations, or over the skipped
@@ -375,9 +379,8 @@ class Trainer:
     def _log_interval(self) -> None:
         interval = self._interval
         self._interval = IntervalTotals()
-        interval.resolve()
-        if interval.iterations and getattr(self.engine, "defers_step_outcome", False):
-            self.skipped_iterations += interval.skipped
+        # Skips the device decided are counted here; the host's, in train_step.
+        self.skipped_iterations += interval.resolve()
         interval.add_comm_bytes(self.engine.comm_bytes(reset=True))
         iterations = interval.iterations
         # Overflows are agreed across ranks, so every rank makes the same choice here and

@@ -115,9 +115,7 @@ class OptimizerRecipe:
                            if key not in _DEEPSPEED_ONLY_KEYS})
         torch_cls = torch.optim.AdamW if getattr(optimizer, "adam_w_mode", True) else torch.optim.Adam
         kept = {key: value for key, value in defaults.items() if key not in _DEEPSPEED_ONLY_KEYS}
-        recipe = cls(torch_cls, kept, groups)
-        recipe.translated_from = name
-        return recipe
+        return cls(torch_cls, kept, groups, translated_from=name)
 
     @staticmethod
     def groups_of(model_parameters) -> list[dict[str, Any]]:
@@ -323,32 +321,30 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                        skipped: torch.Tensor) -> None:
         """``step`` with the multiplier a device tensor, skipped on the device where
         ``skipped`` is true ([Note: step outcome on the device])."""
-        self._opt_called = True
-        try:
-            self._gradients_fp32().mul_(grad_multiplier)
-            if self.skips_on_device:
-                self.inner.found_inf = skipped.to(torch.float32)
-            self.inner.step()
-        finally:
-            self.inner.found_inf = None
-            self._end_step()
-        self._cast_masters_to_shards()
+        self._update(grad_multiplier, skipped if self.skips_on_device else None)
 
     def step(self, closure=None, *, grad_multiplier: float | None = None):
         """Update with gradients ``grad_shard * grad_multiplier``; cast back to the shards."""
         if closure is not None or grad_multiplier is None:
             raise RuntimeError("call engine.step(), not optimizer.step(): the engine averages, "
                                "clips and unscales the sharded gradients before this update")
+        self._update(grad_multiplier, None)
+        return None
+
+    def _update(self, grad_multiplier: torch.Tensor | float,
+                found_inf: torch.Tensor | None) -> None:
+        """The torch optimizer's update of the masters on ``grad_shard * grad_multiplier``
+        (skipped where ``found_inf``, a device flag its fused step reads), then the masters
+        cast into the working shards."""
         self._opt_called = True
         try:
             self._gradients_fp32().mul_(grad_multiplier)
+            if found_inf is not None:
+                self.inner.found_inf = found_inf.to(torch.float32)
             self.inner.step()
         finally:
+            self.inner.found_inf = None
             self._end_step()
-        self._cast_masters_to_shards()
-        return None
-
-    def _cast_masters_to_shards(self) -> None:
         if self.shards_flat is not None:
             self.shards_flat.copy_(self.master_flat)
         else:  # replicated units: each shard lies inside its unit's whole weights

@@ -239,17 +239,19 @@ class GpuEvent(NamedTuple):
     name: str = ""
 
 
+def _complete_events(trace: dict[str, Any] | list, categories) -> list[dict[str, Any]]:
+    """The complete events ("ph": "X") of a chrome trace in ``categories`` (lower case)."""
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    return [e for e in events if isinstance(e, dict) and e.get("ph") == "X"
+            and str(e.get("cat", "")).lower() in categories]
+
+
 def gpu_events_from_chrome_trace(trace: dict[str, Any] | list) -> list[GpuEvent]:
     """The GPU activity of a torch.profiler chrome trace (`export_chrome_trace`): complete
     events ("ph": "X") of categories kernel, gpu_memcpy and gpu_memset with a stream id;
     Kineto writes ts and dur in microseconds."""
-    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
     found = []
-    for event in events:
-        if not isinstance(event, dict) or event.get("ph") != "X":
-            continue
-        if str(event.get("cat", "")).lower() not in GPU_EVENT_CATEGORIES:
-            continue
+    for event in _complete_events(trace, GPU_EVENT_CATEGORIES):
         args = event.get("args") or {}
         if "stream" not in args:
             continue
@@ -275,9 +277,7 @@ def host_blocked_seconds(trace: dict[str, Any] | list) -> float:
     iteration does not count. Subtracted from the host's issue time, it leaves the host's own
     work: a host sync inside the iteration (the gradient norm's read) is waiting, which the
     step-time model charges as a sync, not as issue time per op."""
-    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    calls = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"
-             and str(e.get("cat", "")).lower() in HOST_API_CATEGORIES]
+    calls = _complete_events(trace, HOST_API_CATEGORIES)
     issuing = [float(e["ts"]) for e in calls if not _is_host_wait(str(e.get("name", "")))]
     if not issuing:
         return 0.0
