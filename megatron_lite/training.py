@@ -239,6 +239,11 @@ class Trainer:
         self.consumed_samples = 0
         self.applied_updates = 0
         self.skipped_iterations = 0
+        # Where the device decides whether a step applies ([Note: step outcome on the device]
+        # in zeropp/engine.py): applied updates counted there since the last read-back, from
+        # which the schedule takes its position; ``applied_updates`` counts every iteration
+        # as applied until ``_read_back_device_counts`` subtracts the skips.
+        self._applied_on_device: torch.Tensor | None = None
         self.last_evaluation: tuple[int, float] | None = None
         self._interval = IntervalTotals()
 
@@ -303,11 +308,15 @@ class Trainer:
         self.consumed_samples += self.config.global_batch_size
         if getattr(self.engine, "defers_step_outcome", False):
             # The device decided whether to skip ([Note: step outcome on the device]): the
-            # flag stays there, the interval counts skips at the log, and the schedule
-            # advances every iteration.
+            # flag stays there, the interval counts skips at the log, and the schedule moves
+            # with the device's count of applied updates, as it moves with the host's below.
+            applied = self.engine.step_applied_flag()
+            if self._applied_on_device is None:
+                self._applied_on_device = torch.tensor(self.applied_updates, device=applied.device)
+            self._applied_on_device = self._applied_on_device + applied
             self.applied_updates += 1
-            self.lr_scheduler.step(self.applied_updates)
-            return torch.stack(micro_losses).mean(), self.engine.step_applied_flag()
+            self.lr_scheduler.step_on_device(self._applied_on_device)
+            return torch.stack(micro_losses).mean(), applied
         applied = not self.engine.last_step_overflowed
         if applied:
             self.applied_updates += 1
@@ -380,7 +389,7 @@ class Trainer:
         interval = self._interval
         self._interval = IntervalTotals()
         # Skips the device decided are counted here; the host's, in train_step.
-        self.skipped_iterations += interval.resolve()
+        self._read_back_device_counts(interval)
         interval.add_comm_bytes(self.engine.comm_bytes(reset=True))
         iterations = interval.iterations
         # Overflows are agreed across ranks, so every rank makes the same choice here and
@@ -461,7 +470,19 @@ class Trainer:
     def state_dict(self) -> dict[str, int]:
         """Where the run stands: what a checkpoint must restore for the data and the lr
         schedule to continue exactly where they stopped."""
+        self._read_back_device_counts(self._interval)
         return {key: getattr(self, key) for key in self.PROGRESS_KEYS}
+
+    def _read_back_device_counts(self, interval: IntervalTotals) -> None:
+        """Make the host's counts exact where the device decided the skips (at a log line or
+        a checkpoint: the only reads such a run makes): the skipped iterations come off the
+        applied updates, and the schedule's position and lrs are the host's again."""
+        skipped = interval.resolve()
+        self.skipped_iterations += skipped
+        if self._applied_on_device is not None:
+            self.applied_updates -= skipped
+            self._applied_on_device = None
+            self.lr_scheduler.step(self.applied_updates)
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         for key in self.PROGRESS_KEYS:

@@ -116,7 +116,10 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
         "state_keys": optimizer.state_keys(),
         "adam_step": optimizer.step_count,  # the optimizer's step (kept under its first name)
         "optimizer_scalars": optimizer.scalar_state(),
-        "param_groups": [{k: v for k, v in g.items() if k != "params"}
+        # An lr the device's schedule set is a 0-dim tensor ([Note: step outcome on the
+        # device]): saved as the number it holds, as a host-set lr is.
+        "param_groups": [{k: v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v
+                          for k, v in g.items() if k != "params"}
                          for g in optimizer.param_groups],
         "loss_scaler": engine.loss_scaler.state_dict(),
         "engine": {

@@ -171,7 +171,7 @@ class ZeroEngine:
         with self._timed("bwd"):
             # The reductions' pre-divide (UnitComm.predivide_factor) rides on the loss:
             # gradients are linear in it, so they arrive divided with no kernel per unit.
-            factor = self.loss_scaler.scale / self.sharded.comm.predivide_factor
+            factor = self._loss_scale() / self.sharded.comm.predivide_factor
             self.sharded.run_backward(loss.float() * factor, boundary)
         self.micro_steps += 1
 
@@ -199,18 +199,20 @@ class ZeroEngine:
             return False
         # What the reductions did not divide by already (ShardingOptions.gradient_predivide_factor).
         divisor = (
-            self.sharded.dp_size * self._accumulation_steps * self.loss_scaler.scale
+            self.sharded.dp_size * self._accumulation_steps * self._loss_scale()
             / self.sharded.comm.predivide_factor
         )
         self.global_steps += 1
         if self.defers_step_outcome:
             norm, skipped = self._average_clip_and_update_on_device(divisor)
+            self.loss_scaler.update(skipped)
             self._last_grad_norm, self._last_overflow = norm, skipped
             counted = skipped.to(torch.int64)
             self._skipped_on_device = (counted if self._skipped_on_device is None
                                        else self._skipped_on_device + counted)
             # The host does not know whether the device skipped, so a schedule owned by the
-            # engine advances on every step (DeepSpeed's bf16 path, which never skips, does).
+            # engine advances on every step (bf16 and fp32 only: DeepSpeed's bf16 path, which
+            # never skips, does the same; fp16 with such a schedule decides on the host).
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self._step_applied = ~skipped
@@ -228,25 +230,38 @@ class ZeroEngine:
         return not overflow
 
     # [Note: step outcome on the device]
-    # With a fixed loss scale (bf16, fp32) and an optimizer that can skip its own update on a
-    # device flag (torch's fused Adam/AdamW read ``found_inf``, as GradScaler uses them), the
-    # whole step stays on the device: the gradient norm is a tensor, the clip factor
-    # min(1, max_norm / (norm + 1e-6)) is computed from it there, and a non-finite norm sets
-    # the flag that makes the fused update leave weights, moments and step counts as they were.
-    # The host never waits for the GPU in such a step; the norm, the skipped flag and the
-    # count of skipped steps are read when someone asks (the training loop's log interval, a
-    # checkpoint). The dynamic fp16 loss scaler and qgZ's error feedback still decide on the
-    # host (their state changes with the verdict), and so does any other optimizer. On the
-    # meta device (the simulated GPU cluster) nothing is computed, so the deferred path runs
-    # whatever the optimizer, to count what a GPU run with the fused optimizer issues.
+    # With an optimizer that can skip its own update on a device flag (torch's fused
+    # Adam/AdamW read ``found_inf``, as GradScaler uses them), the whole step stays on the
+    # device: the gradient norm is a tensor, the clip factor min(1, max_norm / (norm + 1e-6))
+    # is computed from it there, and a non-finite norm sets the flag that makes the fused
+    # update leave weights, moments and step counts as they were. fp16's dynamic loss scaler
+    # then keeps its scale and hysteresis on the device too (``DynamicLossScaler.scale_on``)
+    # and updates them from the flag with DeepSpeed's rules. The host never waits for the GPU
+    # in such a step; the norm, the skipped flag, the count of skipped steps and the loss
+    # scale are read when someone asks (the training loop's log interval, a checkpoint).
+    # Because the host does not know whether a step was skipped, an lr schedule must follow
+    # the device's count of applied steps to stay exact (the training loop's does:
+    # ``AnnealingLR.step_on_device``); a schedule the engine steps itself cannot, so with one
+    # the fp16 verdict stays on the host. qgZ's error feedback also decides on the host (its
+    # residuals change with the verdict), and so does any other optimizer. On the meta device
+    # (the simulated GPU cluster) nothing is computed, so the deferred path runs whatever the
+    # optimizer, to count what a GPU run with the fused optimizer issues.
     @property
     def defers_step_outcome(self) -> bool:
         """Whether a step's skip decision stays on the device ([Note: step outcome on the
         device]): then ``step()`` returns True without knowing, and ``was_step_applied()``,
-        ``last_step_overflowed``, ``get_global_grad_norm()`` and ``skipped_steps`` read the
-        device when called."""
-        return (not self.loss_scaler.dynamic and self.sharded.error_feedback is None
+        ``last_step_overflowed``, ``get_global_grad_norm()``, ``skipped_steps`` and
+        ``loss_scale`` read the device when called."""
+        return ((not self.loss_scaler.dynamic or self.lr_scheduler is None)
+                and self.sharded.error_feedback is None
                 and (self.optimizer.skips_on_device or self.sharded.device.type == "meta"))
+
+    def _loss_scale(self) -> float | torch.Tensor:
+        """The scale the loss is multiplied by: a device tensor where the dynamic scaler's
+        state lives on the device ([Note: step outcome on the device]), else the float."""
+        if self.loss_scaler.dynamic and self.defers_step_outcome:
+            return self.loss_scaler.scale_on(self.device)
+        return self.loss_scaler.scale
 
     @property
     def skipped_steps(self) -> int:

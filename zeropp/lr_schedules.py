@@ -21,6 +21,8 @@ import abc
 import math
 from typing import Any, Protocol
 
+import torch
+
 DECAY_STYLES = ("constant", "linear", "cosine")
 
 
@@ -133,6 +135,8 @@ class AnnealingLR(ParamGroupSchedule):
         self.decay_iters = int(decay_iters)
         self.decay_style = decay_style
         self.num_iters = 0
+        # (max_lr, min_lr, device) -> the curve as a tensor, for step_on_device
+        self._lr_tables: dict[tuple, torch.Tensor] = {}
 
     def get_lr(self, iteration: int, max_lr: float | None = None,
                min_lr: float | None = None) -> float:
@@ -162,6 +166,35 @@ class AnnealingLR(ParamGroupSchedule):
                 if "max_lr" in group:
                     group["lr"] = self.get_lr(iteration, group["max_lr"], group.get("min_lr"))
         return lr
+
+    def step_on_device(self, iteration: torch.Tensor) -> None:
+        """``step`` at an iteration count the host does not know: a 0-dim int64 tensor on
+        the device (applied updates counted there, [Note: step outcome on the device] in
+        zeropp/engine.py). Each param group's lr becomes a 0-dim tensor read from a table of
+        the curve, which torch's fused Adam/AdamW take as they are; ``num_iters`` and the
+        host's lrs are brought up to date by a later ``step`` with the count read back."""
+        if self.optimizer is None:
+            raise ValueError("this schedule drives no optimizer: call get_lr(step)")
+        for group in self.optimizer.param_groups:
+            table = self._lr_table(group.get("max_lr"), group.get("min_lr"), iteration.device)
+            # index_select, not table[i]: indexing with a 0-dim tensor reads it on the host
+            position = iteration.clamp(max=table.numel() - 1).reshape(1)
+            group["lr"] = table.index_select(0, position).reshape(())
+
+    def _lr_table(self, max_lr: float | None, min_lr: float | None,
+                  device: torch.device) -> torch.Tensor:
+        # Past the warmup (constant style) or the decay the curve is flat, so a table up to
+        # there, indexed with a clamp, covers every iteration. CPU's fused AdamW reads a
+        # tensor lr in float64 (as it takes a float), CUDA's in float32 (as its kernel
+        # rounds a float lr): the table's dtype is what each reads, so both match a float lr.
+        key = (max_lr, min_lr, device)
+        tables = self._lr_tables
+        if key not in tables:
+            end = self.warmup_iters if self.decay_style == "constant" else self.decay_iters
+            dtype = torch.float32 if device.type == "cuda" else torch.float64
+            tables[key] = torch.tensor([self.get_lr(i, max_lr, min_lr) for i in range(end + 2)],
+                                       dtype=dtype, device=device)
+        return tables[key]
 
     def _resume(self, state: dict[str, Any]) -> None:
         self.step(int(state["num_iters"]))
