@@ -59,6 +59,10 @@ class RankMeasurement:
     order: dict  # communicator (global ranks) -> operations, in issue order
     collectives: dict = field(default_factory=dict)
     seconds: float = 0.0
+    # The caching allocator's hold ([Note: allocation lanes] in zeropp/comm/streams.py):
+    # each stream's own peak ("compute", "gather", "reduce"), and their sum.
+    lane_peaks: dict[str, int] = field(default_factory=dict)
+    reserved_peak_bytes: int = 0
     # With ``trace=True``: iteration 2 as an IterationTrace (zeropp.simulation.trace), and
     # the engine's own byte accounting (``engine.comm_bytes()``'s {phase: {locality: bytes}})
     # over the same window, for checking one against the other.
@@ -335,16 +339,17 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
             if rank != 0 and save_to is not None:
                 _stand_in_for_rank_0(save_to, rank, iterations, before=False)
             run_peaks.append((tracker.peak_bytes, dict(tracker.peak_by_category),
-                              dict(tracker.category_peaks)))
+                              dict(tracker.category_peaks), dict(tracker.lane_peaks)))
         order = simulation.order_signature()
         violations = list(simulation.violations)
         collectives = dict(simulation.counts)
     if any(statuses):
         raise RuntimeError(f"the simulated rank {rank} exited with status {statuses[-1]}")
-    peak, by_category, category_peaks = max(run_peaks, key=lambda peak: peak[0])
+    peak, by_category, category_peaks, lane_peaks = max(run_peaks, key=lambda peak: peak[0])
     return RankMeasurement(
         rank=rank, world_size=world_size, peak_bytes=peak, peak_by_category=by_category,
-        category_peaks=category_peaks,
+        category_peaks=category_peaks, lane_peaks=lane_peaks,
+        reserved_peak_bytes=sum(lane_peaks.values()),
         phase_peaks=dict(tracker.phase_peaks),
         host_syncs_per_iteration=iteration_syncs[1],  # from iteration 2 to 3: steady state
         violations=violations, order=order, collectives=collectives,
@@ -397,6 +402,11 @@ def render(measurement: ClusterMeasurement) -> str:
                      f"{result.peak_bytes / GIB:.2f} GiB ({result.seconds:.1f} s simulated)")
         for category, nbytes in sorted(result.peak_by_category.items(), key=lambda kv: -kv[1]):
             lines.append(f"  {category:<28}{nbytes / GIB:>10.2f} GiB")
+        pools = ", ".join(f"{lane} {nbytes / GIB:.2f}" for lane, nbytes in
+                          sorted(result.lane_peaks.items(), key=lambda kv: -kv[1]))
+        lines.append(f"  reserved by CUDA's caching allocator: "
+                     f"{result.reserved_peak_bytes / GIB:.2f} GiB (each stream's pool at its "
+                     f"own peak: {pools} GiB)")
         syncs = ", ".join(f"{site} x{count}" for site, count in
                           sorted(result.host_syncs_per_iteration.items())) or "none"
         lines.append(f"  host syncs per iteration: {syncs}")

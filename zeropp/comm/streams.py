@@ -31,7 +31,9 @@ held by in-flight collectives does not grow with the model's depth on any execut
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -86,17 +88,45 @@ class Execution(abc.ABC):
         """Release threads or streams (the engine calls it when it is done)."""
 
 
+# [Note: allocation lanes]
+# On CUDA what a collective allocates while issued or finished (quantized payloads, receive
+# buffers, hpZ's kept secondary) comes from its side stream's pool of the caching allocator,
+# and a freed block there is reused only by allocations on that stream: the device holds
+# each stream's peak, not the peak of their sum. The executions without streams say which
+# lane they stand in for while they run a collective's steps (``allocation_lane``), so the
+# simulated GPU cluster's memory tracker can hold a pool per lane as the allocator does.
+_lanes = threading.local()
+COMPUTE_LANE = "compute"
+
+
+def allocation_lane() -> str:
+    """The stream whose pool an allocation on this thread comes from ([Note: allocation
+    lanes]): "gather" or "reduce" inside a collective's steps, else "compute"."""
+    return getattr(_lanes, "current", COMPUTE_LANE)
+
+
+@contextlib.contextmanager
+def allocating_on(lane: str) -> Iterator[None]:
+    previous = allocation_lane()
+    _lanes.current = lane
+    try:
+        yield
+    finally:
+        _lanes.current = previous
+
+
 class InlineExecution(Execution):
     """Run each collective to completion when issued; hold its buffers until ``wait()``."""
 
     name = "inline"
 
     def launch(self, lane, issue, *, finish=None, keep=(), sequence=False) -> Pending:
-        work = issue(False)
-        if work is not None:
-            work.wait()
-        if finish is not None:
-            finish()
+        with allocating_on(lane):  # as CudaExecution's side stream would allocate them
+            work = issue(False)
+            if work is not None:
+                work.wait()
+            if finish is not None:
+                finish()
         return Pending(keep=keep)
 
 

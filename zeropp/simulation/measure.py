@@ -35,6 +35,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from zeropp.comm.streams import allocation_lane
+
 __all__ = ["CATEGORY_RULES", "DEFAULT_CATEGORY", "HostSyncCounter", "MemoryTracker", "OpCounter",
            "Rule", "collective_ops", "default_category", "dispatched_ops"]
 
@@ -151,16 +153,25 @@ def _restore_method(owner: type, name: str, saved: tuple[bool, Any]) -> None:
 
 # ---- memory --------------------------------------------------------------------------------
 class _Entry:
-    __slots__ = ("nbytes", "category", "ref")
+    __slots__ = ("nbytes", "category", "lane", "ref")
 
-    def __init__(self, nbytes: int, category: str | None, ref: weakref.ref) -> None:
+    def __init__(self, nbytes: int, category: str | None, lane: str, ref: weakref.ref) -> None:
         self.nbytes = nbytes
         self.category = category  # None while the storage holds 0 bytes
+        self.lane = lane  # the stream whose allocator pool the bytes come from
         self.ref = ref  # kept alive here: a weakref that is itself collected never calls back
 
 
 class MemoryTracker(TorchDispatchMode):
-    """Live and peak bytes of the storages on ``device``, by category (see module doc)."""
+    """Live and peak bytes of the storages on ``device``, by category (see module doc).
+
+    Also by allocation lane ([Note: allocation lanes] in zeropp/comm/streams.py): CUDA's
+    caching allocator keeps a freed block for the stream that allocated it, so without
+    ``empty_cache`` it holds each stream's own peak at once. ``lane_peaks`` are those peaks
+    and ``reserved_peak_bytes`` their sum: what ``torch.cuda.max_memory_reserved`` would
+    show at least (fragmentation aside), next to ``peak_bytes``, which is
+    ``max_memory_allocated``'s counterpart.
+    """
 
     def __init__(self, device: torch.device | str = _META,
                  categorize: Callable[[], str] = default_category) -> None:
@@ -175,6 +186,8 @@ class MemoryTracker(TorchDispatchMode):
         self.category_peaks: dict[str, int] = {}
         self.current_bytes = 0
         self.peak_bytes = 0
+        self._by_lane: dict[str, int] = {}
+        self.lane_peaks: dict[str, int] = {}
         self.phase_peaks: dict[str, int] = {}
         self._phases: list[str] = []
         self._saved_resize: list[Any] = []
@@ -189,11 +202,17 @@ class MemoryTracker(TorchDispatchMode):
         """Live bytes per category at the moment ``peak_bytes`` was reached."""
         return {k: v for k, v in self._peak_by_category.items() if v}
 
+    @property
+    def reserved_peak_bytes(self) -> int:
+        """The caching allocator's hold: every lane's own peak, at once (see class doc)."""
+        return sum(self.lane_peaks.values())
+
     def reset_peak(self) -> None:
         """Start a new peak from what is live now (``phase_peaks`` are kept)."""
         self.peak_bytes = self.current_bytes
         self._peak_by_category = dict(self._by_category)
         self.category_peaks = dict(self._by_category)
+        self.lane_peaks = dict(self._by_lane)
 
     @contextlib.contextmanager
     def phase(self, label: str) -> Iterator[MemoryTracker]:
@@ -235,30 +254,35 @@ class MemoryTracker(TorchDispatchMode):
             category = self.categorize()
         key = id(st)  # ids are unique among live objects, and the finalizer drops the entry
         ref = weakref.ref(st, functools.partial(self._on_free, key))
-        self._live[key] = _Entry(nbytes, category if nbytes else None, ref)
+        entry = self._live[key] = _Entry(nbytes, category if nbytes else None,
+                                         allocation_lane(), ref)
         if nbytes:
-            self._bump(category, nbytes)
+            self._bump(entry, nbytes)
 
     def _resized(self, entry: _Entry, nbytes: int) -> None:
         old = entry.nbytes
         if old == nbytes:
             return
-        if old == 0:  # re-allocated: attribute to whoever grows it now
-            entry.category = self.categorize()
+        if old == 0:  # re-allocated: attribute to whoever grows it now, from its lane
+            entry.category, entry.lane = self.categorize(), allocation_lane()
         else:
-            self._bump(entry.category, -old)
+            self._bump(entry, -old)
         entry.nbytes = nbytes
         if nbytes:
-            self._bump(entry.category, nbytes)
+            self._bump(entry, nbytes)
         else:
             entry.category = None
 
     def _on_free(self, key: int, _ref: weakref.ref) -> None:
         entry = self._live.pop(key, None)
         if entry is not None and entry.nbytes:
-            self._bump(entry.category, -entry.nbytes)
+            self._bump(entry, -entry.nbytes)
 
-    def _bump(self, category: str, delta: int) -> None:
+    def _bump(self, entry: _Entry, delta: int) -> None:
+        category, lane = entry.category, entry.lane
+        self._by_lane[lane] = self._by_lane.get(lane, 0) + delta
+        if delta > 0 and self._by_lane[lane] > self.lane_peaks.get(lane, 0):
+            self.lane_peaks[lane] = self._by_lane[lane]
         self.current_bytes += delta
         self._by_category[category] = self._by_category.get(category, 0) + delta
         if delta > 0:
