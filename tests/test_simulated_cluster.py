@@ -79,6 +79,16 @@ def test_1p3b_on_2x8_follows_nccl_rules_and_the_plan(tmp_path, system):
     assert node_ops == expected
     peak = cluster.first.peak_by_category
     assert peak["model states"] > 0 and peak["gathered weights"] > 0
+    # [Note: allocation lanes]: the exact collectives write into buffers the compute stream
+    # allocated; qwZ's and qgZ's payloads come from the gather and reduce streams' pools,
+    # which CUDA's caching allocator holds beside the compute stream's.
+    lanes = cluster.first.lane_peaks
+    if system == "zero3":
+        assert set(lanes) == {"compute"}
+        assert cluster.first.reserved_peak_bytes == cluster.first.peak_bytes
+    else:
+        assert lanes["gather"] > 0 and lanes["reduce"] > 0
+        assert cluster.first.reserved_peak_bytes > cluster.first.peak_bytes
     report = build_report(parse_args(argv + ["--dry-run", "--dry-run-nodes", "2",
                                               "--dry-run-gpus-per-node", "8"]))
     planned = report.total_bytes(report.plans[1 if system == "zeropp" else 0])

@@ -52,6 +52,29 @@ def test_counts_bytes_views_once_and_frees():
         assert mem.current_by_category == {}
 
 
+def test_each_allocation_lane_holds_its_own_peak_as_cudas_caching_allocator_does():
+    """A block freed on one stream is not reused by another ([Note: allocation lanes]): the
+    compute stream's 4 KB and a side stream's 2 KB, never live together, reserve 6 KB."""
+    from zeropp.comm.streams import InlineExecution, allocating_on
+
+    with MemoryTracker() as mem:
+        t = torch.empty(1000, device=META, dtype=torch.float32)
+        del t
+        with allocating_on("gather"):
+            u = torch.empty(500, device=META, dtype=torch.float32)
+        del u
+        held = []
+        # a collective's steps run by an execution without streams land on its lane
+        InlineExecution().launch("reduce", lambda async_op: held.append(
+            torch.empty(250, device=META, dtype=torch.float32)))
+        del held[:]
+        assert mem.current_bytes == 0 and mem.peak_bytes == 4000
+        assert mem.lane_peaks == {"compute": 4000, "gather": 2000, "reduce": 1000}
+        assert mem.reserved_peak_bytes == 7000
+        mem.reset_peak()
+        assert mem.reserved_peak_bytes == 0
+
+
 def test_does_not_keep_storages_alive():
     with MemoryTracker() as mem:
         t = torch.zeros(64, device=META)
