@@ -201,11 +201,16 @@ class RunControl:
             self.save(trainer)
 
     # ---- stop conditions -----------------------------------------------------------------
-    def check_nonfinite_streak(self, trainer) -> None:
-        """At the log interval: the device-kept streak of skipped iterations with a
-        non-finite loss against ``--exit-on-nan`` (the same on every rank: skips are agreed)."""
-        if self._device_streak is not None:
-            self._raise_on_nonfinite_streak(trainer, int(self._device_streak))
+    @property
+    def device_streak(self) -> torch.Tensor | None:
+        """The streak of skipped iterations with a non-finite loss, kept on the device where
+        the device decides skips (None otherwise): the training loop reads it at the log."""
+        return self._device_streak
+
+    def check_nonfinite_streak(self, trainer, streak: int) -> None:
+        """At the log interval: the device-kept streak, read back, against ``--exit-on-nan``
+        (the same on every rank: skips are agreed)."""
+        self._raise_on_nonfinite_streak(trainer, streak)
 
     def _raise_on_nonfinite_streak(self, trainer, streak: int) -> None:
         limit = self.config.exit_on_nan

@@ -522,6 +522,10 @@ def measured_lines(report: DryRunReport, measurements: list) -> list[str]:
     lines.append(_row("planned vs measured",
                       [f"{p / m.peak_bytes - 1:+.1%}" for p, m in zip(planned, measurements,
                                                                        strict=True)]))
+    # [Note: allocation lanes]: what CUDA's caching allocator holds with each stream's pool
+    # at its own peak; it frees cached blocks before failing, so the fit is the allocated peak's.
+    lines.append(_row("reserved, stream pools", [_gib(m.reserved_peak_bytes)
+                                                 for m in measurements]))
     verdicts = ["fits" if m.peak_bytes <= report.cluster.gpu_memory_bytes else "does NOT fit"
                 for m in measurements]
     lines.append(_row(f"measured vs GPU memory {report.cluster.gpu_memory_gib:g} GiB", verdicts))

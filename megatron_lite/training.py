@@ -72,6 +72,7 @@ class TrainingEngine(Protocol):
     @property
     def last_step_overflowed(self) -> bool: ...
     def get_global_grad_norm(self) -> float | None: ...
+    def step_outcome(self) -> dict[str, float | torch.Tensor | None]: ...
     def comm_bytes(self, reset: bool = True) -> dict[str, dict[str, int]]: ...
 
 
@@ -124,12 +125,14 @@ class IntervalTotals:
         self.skipped_on_device = (skipped if self.skipped_on_device is None
                                   else self.skipped_on_device + skipped)
 
-    def resolve(self) -> int:
-        """Read the device's count of skipped iterations (once, at the log interval); returns
-        how many it read (0 where the host decided every skip)."""
+    def resolve(self, read: float | None = None) -> int:
+        """Take the device's count of skipped iterations into ``skipped`` (at the log
+        interval or a save); ``read``: that count already read back with other values
+        (``read_back``), else it is read here. Returns the count (0 where the host decided
+        every skip)."""
         if self.skipped_on_device is None:
             return 0
-        read = int(self.skipped_on_device)
+        read = int(self.skipped_on_device if read is None else read)
         self.skipped += read
         self.skipped_on_device = None
         if self.skipped == 0:
@@ -140,7 +143,13 @@ class IntervalTotals:
 
     def local_mean_loss(self) -> torch.Tensor | None:
         """This rank's logged loss: the mean over applied iterations, or over the skipped
-        ones when every iteration was skipped (still on the device)."""
+        ones when every iteration was skipped (still on the device, also where the device
+        counted the skips and nothing is read yet)."""
+        if self.skipped_on_device is not None:
+            skipped = self.skipped_on_device + self.skipped
+            applied = self.iterations - skipped
+            return torch.where(applied > 0, self.loss_sum / applied.clamp(min=1),
+                               self.skipped_loss_sum / skipped.clamp(min=1))
         if self.loss_sum is not None:
             return self.loss_sum / (self.iterations - self.skipped)
         if self.skipped_loss_sum is not None:
@@ -168,13 +177,27 @@ def max_memory_bytes(device: torch.device) -> int:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
-def mean_across_ranks(value: torch.Tensor) -> float:
-    """The average of a scalar tensor over all ranks (the value itself without a group)."""
+def mean_across_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The average of a scalar tensor over all ranks (the value itself without a group),
+    left on the device."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         value = value.detach().clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        return value.item() / dist.get_world_size()
-    return value.item()
+        return value / dist.get_world_size()
+    return value.detach()
+
+
+def read_back(values: dict[str, float | torch.Tensor | None]) -> dict[str, float | None]:
+    """``values`` as host numbers, every device scalar among them read in one transfer: one
+    wait for the GPU per log line, however many values it shows."""
+    held = {name: value for name, value in values.items() if isinstance(value, torch.Tensor)}
+    read: dict[str, float | None] = {name: None if value is None else float(value)
+                                     for name, value in values.items() if name not in held}
+    if held:
+        stacked = torch.stack([value.detach().reshape(()).to(torch.float64)
+                               for value in held.values()])
+        read.update(zip(held, stacked.tolist(), strict=True))
+    return read
 
 
 @dataclass(frozen=True)
@@ -264,8 +287,6 @@ class Trainer:
             self._interval.add_iteration(loss, applied)
             if self.iteration % config.log_interval == 0:
                 self._log_interval()
-                if self.run_control is not None:
-                    self.run_control.check_nonfinite_streak(self)
             if config.eval_interval and self.iteration % config.eval_interval == 0:
                 # As in Megatron, evaluation time is not training time.
                 self.timers("interval-time").stop()
@@ -360,7 +381,7 @@ class Trainer:
                 total += self.loss_fn(self.engine(tokens), labels, loss_mask).float()
         finally:
             self.engine.train()
-        return mean_across_ranks(total / steps)
+        return float(mean_across_ranks(total / steps))
 
     def evaluate_validation(self) -> float | None:
         """Validation loss at the current iteration, printed and logged; None without data."""
@@ -388,24 +409,35 @@ class Trainer:
     def _log_interval(self) -> None:
         interval = self._interval
         self._interval = IntervalTotals()
-        # Skips the device decided are counted here; the host's, in train_step.
-        self._read_back_device_counts(interval)
         interval.add_comm_bytes(self.engine.comm_bytes(reset=True))
         iterations = interval.iterations
         # Overflows are agreed across ranks, so every rank makes the same choice here and
         # the all-reduce is entered by all of them or by none.
         local_mean = interval.local_mean_loss()
-        mean_loss = math.nan if local_mean is None else mean_across_ranks(local_mean)
+        # What the line shows, read back at once: the loss, and where the device decided the
+        # steps ([Note: step outcome on the device]) the skips, gradient norm, loss scale
+        # and non-finite streak.
+        read = read_back({
+            "loss": None if local_mean is None else mean_across_ranks(local_mean),
+            "skipped": interval.skipped_on_device,
+            "streak": None if self.run_control is None else self.run_control.device_streak,
+            **self.engine.step_outcome(),
+        })
+        # Skips the device decided are counted here; the host's, in train_step.
+        self._read_back_device_counts(interval, read["skipped"])
+        if self.run_control is not None and read["streak"] is not None:
+            self.run_control.check_nonfinite_streak(self, int(read["streak"]))
+        mean_loss = math.nan if read["loss"] is None else read["loss"]
         seconds = self.timers("interval-time").elapsed(reset=True)
         step_times = self.timers.log_string(_STEP_TIMERS, normalizer=iterations)
-        metrics = self._interval_metrics(interval, mean_loss, seconds)
+        metrics = self._interval_metrics(interval, mean_loss, seconds, read)
         if self.is_logging_rank:
             print(self._log_line(metrics), flush=True)
             print(step_times, flush=True)
         self.metrics_writer.log_train(self.iteration, metrics)
 
-    def _interval_metrics(self, interval: IntervalTotals, mean_loss: float,
-                          seconds: float) -> dict[str, Any]:
+    def _interval_metrics(self, interval: IntervalTotals, mean_loss: float, seconds: float,
+                          read: dict[str, float | None]) -> dict[str, Any]:
         config = self.config
         iterations = interval.iterations
         samples_per_sec = config.global_batch_size * iterations / max(seconds, 1e-9)
@@ -417,8 +449,8 @@ class Trainer:
         inter_node = sum(by_loc.get("inter_node", 0) for by_loc in comm_per_iteration.values())
         return {
             "lm_loss": mean_loss,
-            "grad_norm": self.engine.get_global_grad_norm(),
-            "loss_scale": self.engine.loss_scale,
+            "grad_norm": read["grad_norm"],
+            "loss_scale": read["loss_scale"],
             "lr": self._last_update_lr,
             "elapsed_ms_per_iteration": seconds * 1000.0 / iterations,
             "tokens_per_sec": tokens_per_sec_per_gpu,
@@ -473,11 +505,13 @@ class Trainer:
         self._read_back_device_counts(self._interval)
         return {key: getattr(self, key) for key in self.PROGRESS_KEYS}
 
-    def _read_back_device_counts(self, interval: IntervalTotals) -> None:
+    def _read_back_device_counts(self, interval: IntervalTotals,
+                                 read: float | None = None) -> None:
         """Make the host's counts exact where the device decided the skips (at a log line or
         a checkpoint: the only reads such a run makes): the skipped iterations come off the
-        applied updates, and the schedule's position and lrs are the host's again."""
-        skipped = interval.resolve()
+        applied updates, and the schedule's position and lrs are the host's again. ``read``:
+        the interval's device count, if already read back."""
+        skipped = interval.resolve(read)
         self.skipped_iterations += skipped
         if self._applied_on_device is not None:
             self.applied_updates -= skipped

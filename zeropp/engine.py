@@ -391,6 +391,12 @@ class ZeroEngine:
     def get_global_grad_norm(self) -> float | None:
         return self.last_grad_norm
 
+    def step_outcome(self) -> dict[str, float | torch.Tensor | None]:
+        """The last step's gradient norm and the loss scale as the engine holds them, read
+        nothing: device tensors where the device decided ([Note: step outcome on the
+        device]), else numbers. For a caller that reads several values in one transfer."""
+        return {"grad_norm": self._last_grad_norm, "loss_scale": self.loss_scaler.held_scale}
+
     def comm_bytes(self, reset: bool = True) -> dict[str, dict[str, int]]:
         """Bytes sent by this rank since the last reset, by phase and locality."""
         snapshot = self.comm_stats.snapshot()

@@ -24,6 +24,13 @@ class LossScaler:
     def __init__(self, scale: float = 1.0) -> None:
         self.scale = float(scale)
 
+    @property
+    def held_scale(self) -> float | torch.Tensor:
+        """The scale as held: a device tensor where the state lives on the device
+        (``DynamicLossScaler.scale_on``), else the float, with no read."""
+        on_device = getattr(self, "_scale_on_device", None)
+        return self.scale if on_device is None else on_device
+
     def update(self, overflow: bool) -> None:
         """Called once per optimizer step, after the overflow check agreed across ranks."""
 
