@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from zeropp.deepspeed_adoption import DeepSpeedValues
 from zeropp.flat_layout import ParamSlot
 
 
@@ -100,17 +101,25 @@ class UnitInitialValues:
     """
 
     def __init__(self, module: nn.Module, prefix: str, originals: dict[str, nn.Parameter],
-                 param_init_fn: Callable[[str], torch.Tensor] | None) -> None:
+                 param_init_fn: Callable[[str], torch.Tensor] | None,
+                 deepspeed_values: DeepSpeedValues | None = None) -> None:
         self.module = module
         self.prefix = prefix
         self.originals = originals
         self.param_init_fn = param_init_fn
+        # Values of the unit's stand-ins for DeepSpeed-partitioned parameters, gathered by
+        # the caller ([Note: adopting DeepSpeed's partitions]).
+        self.deepspeed_values = deepspeed_values
         self._defaults: dict[str, torch.Tensor] = {}
 
     def __call__(self, slot: ParamSlot) -> torch.Tensor:
         param = self.originals[slot.name]
         if not param.is_meta:
             return param.detach().to(torch.float32)
+        if self.deepspeed_values is not None:
+            adopted = self.deepspeed_values.value(param)
+            if adopted is not None:
+                return adopted
         if self.param_init_fn is None:
             if not self._defaults:
                 self._defaults.update(reset_parameters_values(self.module, self.prefix, {

@@ -52,6 +52,7 @@ from zeropp.comm import CommGroup, CommStats
 from zeropp.comm.delta import DeltaWeightGather
 from zeropp.comm.registry import Collectives
 from zeropp.comm.streams import Execution
+from zeropp.deepspeed_adoption import DeepSpeedValues, stand_in_for_deepspeed
 from zeropp.flat_layout import FlatLayout
 from zeropp.initial_values import UnitInitialValues, reset_parameters_values
 from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
@@ -192,10 +193,13 @@ class ShardedModel:
             reduce_world=reduce_world,
         )
         self.phase = TrainingPhase.IDLE
+        # A model DeepSpeed's zero.Init partitioned: meta stand-ins now, values per unit
+        # ([Note: adopting DeepSpeed's partitions]).
+        deepspeed_sources = stand_in_for_deepspeed(model)
         self.units, self.initial_masters = self._build_units(
             model, unit_modules if unit_modules is not None else default_unit_modules(
                 model, options.max_unit_numel, options.persistence_threshold),
-            param_init_fn,
+            param_init_fn, DeepSpeedValues(deepspeed_sources) if deepspeed_sources else None,
         )
         self.root = self.units[0]
         # Reductions in flight, oldest first (a unit, or the persistent units' joint one),
@@ -245,7 +249,7 @@ class ShardedModel:
         _LIVE_MODELS.add(self)
 
     # ---- construction --------------------------------------------------------------------
-    def _build_units(self, model, unit_modules, param_init_fn):
+    def _build_units(self, model, unit_modules, param_init_fn, deepspeed_values=None):
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
         owners = _param_owners(model)
         module_names = {id(m): n for n, m in model.named_modules()}
@@ -269,9 +273,12 @@ class ShardedModel:
         for (name, module, params), layout in zip(plan, layouts, strict=True):
             start, offset = offset, offset + layout.shard_numel
             initial = UnitInitialValues(module, module_names.get(id(module), ""),
-                                        {names[id(p)]: p for p in params}, param_init_fn)
+                                        {names[id(p)]: p for p in params}, param_init_fn,
+                                        deepspeed_values)
             master = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device)
             if master.device.type != "meta":  # the simulated cluster: no values to make
+                if deepspeed_values is not None:  # collective: every rank, every unit
+                    deepspeed_values.gather_unit(params)
                 layout.fill_shard(master, self.world.rank, initial)
             refs = [ParamRef(p, owners[id(p)]) for p in params]
             unit = ShardedUnit(
@@ -283,6 +290,8 @@ class ShardedModel:
             )
             unit.shard.copy_(master)
             initial.clear()
+            if deepspeed_values is not None:
+                deepspeed_values.clear()
             units.append(unit)
             masters.append(master)
         leftovers = [n for n, b in model.named_buffers() if b.is_meta]
