@@ -42,8 +42,9 @@ def config(stage: int) -> dict:
 
 
 def adamw(model) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.ndim > 1]
-    rest = [p for p in model.parameters() if p.ndim <= 1]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.ndim > 1]
+    rest = [p for p in trained if p.ndim <= 1]
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                               {"params": rest, "weight_decay": 0.0}],
                              lr=LR, betas=(0.8, 0.95), eps=1e-6)
@@ -86,6 +87,15 @@ def deepspeed_rank(rank, world, root):
         lr_after_load = engine.get_lr()
         out[stage] = {"saved": saved, "resumed": train(engine, batches[SAVED_STEPS:]),
                       "lr_after_load": lr_after_load}
+    # Read for their weights only: ZeRO-1, and a frozen norm at ZeRO-2 and ZeRO-3.
+    for stage, name, frozen in ((1, "stage1", False), (2, "frozen2", True),
+                                (3, "frozen3", True)):
+        model = toy_model()
+        model.layers[0].norm.requires_grad_(not frozen)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model),
+                                          config=config(stage))
+        train(engine, batches[:3])  # the warm-up runs its first two at lr 0
+        engine.save_checkpoint(f"{root}/deepspeed_{name}")
     # Checkpoints the converter refuses: plain SGD, and no ZeRO at all.
     for stage, name, build in ((2, "sgd", lambda m: torch.optim.SGD(m.parameters(), lr=LR,
                                                                      momentum=0.9)),
@@ -168,19 +178,29 @@ def test_a_deepspeed_run_resumes_here_with_deepspeeds_losses(deepspeed_runs, res
 
 def test_checkpoint_written_by_deepspeed_converts_to_its_own_fp32_weights(deepspeed_runs,
                                                                           resumed_here):
-    """Every master of the converted checkpoint is what DeepSpeed's zero_to_fp32 reads."""
+    """Every master of the converted checkpoint is what DeepSpeed's zero_to_fp32 reads, at
+    ZeRO-1, 2 and 3, frozen parameters included."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from zeropp import checkpoint
+    from zeropp import convert as converter
 
     root, _ = deepspeed_runs
     converted, _ = resumed_here
-    for stage in (2, 3):
-        theirs = get_fp32_state_dict_from_zero_checkpoint(str(root / f"deepspeed_stage{stage}"))
-        ours = checkpoint.consolidate(converted[stage])
-        assert ours.keys() == theirs.keys()
-        for name in theirs:
-            assert torch.equal(ours[name], theirs[name]), name
+    converted = {f"stage{stage}": path for stage, path in converted.items()}
+    for name in ("stage1", "frozen2", "frozen3"):
+        converted[name] = converter.from_deepspeed(root / f"deepspeed_{name}", root / name).parent
+    for name, path in converted.items():
+        theirs = get_fp32_state_dict_from_zero_checkpoint(str(root / f"deepspeed_{name}"))
+        ours = checkpoint.consolidate(path)
+        assert ours.keys() == theirs.keys() == toy_model().state_dict().keys(), name
+        for key in theirs:
+            assert torch.equal(ours[key], theirs[key]), (name, key)
+    # The frozen norm kept its initial value; the trained one next to it did not.
+    initial = toy_model().state_dict()
+    ours = checkpoint.consolidate(converted["frozen3"])
+    assert torch.equal(ours["layers.0.norm.weight"], initial["layers.0.norm.weight"])
+    assert not torch.equal(ours["layers.1.norm.weight"], initial["layers.1.norm.weight"])
 
 
 def test_to_fp32_writes_the_unsharded_weights_a_plain_model_loads(deepspeed_runs, resumed_here,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import math
 import re
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,7 +80,9 @@ _STAND_INS = [
 def _load(path: Path) -> dict:
     try:
         with torch.serialization.safe_globals(_STAND_INS):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            # Memory-mapped where the file allows it (torch's zip format, since torch 1.6).
+            return torch.load(path, map_location="cpu", weights_only=True,
+                              mmap=zipfile.is_zipfile(path))
     except Exception as exc:  # an object outside DeepSpeed's own, or a damaged file
         text = str(exc)
         found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
@@ -227,10 +230,16 @@ class DeepSpeedCheckpoint:
     def frozen_tensors(self) -> dict[str, torch.Tensor]:
         """Parameters no optimizer owns (``requires_grad=False``), fp32, by name."""
         shapes = self.model_states.get("frozen_param_shapes") or {}
+        if self.stage < 3:
+            # Whole in the module's state_dict, also at stage 1 (which lists no frozen
+            # shapes): the entries that are neither optimized, nor tied, nor buffers.
+            module = self.model_states.get("module") or {}
+            others = {name for group in self.flat_groups for name in group}
+            others |= set(self.shared_params) | set(self.model_states.get("buffer_names") or [])
+            return {name: value.float().clone() for name, value in module.items()
+                    if name not in others}
         if not shapes:
             return {}
-        if self.stage < 3:  # whole, in the module's state_dict
-            return {name: self.model_states["module"][name].float().clone() for name in shapes}
         fragments = [self._rank_model_states(rank)["frozen_param_fragments"]
                      for rank in range(self.world_size)]
         return {name: torch.cat([f[name].reshape(-1) for f in fragments]).float()
