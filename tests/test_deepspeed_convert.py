@@ -92,8 +92,9 @@ def deepspeed_rank(rank, world, root):
                                 (3, "frozen3", True)):
         model = toy_model()
         model.layers[0].norm.requires_grad_(not frozen)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model),
-                                          config=config(stage))
+        # Sub-groups of at most 2000 elements: several flat groups at ZeRO-3.
+        engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model), config={
+            **config(stage), "zero_optimization": {"stage": stage, "sub_group_size": 2000}})
         train(engine, batches[:3])  # the warm-up runs its first two at lr 0
         engine.save_checkpoint(f"{root}/deepspeed_{name}")
     # Checkpoints the converter refuses: plain SGD, and no ZeRO at all.
@@ -330,3 +331,33 @@ def test_a_stage_it_cannot_read(capsys, tmp_path, deepspeed_runs):
     err = run_main(capsys, "--from-deepspeed", str(root / "deepspeed_stage0"), "--out",
                    str(tmp_path / "o"))
     assert "a checkpoint without ZeRO (stage 0" in err and "only ZeRO stages 1-3 are" in err
+
+
+def test_out_must_not_be_the_deepspeed_checkpoint(capsys, deepspeed_runs):
+    root, _ = deepspeed_runs
+    source = str(root / "deepspeed_stage1")
+    err = run_main(capsys, "--from-deepspeed", source, "--out", source)
+    assert "is the DeepSpeed checkpoint itself: write the conversion elsewhere" in err
+    assert (root / "deepspeed_stage1" / "global_step3" / "mp_rank_00_model_states.pt").is_file()
+
+
+def test_fused_adams_mode_is_asked_for_where_the_checkpoint_does_not_say_it(tmp_path):
+    """DeepSpeed's FusedAdam built by the script keeps adam_w_mode off the checkpoint: its
+    groups carry bias_correction, not torch's decoupled_weight_decay."""
+    from zeropp.convert import optimizer_type
+    from zeropp.deepspeed_checkpoint import DeepSpeedCheckpoint, DeepSpeedCheckpointError
+
+    def fused_adam_checkpoint(weight_decay: float) -> DeepSpeedCheckpoint:
+        state = {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4), "step": 3}
+        group = {"params": [0], "lr": LR, "betas": (0.9, 0.999), "eps": 1e-8,
+                 "weight_decay": weight_decay, "bias_correction": True, "amsgrad": False}
+        optim = {"zero_stage": 2, "base_optimizer_state": {"state": {0: state},
+                                                           "param_groups": [group]}}
+        return DeepSpeedCheckpoint(tmp_path, 2, 1, {"ds_config": {}}, [optim])
+
+    with pytest.raises(DeepSpeedCheckpointError, match="^the checkpoint does not say whether "
+                       "its Adam decayed weights as AdamW or as Adam .*: pass --optimizer "
+                       "AdamW or --optimizer Adam$"):
+        optimizer_type(fused_adam_checkpoint(0.1))
+    assert optimizer_type(fused_adam_checkpoint(0.1), "Adam") == "Adam"
+    assert optimizer_type(fused_adam_checkpoint(0.0)) == "AdamW"  # the same step either way

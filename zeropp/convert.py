@@ -126,6 +126,10 @@ def from_deepspeed(source: str | Path, out: str | Path, tag: str | None = None,
     """Convert DeepSpeed checkpoint ``source`` (at ``tag`` or its latest) into this engine's
     format under ``out``, as ``world_size`` rank files; returns the written tag's directory."""
     ckpt = open_checkpoint(source, tag)
+    if Path(out).resolve() in (Path(source).resolve(), ckpt.tag_dir.resolve()):
+        # Publishing the tag would replace DeepSpeed's own directory of the same name.
+        raise DeepSpeedCheckpointError(f"--out {out} is the DeepSpeed checkpoint itself: "
+                                       "write the conversion elsewhere")
     kind = optimizer_type(ckpt, optimizer)
     world = world_size or ckpt.world_size
     if world < 1:
