@@ -4,7 +4,8 @@
     DIR/latest                       the tag of the newest complete checkpoint
     DIR/TAG/zero_rank00000.pt ...    one file per rank: its fp32 master shards, Adam moments,
                                      working dtype, loss scaler, RNG states, client state
-    DIR/TAG/meta.json                world size, topology, unit layouts, engine config
+    DIR/TAG/meta.json                world size, topology, unit layouts, engine config,
+                                     tied parameters' further names
 
 Every file is checksummed as it is written and verified before a load; ``--load`` falls
 back to the newest checkpoint that verifies ([Note: checkpoint checksums] in
@@ -15,7 +16,9 @@ rename). A crash at any point leaves ``latest`` naming the previous complete che
 Each shard records, per unit, the parameter slots of its flat buffer and the range of it the
 rank owned. A load rebuilds every element of its own new shard by parameter name from the old
 shards (memory-mapped, read only where needed), so a checkpoint written by N ranks loads on M
-ranks, with another ranks-per-node or hpZ size, without a conversion step. Files hold only
+ranks, with another ranks-per-node or hpZ size, without a conversion step. Parameters are found
+by name in whichever unit holds them, so other units load too (``zeropp.convert`` writes a
+DeepSpeed checkpoint as one unit, through ``write_from_one_process``). Files hold only
 tensors and plain containers and are read with ``weights_only=True``: loading never runs
 pickled code.
 """
