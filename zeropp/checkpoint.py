@@ -4,7 +4,8 @@
     DIR/latest                       the tag of the newest complete checkpoint
     DIR/TAG/zero_rank00000.pt ...    one file per rank: its fp32 master shards, Adam moments,
                                      working dtype, loss scaler, RNG states, client state
-    DIR/TAG/meta.json                world size, topology, unit layouts, engine config
+    DIR/TAG/meta.json                world size, topology, unit layouts, engine config,
+                                     tied parameters' further names
 
 Every file is checksummed as it is written and verified before a load; ``--load`` falls
 back to the newest checkpoint that verifies ([Note: checkpoint checksums] in
@@ -15,7 +16,9 @@ rename). A crash at any point leaves ``latest`` naming the previous complete che
 Each shard records, per unit, the parameter slots of its flat buffer and the range of it the
 rank owned. A load rebuilds every element of its own new shard by parameter name from the old
 shards (memory-mapped, read only where needed), so a checkpoint written by N ranks loads on M
-ranks, with another ranks-per-node or hpZ size, without a conversion step. Files hold only
+ranks, with another ranks-per-node or hpZ size, without a conversion step. Parameters are found
+by name in whichever unit holds them, so other units load too (``zeropp.convert`` writes a
+DeepSpeed checkpoint as one unit, through ``write_from_one_process``). Files hold only
 tensors and plain containers and are read with ``weights_only=True``: loading never runs
 pickled code.
 """
@@ -33,6 +36,7 @@ import torch.distributed as dist
 
 from zeropp.checkpoint_files import CheckpointError, CheckpointStorageError, shard_file
 from zeropp.checkpoint_integrity import gather_checksums, save_checksummed
+from zeropp.flat_layout import FlatLayout
 
 SHARD_FORMAT = "zeropp-shard-v1"
 
@@ -64,17 +68,84 @@ def read_latest(load_dir: str | os.PathLike, must_exist: bool = True) -> str:
     return tag
 
 
-def _unit_record(unit, master: torch.Tensor, state: dict[str, torch.Tensor]) -> dict:
+def unit_record(name: str, layout: FlatLayout, shard_start: int, shard_end: int,
+                master: torch.Tensor, state: dict[str, torch.Tensor]) -> dict:
+    """One unit's entry in a rank's file: its parameter slots and this rank's range of it."""
     return {
-        "name": unit.name,
-        "slots": [[s.name, list(s.shape), s.offset] for s in unit.layout.slots],
-        "padded_numel": unit.layout.padded_numel,
-        "shard_start": unit.shard_start,
-        "shard_end": unit.shard_end,
+        "name": name,
+        "slots": [[s.name, list(s.shape), s.offset] for s in layout.slots],
+        "padded_numel": layout.padded_numel,
+        "shard_start": shard_start,
+        "shard_end": shard_end,
         "master": master.detach().cpu(),
         # The optimizer's element-wise state (Adam: exp_avg, exp_avg_sq), shard-shaped.
         **{key: value.detach().cpu() for key, value in state.items()},
     }
+
+
+def rank_file_state(*, rank: int, world_size: int, units: list[dict], optimizer_type: str,
+                    state_keys: list[str], optimizer_scalars: dict[str, float],
+                    param_groups: list[dict], loss_scaler: dict, counters: dict[str, int],
+                    lr_scheduler: dict | None, client_state: dict | None,
+                    error_feedback: dict | None = None, weight_bases: dict | None = None,
+                    rng: dict | None = None) -> dict:
+    """Everything one rank's file holds ([Note: checkpoint layout]); ``units`` from
+    ``unit_record``. ``rng`` None: no random streams to offer (a converted checkpoint)."""
+    return {
+        "format": SHARD_FORMAT,
+        "rank": rank,
+        "world_size": world_size,
+        "units": units,
+        "optimizer_type": optimizer_type,
+        "state_keys": list(state_keys),
+        # The optimizer's step (kept under its first name too).
+        "adam_step": optimizer_scalars.get("step", 0.0),
+        "optimizer_scalars": dict(optimizer_scalars),
+        # An lr the device's schedule set is a 0-dim tensor ([Note: step outcome on the
+        # device]): saved as the number it holds, as a host-set lr is.
+        "param_groups": [{k: v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v
+                          for k, v in g.items() if k != "params"} for g in param_groups],
+        "loss_scaler": loss_scaler,
+        "engine": dict(counters),
+        "lr_scheduler": lr_scheduler,
+        # qgZ's carried quantization errors: this rank's, in this topology's buckets.
+        "error_feedback": error_feedback,
+        # The weight-delta gather's bases: this rank's, in this topology's shards.
+        "weight_bases": weight_bases,
+        "rng": rng,
+        "client_state": client_state or {},
+    }
+
+
+def meta_record(*, tag: str, world_size: int, topology: dict, dtype: str,
+                units: list[list], config: dict | None, checksums: list,
+                shared_params: dict[str, str]) -> dict:
+    """``meta.json``: ``units`` as [name, numel, padded_numel]; ``shared_params`` maps each
+    further name of a tied parameter to the name its values are stored under."""
+    return {
+        "format": SHARD_FORMAT,
+        "tag": tag,
+        "world_size": world_size,
+        "topology": topology,
+        "dtype": dtype,
+        "units": units,
+        "config": config,
+        # Per rank file: [crc32, bytes] as written.
+        "checksums": checksums,
+        "shared_params": shared_params,
+    }
+
+
+def tied_names(module: torch.nn.Module) -> dict[str, str]:
+    """Each further name of a tied parameter -> the first, under which it is stored."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -104,39 +175,26 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
 
     optimizer = engine.optimizer
     feedback = engine.sharded.error_feedback
-    state = {
-        "format": SHARD_FORMAT,
-        "rank": rank,
-        "world_size": world,
-        "units": [
-            _unit_record(unit, optimizer.shard_master(index), optimizer.shard_state(index))
-            for index, unit in enumerate(engine.sharded.units)
-        ],
-        "optimizer_type": type(optimizer.inner).__name__,
-        "state_keys": optimizer.state_keys(),
-        "adam_step": optimizer.step_count,  # the optimizer's step (kept under its first name)
-        "optimizer_scalars": optimizer.scalar_state(),
-        # An lr the device's schedule set is a 0-dim tensor ([Note: step outcome on the
-        # device]): saved as the number it holds, as a host-set lr is.
-        "param_groups": [{k: v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v
-                          for k, v in g.items() if k != "params"}
-                         for g in optimizer.param_groups],
-        "loss_scaler": engine.loss_scaler.state_dict(),
-        "engine": {
-            "global_steps": engine.global_steps,
-            "skipped_steps": engine.skipped_steps,
-            "micro_steps": engine.micro_steps,
-        },
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
-        # qgZ's carried quantization errors: this rank's, in this topology's buckets.
-        "error_feedback": feedback.state_dict() if feedback is not None else None,
-        # The weight-delta gather's bases: this rank's, in this topology's shards.
-        "weight_bases": (engine.sharded.weight_deltas.state_dict()
-                         if engine.sharded.weight_deltas is not None else None),
-        "rng": {"torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
-        "client_state": client_state or {},
-    }
+    deltas = engine.sharded.weight_deltas
+    state = rank_file_state(
+        rank=rank, world_size=world,
+        units=[unit_record(unit.name, unit.layout, unit.shard_start, unit.shard_end,
+                           optimizer.shard_master(index), optimizer.shard_state(index))
+               for index, unit in enumerate(engine.sharded.units)],
+        optimizer_type=type(optimizer.inner).__name__,
+        state_keys=optimizer.state_keys(),
+        optimizer_scalars=optimizer.scalar_state(),
+        param_groups=optimizer.param_groups,
+        loss_scaler=engine.loss_scaler.state_dict(),
+        counters={"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+                  "micro_steps": engine.micro_steps},
+        lr_scheduler=engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+        error_feedback=feedback.state_dict() if feedback is not None else None,
+        weight_bases=deltas.state_dict() if deltas is not None else None,
+        rng={"torch": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+        client_state=client_state,
+    )
     crc, nbytes = 0, 0
     try:
         crc, nbytes = save_checksummed(state, shard_file(tmp_dir, rank))
@@ -147,18 +205,13 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
     checksums = gather_checksums(crc, nbytes, device)
     try:
         if rank == 0:
-            meta = {
-                "format": SHARD_FORMAT,
-                "tag": tag,
-                "world_size": world,
-                "topology": engine.topology.as_dict(),
-                "dtype": str(engine.sharded.dtype),
-                "units": [[u.name, u.layout.numel, u.layout.padded_numel]
-                          for u in engine.sharded.units],
-                "config": engine.config.to_dict() if engine.config is not None else None,
-                # Per rank file: [crc32, bytes] as written.
-                "checksums": checksums,
-            }
+            meta = meta_record(
+                tag=tag, world_size=world, topology=engine.topology.as_dict(),
+                dtype=str(engine.sharded.dtype),
+                units=[[u.name, u.layout.numel, u.layout.padded_numel]
+                       for u in engine.sharded.units],
+                config=engine.config.to_dict() if engine.config is not None else None,
+                checksums=checksums, shared_params=tied_names(engine.module))
             _atomic_write_text(tmp_dir / "meta.json", json.dumps(meta, indent=1))
     except Exception as exc:
         error = exc
@@ -166,19 +219,48 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
 
     try:
         if rank == 0:
-            if final_dir.exists():  # re-saving a tag: keep the old one until the new is in place
-                old = root / f"{tag}.old"
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final_dir, old)
-                os.replace(tmp_dir, final_dir)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp_dir, final_dir)
-            _atomic_write_text(root / "latest", tag)
+            _publish(root, tag)
     except Exception as exc:
         error = exc
     _agree_or_raise(error, device, f"cannot publish checkpoint {final_dir}")
     return final_dir
+
+
+def _publish(root: Path, tag: str) -> None:
+    """Move the written ``TAG.tmp`` into place, then point ``latest`` at it."""
+    tmp_dir, final_dir = root / f"{tag}.tmp", root / tag
+    if final_dir.exists():  # re-saving a tag: keep the old one until the new is in place
+        old = root / f"{tag}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final_dir, old)
+        os.replace(tmp_dir, final_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp_dir, final_dir)
+    _atomic_write_text(root / "latest", tag)
+
+
+def write_from_one_process(save_dir: str | os.PathLike, tag: str, rank_states,
+                           meta_fields: dict) -> Path:
+    """Write a whole checkpoint from one process, without a process group (a conversion):
+    each of ``rank_states`` (produced one at a time) to its file, checksummed, then
+    ``meta.json`` (``meta_record``'s fields but tag and checksums), published as ``save``
+    publishes."""
+    root = Path(save_dir)
+    tmp_dir = root / f"{tag}.tmp"
+    if tmp_dir.exists():
+        shutil.rmtree(tmp_dir)
+    tmp_dir.mkdir(parents=True)
+    checksums = []
+    for rank, state in enumerate(rank_states):
+        checksums.append(list(save_checksummed(state, shard_file(tmp_dir, rank))))
+    if len(checksums) != meta_fields["world_size"]:
+        raise CheckpointError(f"wrote {len(checksums)} rank files for world size "
+                              f"{meta_fields['world_size']}")
+    meta = meta_record(tag=tag, checksums=checksums, **meta_fields)
+    _atomic_write_text(tmp_dir / "meta.json", json.dumps(meta, indent=1))
+    _publish(root, tag)
+    return root / tag
 
 
 def _agree_or_raise(error: Exception | None, device: torch.device, message: str) -> None:
@@ -231,6 +313,11 @@ class _OldShards:
                 return record
         raise CheckpointError(f"checkpoint has no unit {name!r}: the model structure differs")
 
+    def parameter_units(self) -> dict[str, str]:
+        """Each saved parameter's name -> the name of the unit that holds it."""
+        return {slot[0]: record["name"] for record in self.rank_state(0)["units"]
+                for slot in record["slots"]}
+
     def read(self, unit_name: str, param: str, shape: tuple, lo: int, hi: int, field: str):
         """Elements [lo, hi) of parameter ``param`` (flattened) from the old shards."""
         first = self.unit(0, unit_name)
@@ -267,12 +354,15 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
     root = Path(load_dir)
     tag = tag or read_latest(root)
     old = _OldShards(root / tag)
-    saved_units = {u[0] for u in old.meta["units"]}
-    ours = {u.name for u in engine.sharded.units}
-    if saved_units != ours:
-        raise CheckpointError(
-            f"checkpoint units {sorted(saved_units)} do not match the model's {sorted(ours)}"
-        )
+    # Parameters are found by name, whichever unit holds them: a checkpoint written with
+    # other units (another unit policy, or converted from DeepSpeed) loads all the same.
+    saved_units = old.parameter_units()
+    ours = {slot.name for unit in engine.sharded.units for slot in unit.layout.slots}
+    for what, names in (("lacks", ours - saved_units.keys()), ("has", saved_units.keys() - ours)):
+        if names:
+            shown = ", ".join(sorted(names)[:3]) + (" ..." if len(names) > 3 else "")
+            whose = "the model's parameters" if what == "lacks" else "parameters the model lacks"
+            raise CheckpointError(f"checkpoint {what} {whose}: {shown} ({len(names)} in all)")
     optimizer = engine.optimizer
     saved = old.rank_state(0)
     # Checkpoints written before other optimizers were partitioned hold Adam's two moments.
@@ -293,7 +383,7 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
             dst = slot.offset + lo - unit.shard_start
             for field in fields:
                 values[field][dst : dst + hi - lo] = old.read(
-                    unit.name, slot.name, slot.shape, lo, hi, field
+                    saved_units[slot.name], slot.name, slot.shape, lo, hi, field
                 ).to(unit.grad_shard.device)
         state = {key: values[key] for key in state_keys} if load_optimizer_states else None
         scalars = saved.get("optimizer_scalars", {"step": saved["adam_step"]})
@@ -365,6 +455,9 @@ def consolidate(load_dir: str | os.PathLike, tag: str | None = None) -> dict[str
         for param, shape, _offset in old.unit(0, name)["slots"]:
             count = math.prod(shape)
             out[param] = old.read(name, param, tuple(shape), 0, count, "master").view(shape).clone()
+    # Every name of a tied parameter, as the model's state_dict has them (one tensor).
+    for alias, stored in old.meta.get("shared_params", {}).items():
+        out[alias] = out[stored]
     return out
 
 
