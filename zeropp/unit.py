@@ -33,6 +33,7 @@ from zeropp.comm import CommGroup, CommStats, Pending, all_gather
 from zeropp.comm.collectives import AllGather, Collective
 from zeropp.comm.streams import Execution
 from zeropp.flat_layout import FlatLayout
+from zeropp.param_face import ZeroParamStatus, mirror_status, present_as_partitioned
 
 
 class ShardState(enum.Enum):
@@ -181,7 +182,13 @@ class ShardedUnit:
             self.params.append(param)
         self.num_grad_params = sum(p.requires_grad for p in self.params)
         self._slot_of = {id(p): slot for p, slot in zip(self.params, layout.slots, strict=True)}
+        # Stage 3: what a script written for DeepSpeed asks of a partitioned parameter,
+        # mirrored from ``state`` ([Note: DeepSpeed's parameter attributes]).
+        self._shown_status: ZeroParamStatus | None = None
         if not replicated:
+            present_as_partitioned(self.params, [slot.shape for slot in layout.slots],
+                                   self.persistent)
+            self._shown_status = ZeroParamStatus.NOT_AVAILABLE
             self._free_full()  # the views above stay bound to the (now empty) storage
 
     # ---- storage -------------------------------------------------------------------------
@@ -226,6 +233,12 @@ class ShardedUnit:
         if live != self._live:
             self._live = live
             self.comm.live.numel += self.layout.padded_numel if live else -self.layout.padded_numel
+        if self._shown_status is not None:
+            status = (ZeroParamStatus.AVAILABLE if self._state is ShardState.GATHERED else
+                      ZeroParamStatus.INFLIGHT if live else ZeroParamStatus.NOT_AVAILABLE)
+            if status is not self._shown_status:
+                self._shown_status = status
+                mirror_status(self.params, status)
 
     # ---- gather / release ----------------------------------------------------------------
     def start_gather(self, phase: str) -> None:

@@ -1,0 +1,83 @@
+"""Sharded parameters answer as DeepSpeed's ZeRO-3 parameters do ([Note: DeepSpeed's parameter
+attributes] in zeropp/param_face.py), so a script written for DeepSpeed gathers them before
+reading them (2 ranks, gloo, ZeRO-3).
+
+The script protocol is DeepSpeed-Chat's ``save_zero_three_model`` and ``_z3_params_to_fetch``
+(DeepSpeedExamples, applications/DeepSpeed-Chat/dschat/utils/utils.py): a parameter with a
+``ds_id`` is read inside ``GatheredParameters`` of those whose ``ds_status`` is DeepSpeed's
+``ZeroParamStatus.NOT_AVAILABLE``, any other is read directly. Before these attributes, every
+sharded parameter took the direct path and the saved file held released storage."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.distributed import run_ranks
+from tests.toy_models import toy_batches, toy_loss, toy_model
+
+
+def save_as_deepspeed_chat_does(rank, world):
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # DeepSpeed's own
+
+    import zeropp
+
+    model = toy_model()
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    config = {"train_micro_batch_size_per_gpu": 3, "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 2000}}  # blocks persist, root not
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, _, _, _ = zeropp.initialize(model, optimizer=optimizer, config=config)
+    for tokens in toy_batches(2, 1, 3 * world)[:, 0, rank * 3:(rank + 1) * 3]:
+        engine.backward(toy_loss(engine(tokens), tokens))
+        engine.step()
+
+    params = dict(engine.module.named_parameters())
+    out = {
+        "ids_unique": len({p.ds_id for p in params.values()}) == len(params),
+        "shapes": all(tuple(p.ds_shape) == shapes[name] and p.ds_numel == p.ds_shape.numel()
+                      for name, p in params.items()),
+        "released": sorted(name for name, p in params.items()
+                           if p.ds_status == ZeroParamStatus.NOT_AVAILABLE),
+        "available": sorted(name for name, p in params.items()
+                            if ZeroParamStatus.AVAILABLE == p.ds_status),
+    }
+    saved, statuses_inside = {}, set()
+    for name, v in engine.module.named_parameters():
+        if hasattr(v, "ds_id"):
+            fetch = [p for p in [v] if hasattr(p, "ds_id")
+                     and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+            with zeropp.zero.GatheredParameters(fetch, enabled=True):
+                statuses_inside.add(v.ds_status.name)
+                saved[name] = v.data.cpu().clone()
+        else:
+            saved[name] = v.cpu().clone()
+    full = engine.full_state_dict()
+    out["saved_equals_engine"] = all(torch.equal(saved[name], full[name]) for name in saved)
+    out["statuses_inside"] = sorted(statuses_inside)
+    out["released_after"] = sorted(name for name, p in params.items()
+                                   if p.ds_status == ZeroParamStatus.NOT_AVAILABLE)
+    engine.close()
+    return out
+
+
+def test_a_deepspeed_chat_style_save_gathers_sharded_parameters_and_reads_them_whole():
+    for result in run_ranks(save_as_deepspeed_chat_does, 2):
+        assert result["ids_unique"] and result["shapes"]
+        # the root released after the step; the blocks, persistent, stay gathered
+        assert result["released"] == ["embed.weight", "norm.bias", "norm.weight"]
+        assert len(result["available"]) == 18 and all(
+            name.startswith("layers.") for name in result["available"])
+        assert result["statuses_inside"] == ["AVAILABLE"]
+        assert result["saved_equals_engine"]
+        assert result["released_after"] == result["released"]  # released again on exit
+
+
+def test_zero_param_status_equals_deepspeeds_member_of_the_same_name():
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus as DeepSpeeds
+
+    from zeropp.param_face import ZeroParamStatus
+
+    for ours in ZeroParamStatus:
+        theirs = DeepSpeeds[ours.name]
+        assert ours == theirs and theirs == ours and not (ours != theirs)
+        assert all(ours != other for other in DeepSpeeds if other is not theirs)
