@@ -66,8 +66,10 @@ def adopt_and_train(rank, world):
         "partitioned": len(partitioned), "params": len(reference), "empty_before": empty_before,
         "gathers": gathers,
         "same_values": all(torch.equal(adopted[name], value) for name, value in reference.items()),
+        # The engine's parameters answer with DeepSpeed's ds_* names of their own
+        # ([Note: DeepSpeed's parameter attributes]); none holds a DeepSpeed partition.
         "deepspeed_left": [name for name, p in engine.module.named_parameters()
-                           if any(key.startswith("ds_") for key in vars(p))],
+                           if hasattr(p, "ds_tensor") or hasattr(p, "all_gather")],
     }
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, 97, (2, 16), generator=g)] * 3  # one batch, learned

@@ -185,8 +185,10 @@ def predicted_row(out: str) -> list[float]:
 
 
 def test_dry_run_end_to_end_with_slow_measured_rates(tmp_path, capsys):
-    """The simulated rank's real trace: ZeRO++'s quantization kernels at a tenth of the H100's
-    HBM rate make its step longer; ZeRO-3 runs no such kernel and does not change."""
+    """The simulated rank's real trace: ZeRO++'s quantization kernels at a thousandth of the
+    H100's HBM rate make its step longer; ZeRO-3 runs no such kernel and does not change. (At
+    a tenth this small model's kernels still hide behind the host's issue time: with no host
+    read inside the step since [Note: step outcome on the device], nothing exposes them.)"""
     # the tutorial's JSON has hpZ 16, the H100 nodes 8 GPUs: hpZ over the whole node instead
     config = json.loads(Path("configs/ds_zeropp_config.json").read_text())
     config["zero_optimization"]["zero_hpz_partition_size"] = 8
@@ -195,7 +197,7 @@ def test_dry_run_end_to_end_with_slow_measured_rates(tmp_path, capsys):
     argv = [str(ds_config) if a == "configs/ds_zeropp_config.json" else a for a in SMALL_ON_H100]
     assert run_dry_run(parse_training_args(argv), argv) == 0
     zero3_s, _, zeropp_s, _ = predicted_row(capsys.readouterr().out)
-    slow = {op: 0.335e12 for op in (QUANTIZE_OP, DEQUANTIZE_MANY_OP,
+    slow = {op: 3.35e9 for op in (QUANTIZE_OP, DEQUANTIZE_MANY_OP,
                                     "zeropp.dequantize_reduce.default",
                                     "zeropp.dequantize_reduce_quantize.default")}
     # The host cost as the default: only the kernel rates differ from the first run.
