@@ -135,6 +135,10 @@ class DryRunReport:
             backward_activations=activations.kept_for_backward + activations.recomputed_chunk,
         )
 
+    def reserved_bytes(self, plan: SystemPlan) -> int:
+        """``total_bytes`` and the side streams' allocator pools ([Note: allocation lanes])."""
+        return self.total_bytes(plan) + plan.memory.stream_buffers
+
     def fits(self, plan: SystemPlan) -> bool:
         return self.total_bytes(plan) <= self.cluster.gpu_memory_bytes
 
@@ -375,6 +379,8 @@ def memory_lines(report: DryRunReport) -> list[str]:
     lines += [_row(label, [_gib(v) for v in values]) for label, values in rows]
     lines.append(_row("peak (larger of forward and backward)",
                       [_gib(report.total_bytes(plan)) for plan in plans]))
+    lines.append(_row("reserved, with the stream pools",
+                      [_gib(report.reserved_bytes(plan)) for plan in plans]))
     verdicts = ["fits" if report.fits(plan) else "does NOT fit" for plan in plans]
     lines.append(_row(f"vs GPU memory {report.cluster.gpu_memory_gib:g} GiB", verdicts))
     increase = report.total_bytes(plans[1]) - report.total_bytes(plans[0])
@@ -526,6 +532,8 @@ def measured_lines(report: DryRunReport, measurements: list) -> list[str]:
     # at its own peak; it frees cached blocks before failing, so the fit is the allocated peak's.
     lines.append(_row("reserved, stream pools", [_gib(m.reserved_peak_bytes)
                                                  for m in measurements]))
+    lines.append(_row("reserved, planned (above)", [_gib(report.reserved_bytes(plan))
+                                                    for plan in report.plans]))
     verdicts = ["fits" if m.peak_bytes <= report.cluster.gpu_memory_bytes else "does NOT fit"
                 for m in measurements]
     lines.append(_row(f"measured vs GPU memory {report.cluster.gpu_memory_gib:g} GiB", verdicts))

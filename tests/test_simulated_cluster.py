@@ -89,8 +89,13 @@ def test_1p3b_on_2x8_follows_nccl_rules_and_the_plan(tmp_path, system):
         assert cluster.first.reserved_peak_bytes > cluster.first.peak_bytes
     report = build_report(parse_args(argv + ["--dry-run", "--dry-run-nodes", "2",
                                               "--dry-run-gpus-per-node", "8"]))
-    planned = report.total_bytes(report.plans[1 if system == "zeropp" else 0])
+    plan = report.plans[1 if system == "zeropp" else 0]
+    planned = report.total_bytes(plan)
     assert abs(planned / cluster.peak_bytes - 1) < 0.10
+    # the side streams' pools: none for ZeRO-3, planned and measured alike
+    assert (plan.memory.stream_buffers == 0) == (system == "zero3")
+    reserved = max(cluster.first.reserved_peak_bytes, cluster.last.reserved_peak_bytes)
+    assert abs(report.reserved_bytes(plan) / reserved - 1) < 0.10
 
 
 # A Llama-style 0.93B (TinyLlama's width and groups, 16 layers): rotary positions, RMSNorm,

@@ -85,6 +85,10 @@ class MemoryPlan:
     gathered_forward: int  # the peak of gathered units during forward alone
     # qgZ error feedback: int8 errors of every bucket this rank sends (resident)
     error_feedback: int = 0
+    # The largest call's own buffers on the gather stream plus the reduce stream's: CUDA's
+    # caching allocator keeps each stream's pool beside the compute stream's ([Note:
+    # allocation lanes]), so they add to what it reserves, not to what is allocated at once.
+    stream_buffers: int = 0
 
     @property
     def model_states(self) -> int:
@@ -98,6 +102,10 @@ class MemoryPlan:
         backward = self.gathered_parameters + self.gradient_buffers + backward_activations
         resident = self.model_states + self.hpz_secondary_shards + self.error_feedback
         return resident + max(forward, backward)
+
+    def reserved(self, forward_activations: int, backward_activations: int) -> int:
+        """What the caching allocator holds at the peak: the peak and the side streams' pools."""
+        return self.peak(forward_activations, backward_activations) + self.stream_buffers
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -271,7 +279,24 @@ def plan_memory(units: Sequence[UnitPlan], zero: ZeroConfig, dtype_bytes: int,
         gradient_buffers=gradient_numel * dtype_bytes,
         gathered_forward=forward_gathered * dtype_bytes,
         error_feedback=sum(collectives.error_feedback_nbytes(u.padded_numel) for u in units),
+        stream_buffers=stream_buffer_nbytes(units, hpz, _DTYPES[dtype_bytes], collectives),
     )
+
+
+def stream_buffer_nbytes(units: Sequence[UnitPlan], hpz: int, dtype: torch.dtype,
+                         collectives: Collectives) -> int:
+    """The largest single call's buffers on the gather stream (forward gather, or hpZ's
+    backward one) plus on the reduce stream: each stream reuses its pool call after call."""
+    world_size = units[0].padded_numel // units[0].shard_numel
+    world = CommGroup(None, world_size, 0, False)
+    node = CommGroup(None, hpz, 0, False)
+    gather = max(max(collectives.gather.stream_buffer_nbytes(u.shard_numel, dtype, world),
+                     collectives.secondary_gather.stream_buffer_nbytes(
+                         u.padded_numel // hpz, dtype, node) if hpz > 1 else 0)
+                 for u in units)
+    reduce = max(collectives.reduce.stream_buffer_nbytes(u.shard_numel, dtype, world)
+                 for u in units)
+    return gather + reduce
 
 
 # ---- communication ----------------------------------------------------------------------

@@ -73,6 +73,13 @@ class Collective(abc.ABC):
     def bytes_sent(self, numel: int, dtype: torch.dtype, group: CommGroup) -> dict[str, int]:
         """{locality: bytes} this rank sends for one call with per-rank slices of ``numel``."""
 
+    def stream_buffer_nbytes(self, numel: int, dtype: torch.dtype, group: CommGroup) -> int:
+        """Bytes one call (per-rank slices of ``numel``) allocates while it runs and frees
+        when it ends: on CUDA from its side stream's pool, which the caching allocator keeps
+        for that stream ([Note: allocation lanes]). The exact collectives write into buffers
+        the caller allocated: 0."""
+        return 0
+
     @abc.abstractmethod
     def __call__(self, output: torch.Tensor, input: torch.Tensor, group: CommGroup,
                  stats: CommStats, phase: str, key: object = None) -> Pending:

@@ -68,6 +68,10 @@ class QuantizedAllGather(Collective):
         payload = kernels.quantized_nbytes(numel, self.bits, self.block_size)
         return {locality(group.spans_nodes): all_gather_bytes(payload, group.size)}
 
+    def stream_buffer_nbytes(self, numel, dtype, group):
+        # this rank's payload and the gathered payloads of every rank
+        return (group.size + 1) * kernels.quantized_nbytes(numel, self.bits, self.block_size)
+
     def __call__(self, output: torch.Tensor, shard: torch.Tensor, group: CommGroup,
                  stats: CommStats, phase: str, key: object = None,
                  retain: Callable[[torch.Tensor], None] | None = None) -> Pending:
@@ -156,6 +160,9 @@ class QuantizedSecondaryGather(Collective):
     def bytes_sent(self, numel, dtype, group):
         payload = self.payload_nbytes(numel, group)
         return {locality(group.spans_nodes): all_gather_bytes(payload, group.size)}
+
+    def stream_buffer_nbytes(self, numel, dtype, group):
+        return group.size * self.payload_nbytes(numel, group)  # every world shard's payload
 
     def __call__(self, output: torch.Tensor, secondary: torch.Tensor, group: CommGroup,
                  stats: CommStats, phase: str, key: object = None) -> Pending:
@@ -274,16 +281,25 @@ class HierarchicalReduceScatter(Collective):
             return 0
         return ErrorFeedback.nbytes(bucket_numel // self.per_node, self.block_size)
 
+    def _hop_payloads(self, numel: int, dtype: torch.dtype) -> tuple[int, int]:
+        """Bytes of hop 1's swizzled bucket and of hop 2's payloads, per-rank slice ``numel``."""
+        chunk_numel = self.nodes * numel
+        if self.bits is None:
+            return self.per_node * chunk_numel * dtype.itemsize, chunk_numel * 4
+        first = self.per_node * kernels.quantized_nbytes(chunk_numel, self.bits, self.block_size)
+        second = self.nodes * kernels.quantized_nbytes(numel, self.inter_node_bits,
+                                                       self.block_size)
+        return first, second
+
+    def stream_buffer_nbytes(self, numel, dtype, group):
+        # each hop's send and receive buffers, and the node's fp32 partial sums between them
+        first, second = self._hop_payloads(numel, dtype)
+        return 2 * first + 2 * second + self.nodes * numel * 4
+
     def bytes_sent(self, numel, dtype, group):
         """Hop 1 sends the whole swizzled bucket inside the node; hop 2 the node's partial
         sums of the n slices that belong to ranks with this rank's local index."""
-        chunk_numel = self.nodes * numel
-        if self.bits is None:
-            first, second = self.per_node * chunk_numel * dtype.itemsize, chunk_numel * 4
-        else:
-            first = self.per_node * kernels.quantized_nbytes(chunk_numel, self.bits, self.block_size)
-            second = self.nodes * kernels.quantized_nbytes(numel, self.inter_node_bits,
-                                                           self.block_size)
+        first, second = self._hop_payloads(numel, dtype)
         sent = {"intra_node": all_to_all_bytes(first, self.per_node), "inter_node": 0}
         sent[locality(self.inter.spans_nodes)] += all_to_all_bytes(second, self.nodes)
         return sent
