@@ -1,9 +1,20 @@
-"""Run a function on N gloo ranks in fresh processes and collect what each rank returns."""
+"""Run a function on N gloo ranks in worker processes and collect what each rank returns.
+
+[Note: rank pool]
+Starting a rank costs a Python interpreter importing torch (about 1.7 s of CPU), more than
+many of the tests spend in their ranks. So ranks come from a pool of workers per world size,
+started once per test session and reused: each call builds a process group in a fresh file
+store, runs the function, destroys the group and restores the environment. A call that fails
+or times out kills its pool, so the next test starts from fresh processes, as does a call with
+an ``env`` (a variable may be read at import time). ``ZEROPP_TEST_FRESH_RANKS=1`` starts fresh
+processes for every call.
+"""
 
 from __future__ import annotations
 
 import os
 import pickle
+import queue as queue_module
 import socket
 import sys
 import tempfile
@@ -46,11 +57,108 @@ def _worker(rank, world_size, fn, args, out_dir, env):
     os._exit(0)
 
 
+def _pool_worker(rank: int, world_size: int, tasks, results) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    base_env = dict(os.environ)
+    while (task := tasks.get()) is not None:
+        fn, args, store = task
+        try:
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                    world_size=world_size)
+            payload = ("ok", fn(rank, world_size, *args))
+        except BaseException as exc:  # reported to the parent with its traceback
+            payload = ("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            os.environ.clear()
+            os.environ.update(base_env)
+        try:
+            data = pickle.dumps(payload)
+        except Exception as exc:  # an unpicklable result: say so instead of losing it
+            data = pickle.dumps(("error", f"rank {rank}: result not picklable: {exc!r}"))
+        results.put((rank, data))
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+class _RankPool:
+    """``world_size`` workers waiting for calls ([Note: rank pool])."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tasks = [ctx.SimpleQueue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        self.processes = [ctx.Process(target=_pool_worker, daemon=True,
+                                      args=(rank, world_size, self.tasks[rank], self.results))
+                          for rank in range(world_size)]
+        for process in self.processes:
+            process.start()
+
+    def alive(self) -> bool:
+        return all(process.is_alive() for process in self.processes)
+
+    def run(self, fn, args: tuple, timeout: float) -> list:
+        with tempfile.TemporaryDirectory() as store_dir:
+            for queue in self.tasks:
+                queue.put((fn, args, os.path.join(store_dir, "store")))
+            payloads: dict[int, tuple] = {}
+            deadline = time.monotonic() + timeout
+            while len(payloads) < self.world_size:
+                try:
+                    rank, data = self.results.get(timeout=1.0)
+                except queue_module.Empty:
+                    if not self.alive():
+                        raise AssertionError(f"a rank of {self.world_size} died") from None
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"{self.world_size} ranks did not finish within "
+                                             f"{timeout} s") from None
+                    continue
+                payloads[rank] = pickle.loads(data)
+        results = []
+        for rank in range(self.world_size):
+            status, value = payloads[rank]
+            if status != "ok":
+                raise AssertionError(value)
+            results.append(value)
+        return results
+
+    def kill(self) -> None:
+        for process in self.processes:
+            process.kill()
+        for process in self.processes:
+            process.join()
+
+
+_POOLS: dict[int, _RankPool] = {}
+
+
 def run_ranks(fn, world_size: int, *args, env: dict | None = None, timeout: float = 300) -> list:
     """``fn(rank, world_size, *args)`` on each rank; returns the per-rank results in order.
 
-    ``fn`` must be a module-level function (it is pickled into spawned processes).
+    ``fn`` must be a module-level function (it is pickled into the rank processes).
     """
+    if env or os.environ.get("ZEROPP_TEST_FRESH_RANKS") == "1":
+        return _run_fresh(fn, world_size, args, env, timeout)
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive():
+        pool = _POOLS[world_size] = _RankPool(world_size)
+    try:
+        return pool.run(fn, args, timeout)
+    except BaseException:
+        # a failed call may leave a rank inside a collective: the next call starts afresh
+        _POOLS.pop(world_size, None)
+        pool.kill()
+        raise
+
+
+def _run_fresh(fn, world_size: int, args: tuple, env: dict | None, timeout: float) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _worker,
