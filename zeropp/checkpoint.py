@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from zeropp.checkpoint_files import CheckpointError, CheckpointStorageError, shard_file
-from zeropp.checkpoint_integrity import gather_checksums, save_checksummed
+from zeropp.checkpoint_integrity import gather_checksums
 
 SHARD_FORMAT = "zeropp-shard-v1"
 
@@ -64,19 +64,6 @@ def read_latest(load_dir: str | os.PathLike, must_exist: bool = True) -> str:
     return tag
 
 
-def _unit_record(unit, master: torch.Tensor, state: dict[str, torch.Tensor]) -> dict:
-    return {
-        "name": unit.name,
-        "slots": [[s.name, list(s.shape), s.offset] for s in unit.layout.slots],
-        "padded_numel": unit.layout.padded_numel,
-        "shard_start": unit.shard_start,
-        "shard_end": unit.shard_end,
-        "master": master.detach().cpu(),
-        # The optimizer's element-wise state (Adam: exp_avg, exp_avg_sq), shard-shaped.
-        **{key: value.detach().cpu() for key, value in state.items()},
-    }
-
-
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
@@ -86,10 +73,31 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | None = None) -> Path:
-    """Write this rank's shard of ``engine``; collective (every rank calls it)."""
+def _host_copy(value):
+    """``value`` with every tensor in it copied to the host: what the shard file records
+    must not change when training goes on while it is written."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _host_copy(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_host_copy(item) for item in value)
+    return value
+
+
+def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | None = None,
+         async_save: bool = False) -> Path:
+    """Write this rank's shard of ``engine``; collective (every rank calls it).
+
+    ``async_save``: return once the shards are being copied to host memory; a background
+    thread writes the file, and ``finish_pending`` publishes the checkpoint
+    ([Note: asynchronous checkpoint saves]). A save still in flight is finished first.
+    """
+    from zeropp.checkpoint_async import PendingSave, staging_for
+
+    finish_pending(engine, wait=True)
     root = Path(save_dir)
-    rank, world = engine.topology.rank, engine.topology.world_size
+    rank = engine.topology.rank
     tmp_dir, final_dir = root / f"{tag}.tmp", root / tag
     device = engine.sharded.device
     error: Exception | None = None
@@ -102,18 +110,40 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
         error = exc
     _agree_or_raise(error, device, f"cannot create checkpoint directory {tmp_dir}")
 
+    staging = staging_for(engine)
+    state = _shard_state(engine, staging, client_state)
+    pending = PendingSave(engine, staging, state, shard_file(tmp_dir, rank), tmp_dir,
+                          final_dir, tag)
+    if async_save:
+        pending.start()
+        engine._pending_checkpoint = pending
+        return final_dir
+    pending.run_here()
+    return _commit(engine, pending)
+
+
+def _shard_state(engine, staging, client_state: dict | None) -> dict:
+    """What this rank's shard file holds. The units' masters and moments are the staging
+    buffers (filled by ``staging.fill``); everything else is copied now."""
+    rank, world = engine.topology.rank, engine.topology.world_size
     optimizer = engine.optimizer
     feedback = engine.sharded.error_feedback
-    state = {
-        "format": SHARD_FORMAT,
-        "rank": rank,
-        "world_size": world,
-        "units": [
-            _unit_record(unit, optimizer.shard_master(index), optimizer.shard_state(index))
-            for index, unit in enumerate(engine.sharded.units)
-        ],
+    units = []
+    for index, unit in enumerate(engine.sharded.units):
+        buffers = staging.unit_buffers(index)
+        units.append({
+            "name": unit.name,
+            "slots": [[s.name, list(s.shape), s.offset] for s in unit.layout.slots],
+            "padded_numel": unit.layout.padded_numel,
+            "shard_start": unit.shard_start,
+            "shard_end": unit.shard_end,
+            "master": buffers["master"],
+            # The optimizer's element-wise state (Adam: exp_avg, exp_avg_sq), shard-shaped.
+            **{key: buffers[key] for key in staging.state_keys},
+        })
+    small = _host_copy({
         "optimizer_type": type(optimizer.inner).__name__,
-        "state_keys": optimizer.state_keys(),
+        "state_keys": list(staging.state_keys),
         "adam_step": optimizer.step_count,  # the optimizer's step (kept under its first name)
         "optimizer_scalars": optimizer.scalar_state(),
         "param_groups": [{k: v for k, v in g.items() if k != "params"}
@@ -133,15 +163,39 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
         "rng": {"torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
         "client_state": client_state or {},
-    }
-    crc, nbytes = 0, 0
-    try:
-        crc, nbytes = save_checksummed(state, shard_file(tmp_dir, rank))
-    except Exception as exc:
-        error = exc
-    _agree_or_raise(error, device, f"cannot write checkpoint shard in {tmp_dir}")
+    })
+    return {"format": SHARD_FORMAT, "rank": rank, "world_size": world, "units": units, **small}
+
+
+def finish_pending(engine, wait: bool = True) -> Path | None:
+    """Publish the asynchronous save in flight, if any; collective.
+
+    ``wait``: block until this rank's file is written. Otherwise the ranks first agree
+    whether every writer is done (one small all-reduce) and return None if one is not.
+    Returns the published checkpoint's directory, or None when nothing was published. A
+    failure of any rank's writer raises here, on every rank (as ``save`` does).
+    """
+    pending = getattr(engine, "_pending_checkpoint", None)
+    if pending is None:
+        return None
+    if not wait and not pending.all_ranks_done():
+        return None
+    engine._pending_checkpoint = None
+    pending.join()
+    return _commit(engine, pending)
+
+
+def _commit(engine, pending) -> Path:
+    """After every rank wrote its file (or failed): agree, record the checksums in
+    ``meta.json``, rename ``TAG.tmp`` to ``TAG``, then replace ``latest``."""
+    rank, world = engine.topology.rank, engine.topology.world_size
+    device = engine.sharded.device
+    tmp_dir, final_dir, tag, root = pending.tmp_dir, pending.final_dir, pending.tag, \
+        pending.final_dir.parent
+    _agree_or_raise(pending.error, device, f"cannot write checkpoint shard in {tmp_dir}")
     # [Note: checkpoint checksums]: computed while writing, recorded by rank 0.
-    checksums = gather_checksums(crc, nbytes, device)
+    checksums = gather_checksums(pending.crc32, pending.nbytes, device)
+    error: Exception | None = None
     try:
         if rank == 0:
             meta = {
