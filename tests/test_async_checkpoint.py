@@ -220,3 +220,115 @@ def test_close_finishes_the_write_but_publishes_nothing(tmp_path):
     engine.close()
     assert (tmp_path / "latest").read_text() == "first"
     assert (tmp_path / "second.tmp" / "zero_rank00000.pt").is_file()
+
+
+# ---- the program: --async-save ------------------------------------------------------------
+from tests.test_pretrain_cli import data_prefix, read_metrics, run  # noqa: E402
+from tests.test_resilience import train_args  # noqa: E402
+
+__all__ = ["data_prefix"]  # the module-scoped fixture, shared with the CLI tests
+
+
+def test_async_save_at_the_last_iteration_is_waited_for_and_resumes_bit_exactly(
+        data_prefix, tmp_path):  # noqa: F811
+    from zeropp.checkpoint_integrity import newest_verified
+
+    full, resumed, ckpt = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
+    assert run(train_args(data_prefix, tmp_path, 6, "--metrics-file", str(full))).returncode == 0
+    # The save at iteration 3 is followed at once by the end of the run (--exit-interval).
+    first = run(train_args(data_prefix, tmp_path, 6, "--save", str(ckpt), "--save-interval",
+                           "3", "--exit-interval", "3", "--async-save"))
+    assert first.returncode == 0, first.stderr
+    assert "in the background" in first.stdout
+    assert (ckpt / "latest").read_text() == "iter_0000003"
+    assert newest_verified(ckpt) == "iter_0000003"
+    assert not list(ckpt.glob("*.tmp"))
+    second = run(train_args(data_prefix, tmp_path, 6, "--metrics-file", str(resumed),
+                            "--load", str(ckpt), "--async-save", "--save", str(ckpt),
+                            "--save-interval", "2"))
+    assert second.returncode == 0, second.stderr
+    expected = {r["iteration"]: r["lm_loss"] for r in read_metrics(full)[0]}
+    got = {r["iteration"]: r["lm_loss"] for r in read_metrics(resumed)[0]}
+    assert sorted(got) == [4, 5, 6]
+    assert all(got[i] == expected[i] for i in got), (got, expected)
+    assert (ckpt / "latest").read_text() == "iter_0000006"
+
+
+def test_async_save_failure_stops_or_continues(data_prefix, tmp_path):  # noqa: F811
+    blocker = tmp_path / "not_a_directory"
+    blocker.write_text("x")
+    stop = run(train_args(data_prefix, tmp_path, 4, "--save", str(blocker / "ckpt"),
+                          "--save-interval", "2", "--async-save"))
+    assert stop.returncode == 1
+    assert "checkpoint save at iteration 2 failed" in stop.stderr
+
+
+# Runs the program; on its first launch only, rank 1's background writer stalls part-way into
+# its file of iteration 4 and leaves its pid for the test to SIGKILL.
+STALL_ONCE = """
+import os, runpy, sys, time
+from pathlib import Path
+from zeropp import checkpoint_io
+
+stall_note, entry_point = Path(sys.argv[1]), sys.argv[2]
+real_write = checkpoint_io.write_chunk
+
+def write_chunk(fd, view, offset):
+    path = os.readlink(f"/proc/self/fd/{fd}")
+    if "iter_0000004" in path and os.environ.get("RANK") == "1" and not stall_note.exists():
+        real_write(fd, view[:4096], offset)
+        stall_note.write_text(str(os.getpid()))
+        time.sleep(600)
+    return real_write(fd, view, offset)
+
+checkpoint_io.write_chunk = write_chunk
+sys.argv = [entry_point, *sys.argv[3:]]
+runpy.run_path(entry_point, run_name="__main__")
+"""
+
+
+def test_a_rank_killed_mid_write_leaves_latest_and_the_relaunch_resumes_exactly(
+        data_prefix, tmp_path):  # noqa: F811
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.test_pretrain_cli import ENTRY_POINT, ROOT
+    from tests.test_supervise import ENV, SUPERVISE, TORCHRUN
+    from zeropp.checkpoint_integrity import newest_verified
+
+    full, metrics, ckpt = tmp_path / "full.jsonl", tmp_path / "run.jsonl", tmp_path / "ckpt"
+    args = train_args(data_prefix, tmp_path, 8)[2:]
+    reference = subprocess.run([*TORCHRUN, ENTRY_POINT, *args, "--metrics-file", str(full)],
+                               cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    wrapper, stall_note = tmp_path / "stall_once.py", tmp_path / "stalled"
+    wrapper.write_text(STALL_ONCE)
+    command = [*SUPERVISE, "--restarts", "1", "--backoff", "0", "--", *TORCHRUN, str(wrapper),
+               str(stall_note), ENTRY_POINT, *args, "--metrics-file", str(metrics),
+               "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2",
+               "--async-save", "--distributed-timeout-minutes", "1"]
+    supervisor = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not (stall_note.exists() and stall_note.read_text()):
+        assert supervisor.poll() is None and time.monotonic() < deadline, "no stall"
+        time.sleep(0.05)
+    partial = ckpt / "iter_0000004.tmp" / "zero_rank00001.pt"
+    assert partial.is_file() and not (ckpt / "iter_0000004").exists()
+    assert (ckpt / "latest").read_text() == "iter_0000002"
+    assert newest_verified(ckpt) == "iter_0000002"
+    os.kill(int(stall_note.read_text()), signal.SIGKILL)
+    _, err = supervisor.communicate(timeout=300)
+    assert supervisor.returncode == 0, err[-3000:]
+    restarts = [line for line in err.splitlines() if line.startswith("supervise:")]
+    assert len(restarts) == 1 and "iteration 2" in restarts[0], restarts
+    expected = {r["iteration"]: r["lm_loss"] for r in read_metrics(full)[0]}
+    last = {}
+    for record in read_metrics(metrics)[0]:  # the relaunch repeats iterations 3 onwards
+        last[record["iteration"]] = record["lm_loss"]
+    assert sorted(last) == list(range(1, 9))
+    assert all(last[i] == expected[i] for i in last), (last, expected)
+    assert (ckpt / "latest").read_text() == "iter_0000008"
