@@ -446,7 +446,11 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         if state is None:
             return
         for run in self.runs_of_unit[index]:
-            restored = {key: value[run.start : run.end].clone() for key, value in state.items()}
+            # A run that is the whole shard takes the tensor as it is (the caller's, made for
+            # this load): no second copy of the moments.
+            whole = run.start == 0 and run.end == self.units[index].layout.shard_numel
+            restored = {key: value if whole else value[run.start : run.end].clone()
+                        for key, value in state.items()}
             for key, value in (scalars or {}).items():
                 restored[key] = self._scalar_tensor(value, run)
             self.state[run.master] = restored
