@@ -245,6 +245,12 @@ def _add_checkpointing_args(group: argparse._ArgumentGroup) -> None:
                        help="When a save fails for storage reasons (disk full, unwritable): "
                        "stop the run (default) or warn and keep training. The previous "
                        "checkpoint stays valid. Any other save error always stops the run.")
+    group.add_argument("--async-save", action="store_true",
+                       help="Save checkpoints in the background: each rank copies its shards to "
+                       "host memory and trains on while a thread writes them; the checkpoint "
+                       "becomes latest once every rank's files are on disk. The next save, the "
+                       "end of training and a SIGTERM exit wait for it. Costs one host copy "
+                       "of the optimizer shards per rank (fp32 masters and moments).")
     group.add_argument("--exit-signal-handler", action="store_true",
                        help="On SIGTERM, save a checkpoint at the next iteration boundary and "
                        "exit cleanly (what schedulers send before killing a job).")

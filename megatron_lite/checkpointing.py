@@ -58,6 +58,7 @@ class CheckpointConfig:
     load: str | None = None  # directory to resume from
     save_interval: int | None = None  # iterations between saves
     save_error: str = "stop"  # "stop" or "continue" past a storage failure
+    async_save: bool = False  # write checkpoints in the background while training goes on
     no_load_optim: bool = False  # resume the weights only
     no_load_fallback: bool = False  # a latest checkpoint that fails verification stops the run
     no_load_rng: bool = False  # keep this run's random streams on resume
@@ -85,6 +86,7 @@ class RunControl:
         self.lr_scheduler = lr_scheduler
         self.model_config = model_config
         self.last_saved_iteration: int | None = None
+        self._saving_iteration: int | None = None  # an asynchronous save not yet published
         self.nonfinite_streak = 0
         self._device_streak: torch.Tensor | None = None  # where the device decides skips
         self._signal_received = False
@@ -168,37 +170,73 @@ class RunControl:
 
     # ---- save ----------------------------------------------------------------------------
     def save(self, trainer) -> None:
-        """Save now; on failure stop or continue as ``--save-error`` says."""
+        """Save now (or, with ``--async-save``, start saving); on failure stop or continue
+        as ``--save-error`` says."""
+        self.finish_save(trainer)
         client = {
             **trainer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "model_config": dataclasses.asdict(self.model_config),
             "args": self.run_arguments,
         }
+        asynchronous = self.config.async_save
         try:
+            # Without --async-save, called as DeepSpeed's engine takes it (no such keyword).
             path = self.engine.save_checkpoint(
-                self.config.save, tag=checkpoint_tag(trainer.iteration), client_state=client
-            )
+                self.config.save, tag=checkpoint_tag(trainer.iteration), client_state=client,
+                **({"async_save": True} if asynchronous else {}))
         except CheckpointError as error:  # raised on every rank alike
-            # Only storage may fail and leave the run sound; any other error (NCCL, CUDA, a
-            # bug) ends the run whatever --save-error says.
-            if self.config.save_error == "stop" or not isinstance(error, CheckpointStorageError):
-                raise SaveFailed(f"checkpoint save at iteration {trainer.iteration} failed: "
-                                 f"{error}") from error
-            trainer.log(f"warning: checkpoint save at iteration {trainer.iteration} failed "
-                           f"({error}); the previous checkpoint stays valid; continuing")
+            self._failed(trainer, trainer.iteration, error)
+            return
+        if asynchronous:
+            self._saving_iteration = trainer.iteration
+            trainer.log(f"saving checkpoint {path} at iteration {trainer.iteration} in the "
+                        "background")
             return
         self.last_saved_iteration = trainer.iteration
         trainer.log(f"saved checkpoint {path} at iteration {trainer.iteration}")
 
+    def finish_save(self, trainer, wait: bool = True) -> None:
+        """Publish the asynchronous save in flight, if any; ``wait=False`` (each iteration
+        boundary) only when every rank's writer is done ([Note: asynchronous checkpoint
+        saves]). A failed writer is handled here as a failed synchronous save is."""
+        iteration = self._saving_iteration
+        if iteration is None:
+            return
+        try:
+            path = self.engine.finish_checkpoint(wait=wait)
+        except CheckpointError as error:  # raised on every rank alike
+            self._saving_iteration = None
+            self._failed(trainer, iteration, error)
+            return
+        if path is None:
+            return
+        self._saving_iteration = None
+        self.last_saved_iteration = iteration
+        trainer.log(f"saved checkpoint {path} at iteration {iteration} (written in the "
+                    f"background; now at iteration {trainer.iteration})")
+
+    def _failed(self, trainer, iteration: int, error: CheckpointError) -> None:
+        # Only storage may fail and leave the run sound; any other error (NCCL, CUDA, a
+        # bug) ends the run whatever --save-error says.
+        if self.config.save_error == "stop" or not isinstance(error, CheckpointStorageError):
+            raise SaveFailed(f"checkpoint save at iteration {iteration} failed: "
+                             f"{error}") from error
+        trainer.log(f"warning: checkpoint save at iteration {iteration} failed "
+                    f"({error}); the previous checkpoint stays valid; continuing")
+
     def maybe_save(self, trainer) -> None:
+        self.finish_save(trainer, wait=False)
         interval = self.config.save_interval
         if self.config.save and interval and trainer.iteration % interval == 0:
             self.save(trainer)
 
     def save_at_end(self, trainer) -> None:
+        """The last save, and the end of one in flight: the run ends with it published."""
+        self.finish_save(trainer)
         if self.config.save and self.last_saved_iteration != trainer.iteration:
             self.save(trainer)
+            self.finish_save(trainer)
 
     # ---- stop conditions -----------------------------------------------------------------
     @property

@@ -386,6 +386,11 @@ def memory_lines(report: DryRunReport) -> list[str]:
     increase = report.total_bytes(plans[1]) - report.total_bytes(plans[0])
     lines.append(f"  ZeRO++ over ZeRO-3: {increase / GIB:+.2f} GiB per GPU, of which hpZ "
                  f"secondary shards {memories[1].hpz_secondary_shards / GIB:.2f} GiB")
+    # [Note: asynchronous checkpoint saves]: the staging buffers hold each rank's fp32 master
+    # shards and moments, pinned host memory, never GPU memory (so not in the peak above).
+    staging = memories[1].fp32_master_shards + memories[1].optimizer_moments
+    lines.append(f"  --async-save stages {staging / GIB:.2f} GiB of host (pinned) memory per "
+                 "rank: its fp32 master shards and Adam moments, kept for every save")
     return lines
 
 

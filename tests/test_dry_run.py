@@ -262,6 +262,12 @@ def test_dry_run_prints_the_18b_plan(capsys):
     assert verdict.split()[-2:] == ["fits", "fits"]
     ratio_line = next(line for line in out.splitlines() if "ZeRO-3 / ZeRO++" in line)
     assert float(ratio_line.rsplit(" ", 1)[1].rstrip("x")) > 4
+    # An asynchronous save stages each rank's fp32 masters and two Adam moments on the host:
+    # 12 bytes per parameter over 64 ranks (plus shard padding).
+    staging = next(line for line in out.splitlines() if "--async-save stages" in line)
+    assert "host (pinned) memory per rank" in staging
+    gib = float(staging.split("stages ")[1].split()[0])
+    assert gib == pytest.approx(18_434_813_952 * 12 / 64 / 2**30, abs=0.02)
 
 
 WITHOUT_DS_CONFIG = TUTORIAL_18B.replace("--deepspeed_config configs/ds_zeropp_config.json", "")

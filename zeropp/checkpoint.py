@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from zeropp.checkpoint_files import CheckpointError, CheckpointStorageError, shard_file
-from zeropp.checkpoint_integrity import gather_checksums, save_checksummed
+from zeropp.checkpoint_integrity import gather_checksums
+from zeropp.checkpoint_io import save_to_file
 from zeropp.flat_layout import FlatLayout
 
 SHARD_FORMAT = "zeropp-shard-v1"
@@ -157,10 +158,31 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | None = None) -> Path:
-    """Write this rank's shard of ``engine``; collective (every rank calls it)."""
+def _host_copy(value):
+    """``value`` with every tensor in it copied to the host: what the shard file records
+    must not change when training goes on while it is written."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _host_copy(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_host_copy(item) for item in value)
+    return value
+
+
+def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | None = None,
+         async_save: bool = False) -> Path:
+    """Write this rank's shard of ``engine``; collective (every rank calls it).
+
+    ``async_save``: return once the shards are being copied to host memory; a background
+    thread writes the file, and ``finish_pending`` publishes the checkpoint
+    ([Note: asynchronous checkpoint saves]). A save still in flight is finished first.
+    """
+    from zeropp.checkpoint_async import PendingSave, staging_for
+
+    finish_pending(engine, wait=True)
     root = Path(save_dir)
-    rank, world = engine.topology.rank, engine.topology.world_size
+    rank = engine.topology.rank
     tmp_dir, final_dir = root / f"{tag}.tmp", root / tag
     device = engine.sharded.device
     error: Exception | None = None
@@ -173,16 +195,34 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
         error = exc
     _agree_or_raise(error, device, f"cannot create checkpoint directory {tmp_dir}")
 
+    staging = staging_for(engine)
+    state = _shard_state(engine, staging, client_state)
+    pending = PendingSave(engine, staging, state, shard_file(tmp_dir, rank), tmp_dir,
+                          final_dir, tag)
+    if async_save:
+        pending.start()
+        engine._pending_checkpoint = pending
+        return final_dir
+    pending.run_here()
+    return _commit(engine, pending)
+
+
+def _shard_state(engine, staging, client_state: dict | None) -> dict:
+    """What this rank's shard file holds. The units' masters and moments are the staging
+    buffers (filled by ``staging.fill``); everything else is copied now."""
+    rank, world = engine.topology.rank, engine.topology.world_size
     optimizer = engine.optimizer
     feedback = engine.sharded.error_feedback
     deltas = engine.sharded.weight_deltas
+    # The units' masters and moments are the staging buffers, already on the host.
+    units = [unit_record(unit.name, unit.layout, unit.shard_start, unit.shard_end,
+                         staging.unit_buffers(index)["master"],
+                         {key: staging.unit_buffers(index)[key] for key in staging.state_keys})
+             for index, unit in enumerate(engine.sharded.units)]
     state = rank_file_state(
-        rank=rank, world_size=world,
-        units=[unit_record(unit.name, unit.layout, unit.shard_start, unit.shard_end,
-                           optimizer.shard_master(index), optimizer.shard_state(index))
-               for index, unit in enumerate(engine.sharded.units)],
+        rank=rank, world_size=world, units=units,
         optimizer_type=type(optimizer.inner).__name__,
-        state_keys=optimizer.state_keys(),
+        state_keys=staging.state_keys,
         optimizer_scalars=optimizer.scalar_state(),
         param_groups=optimizer.param_groups,
         loss_scaler=engine.loss_scaler.state_dict(),
@@ -195,14 +235,41 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
              "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
         client_state=client_state,
     )
-    crc, nbytes = 0, 0
-    try:
-        crc, nbytes = save_checksummed(state, shard_file(tmp_dir, rank))
-    except Exception as exc:
-        error = exc
-    _agree_or_raise(error, device, f"cannot write checkpoint shard in {tmp_dir}")
+    # Everything but the staged units is copied now: it must not change while training goes
+    # on and the file is written.
+    return {**_host_copy({key: value for key, value in state.items() if key != "units"}),
+            "units": units}
+
+
+def finish_pending(engine, wait: bool = True) -> Path | None:
+    """Publish the asynchronous save in flight, if any; collective.
+
+    ``wait``: block until this rank's file is written. Otherwise the ranks first agree
+    whether every writer is done (one small all-reduce) and return None if one is not.
+    Returns the published checkpoint's directory, or None when nothing was published. A
+    failure of any rank's writer raises here, on every rank (as ``save`` does).
+    """
+    pending = getattr(engine, "_pending_checkpoint", None)
+    if pending is None:
+        return None
+    if not wait and not pending.all_ranks_done():
+        return None
+    engine._pending_checkpoint = None
+    pending.join()
+    return _commit(engine, pending)
+
+
+def _commit(engine, pending) -> Path:
+    """After every rank wrote its file (or failed): agree, record the checksums in
+    ``meta.json``, rename ``TAG.tmp`` to ``TAG``, then replace ``latest``."""
+    rank, world = engine.topology.rank, engine.topology.world_size
+    device = engine.sharded.device
+    tmp_dir, final_dir, tag, root = pending.tmp_dir, pending.final_dir, pending.tag, \
+        pending.final_dir.parent
+    _agree_or_raise(pending.error, device, f"cannot write checkpoint shard in {tmp_dir}")
     # [Note: checkpoint checksums]: computed while writing, recorded by rank 0.
-    checksums = gather_checksums(crc, nbytes, device)
+    checksums = gather_checksums(pending.crc32, pending.nbytes, device)
+    error: Exception | None = None
     try:
         if rank == 0:
             meta = meta_record(
@@ -253,7 +320,7 @@ def write_from_one_process(save_dir: str | os.PathLike, tag: str, rank_states,
     tmp_dir.mkdir(parents=True)
     checksums = []
     for rank, state in enumerate(rank_states):
-        checksums.append(list(save_checksummed(state, shard_file(tmp_dir, rank))))
+        checksums.append(list(save_to_file(state, shard_file(tmp_dir, rank))))
     if len(checksums) != meta_fields["world_size"]:
         raise CheckpointError(f"wrote {len(checksums)} rank files for world size "
                               f"{meta_fields['world_size']}")

@@ -2,14 +2,14 @@
 the newest checkpoint that verifies.
 
 [Note: checkpoint checksums]
-Each rank's shard file is checksummed while ``torch.save`` writes it (``ChecksummedWriter``:
-CRC-32 and byte count of the stream, nothing read back); rank 0 gathers every rank's pair and
-records them in ``meta.json`` under ``"checksums"``. CRC-32 because it runs at several GB/s
+Each rank's shard file is checksummed while ``torch.save`` writes it (``DirectFileWriter``,
+``zeropp/checkpoint_io.py``: CRC-32 and byte count of the stream, nothing read back); rank 0
+gathers every rank's pair and records them in ``meta.json`` under ``"checksums"``. CRC-32 because it runs at several GB/s
 and catches any error burst up to 32 bits and all but 2^-32 of the rest: this guards against
 bad disk blocks and torn copies, not against someone forging a file.
 
 A load verifies first (``verify``): the files are shared round-robin among the loading ranks,
-each reads its share once in 8 MiB chunks (the page cache then serves the memory-mapped load)
+each reads its share once in 16 MiB chunks (the page cache then serves the memory-mapped load)
 and every rank learns whether all passed through one all-reduce, so all ranks agree. The
 checksums in ``meta.json`` also say which files must exist: a missing or truncated one fails
 the same way. A checkpoint from before checksums loads, with one line saying it is not
@@ -24,59 +24,14 @@ line naming the one that failed and why; nothing is deleted or overwritten.
 from __future__ import annotations
 
 import json
-import os
-import zlib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from zeropp.checkpoint_files import CheckpointError, shard_file
+from zeropp.checkpoint_io import file_checksum
 from zeropp.comm.collectives import all_gather_into_tensor
-
-CHUNK_BYTES = 8 << 20
-
-
-class ChecksummedWriter:
-    """A binary file opened for writing that keeps the CRC-32 and length of what went in."""
-
-    def __init__(self, path: Path) -> None:
-        self._file = open(path, "wb")  # noqa: SIM115 (closed by close())
-        self.crc32 = 0
-        self.nbytes = 0
-
-    def write(self, data) -> int:
-        view = memoryview(data)
-        self.crc32 = zlib.crc32(view, self.crc32)
-        self.nbytes += view.nbytes
-        return self._file.write(view)
-
-    def flush(self) -> None:
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-
-
-def save_checksummed(state: dict, path: Path) -> tuple[int, int]:
-    """``torch.save(state, path)``; returns (crc32, bytes) of the file as written."""
-    writer = ChecksummedWriter(path)
-    try:
-        torch.save(state, writer)
-    finally:
-        writer.close()
-    return writer.crc32, writer.nbytes
-
-
-def file_checksum(path: Path) -> tuple[int, int]:
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-    return crc, size
 
 
 def gather_checksums(crc: int, nbytes: int, device: torch.device) -> list[list[int]]:

@@ -57,6 +57,10 @@ class ZeroEngine:
         # (directory, tag) that checkpoint_to_load has just verified: load_checkpoint does
         # not read its files a second time.
         self._verified_checkpoint: tuple[Path, str] | None = None
+        # The asynchronous save in flight (zeropp.checkpoint_async.PendingSave), and the host
+        # buffers every save stages the shards in (kept: reused by the next save).
+        self._pending_checkpoint = None
+        self._checkpoint_staging = None
         # DeepSpeed's own printouts and monitors (steps_per_print, wall_clock_breakdown, ...).
         self.reports = None
         if config is not None:
@@ -383,7 +387,13 @@ class ZeroEngine:
         return norm, skipped
 
     def close(self) -> None:
-        """Finish what is in flight, stop the engine's communication threads, close monitors."""
+        """Finish what is in flight, stop the engine's communication threads, close monitors.
+
+        An asynchronous save still in flight is written to the end but not published (that
+        needs every rank: ``finish_checkpoint``); ``latest`` keeps naming the previous one."""
+        if self._pending_checkpoint is not None:
+            self._pending_checkpoint.join()
+            self._pending_checkpoint = None
         self.sharded.close()
         if self.reports is not None:
             self.reports.close()
@@ -438,11 +448,33 @@ class ZeroEngine:
         return True
 
     # ---- checkpoints (zeropp/checkpoint.py, [Note: checkpoint layout]) --------------------
-    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None):
-        """Atomic sharded save; every rank calls it. Returns the checkpoint directory."""
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None,
+                        async_save: bool = False):
+        """Atomic sharded save; every rank calls it. Returns the checkpoint directory.
+
+        ``async_save``: return once the shards are staged in host memory; a background
+        thread writes them, and ``finish_checkpoint`` publishes the checkpoint
+        ([Note: asynchronous checkpoint saves]). Until then ``latest`` names the previous one.
+        """
         from zeropp import checkpoint
 
-        return checkpoint.save(self, save_dir, tag or f"global_step{self.global_steps}", client_state)
+        return checkpoint.save(self, save_dir, tag or f"global_step{self.global_steps}",
+                               client_state, async_save=async_save)
+
+    def finish_checkpoint(self, wait: bool = True) -> str | None:
+        """Publish the asynchronous save in flight; collective. ``wait=False`` (at an
+        iteration boundary) publishes only if every rank's writer is done. Returns the
+        published directory, or None. A failed writer raises here on every rank
+        (``CheckpointStorageError`` where storage failed)."""
+        from zeropp import checkpoint
+
+        path = checkpoint.finish_pending(self, wait=wait)
+        return None if path is None else str(path)
+
+    @property
+    def checkpoint_in_flight(self) -> bool:
+        """Whether an asynchronous save still waits for ``finish_checkpoint``."""
+        return self._pending_checkpoint is not None
 
     def checkpoint_to_load(self, load_dir, fallback: bool = True, log=None) -> str:
         """The tag a load of ``load_dir`` without one takes: ``latest``'s if every file
@@ -474,6 +506,7 @@ class ZeroEngine:
         if not load_module_strict:
             raise ValueError("load_checkpoint(load_module_strict=False) is not supported: "
                              "every parameter of the model must be in the checkpoint")
+        self.finish_checkpoint()  # a save in flight may be the one to load
         root = Path(load_dir)
         if tag is None:
             tag = self.checkpoint_to_load(root, load_fallback)

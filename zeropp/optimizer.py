@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -276,6 +276,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         self.defaults = self.inner.defaults
+        # Set while an asynchronous checkpoint save still copies the shards: called before
+        # anything here writes the masters, the moments or the working shards.
+        self.before_update: Callable[[], None] | None = None
 
     @property
     def masters(self) -> list[nn.Parameter]:
@@ -337,6 +340,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         (skipped where ``found_inf``, a device flag its fused step reads), then the masters
         cast into the working shards."""
         self._opt_called = True
+        self._wait_for_checkpoint_copy()
         try:
             self._gradients_fp32().mul_(grad_multiplier)
             if found_inf is not None:
@@ -357,6 +361,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     # (``bind_client_schedule``) has nothing to warn about.
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
+    def _wait_for_checkpoint_copy(self) -> None:
+        # [Note: asynchronous checkpoint saves]: the masters and moments may change only once
+        # an asynchronous save has copied them.
+        if self.before_update is not None:
+            self.before_update()
+
     def skip_step(self) -> None:
         self._end_step()
 
@@ -364,12 +374,26 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         """Gradients live in the units' shards (``engine.zero_grad()`` drops them)."""
 
     # ---- shard-shaped state (checkpoints) ------------------------------------------------
-    def shard_master(self, index: int) -> torch.Tensor:
-        """The fp32 weights of unit ``index``'s shard; unoptimized ones from the working shard."""
-        full = self.units[index].shard.float().clone()
-        for run in self.runs_of_unit[index]:
-            full[run.start : run.end].copy_(run.master.detach())
+    def shard_master(self, index: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 weights of unit ``index``'s shard; unoptimized ones from the working shard.
+        ``out``: a host buffer to copy into (a checkpoint's staging buffer; asynchronous
+        where it is pinned), else a new tensor."""
+        runs = self.runs_of_unit[index]
+        shard = self.units[index].shard
+        if out is None:
+            full = shard.float().clone()
+        else:
+            full = out
+            if not self._runs_cover(index):
+                full.copy_(shard, non_blocking=True)
+        for run in runs:
+            full[run.start : run.end].copy_(run.master.detach(), non_blocking=True)
         return full
+
+    def _runs_cover(self, index: int) -> bool:
+        """Whether the optimizer's runs hold every element of unit ``index``'s shard."""
+        return sum(run.end - run.start for run in self.runs_of_unit[index]) == \
+            self.units[index].layout.shard_numel
 
     def state_keys(self) -> list[str]:
         """Names of the element-wise optimizer state (e.g. exp_avg, exp_avg_sq)."""
@@ -380,17 +404,26 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                     keys.append(key)
         return keys
 
-    def shard_state(self, index: int) -> dict[str, torch.Tensor]:
-        """Element-wise state in shard layout; zeros where an element has none."""
-        out = {}
+    def shard_state(self, index: int, out: dict[str, torch.Tensor] | None = None
+                    ) -> dict[str, torch.Tensor]:
+        """Element-wise state in shard layout; zeros where an element has none. ``out``:
+        host buffers by key to copy into (as ``shard_master``)."""
+        result = {}
         for key in self.state_keys():
-            full = torch.zeros_like(self.units[index].grad_shard, dtype=torch.float32)
+            if out is None:
+                full = torch.zeros_like(self.units[index].grad_shard, dtype=torch.float32)
+            else:
+                full = out[key]
+                if not self._runs_cover(index):
+                    full.zero_()
             for run in self.runs_of_unit[index]:
                 value = self.state.get(run.master, {}).get(key)
                 if value is not None:
-                    full[run.start : run.end].copy_(value)
-            out[key] = full
-        return out
+                    full[run.start : run.end].copy_(value, non_blocking=True)
+                elif out is not None:
+                    full[run.start : run.end].zero_()
+            result[key] = full
+        return result
 
     def scalar_state(self) -> dict[str, float]:
         """Per-tensor scalars (Adam's step, ...): the same for every tensor that has state."""
@@ -406,13 +439,18 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                    scalars: dict | None = None) -> None:
         """Set unit ``index``'s fp32 weights (and optimizer state) from shard-shaped tensors."""
         start, end = self.unit_ranges[index]
+        self._wait_for_checkpoint_copy()
         with torch.no_grad():
             self.units[index].shard.copy_(master)
             self.master_flat[start:end].copy_(master)
         if state is None:
             return
         for run in self.runs_of_unit[index]:
-            restored = {key: value[run.start : run.end].clone() for key, value in state.items()}
+            # A run that is the whole shard takes the tensor as it is (the caller's, made for
+            # this load): no second copy of the moments.
+            whole = run.start == 0 and run.end == self.units[index].layout.shard_numel
+            restored = {key: value if whole else value[run.start : run.end].clone()
+                        for key, value in state.items()}
             for key, value in (scalars or {}).items():
                 restored[key] = self._scalar_tensor(value, run)
             self.state[run.master] = restored
