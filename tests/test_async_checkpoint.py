@@ -213,11 +213,17 @@ def test_staging_buffers_are_reused_across_saves(tmp_path):
 
 
 def test_close_finishes_the_write_but_publishes_nothing(tmp_path):
-    engine = _engine()
-    _train(engine, 0, 1, range(1))
-    engine.save_checkpoint(tmp_path, tag="first")
-    engine.save_checkpoint(tmp_path, tag="second", async_save=True)
-    engine.close()
+    import torch.distributed as dist
+
+    try:  # one rank, in this process
+        engine = _engine()
+        _train(engine, 0, 1, range(1))
+        engine.save_checkpoint(tmp_path, tag="first")
+        engine.save_checkpoint(tmp_path, tag="second", async_save=True)
+        engine.close()
+    finally:  # the process group the engine made must not outlive the test
+        if dist.is_initialized():
+            dist.destroy_process_group()
     assert (tmp_path / "latest").read_text() == "first"
     assert (tmp_path / "second.tmp" / "zero_rank00000.pt").is_file()
 
