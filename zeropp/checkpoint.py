@@ -440,8 +440,18 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
             f"checkpoint holds {saved_type} state but the optimizer is "
             f"{type(optimizer.inner).__name__}: load with load_optimizer_states=False")
     fields = ("master", *state_keys) if load_optimizer_states else ("master",)
+    # One buffer per field, reused unit after unit (the optimizer copies out of it): memory
+    # the size of one unit's shard is touched for the first time, not the whole rank's.
+    largest = max(unit.layout.shard_numel for unit in engine.sharded.units)
+    device = engine.sharded.units[0].grad_shard.device
+    buffers = {f: torch.empty(largest, dtype=torch.float32, device=device) for f in fields}
     for index, unit in enumerate(engine.sharded.units):
-        values = {f: torch.zeros_like(unit.grad_shard, dtype=torch.float32) for f in fields}
+        shard_numel = unit.layout.shard_numel
+        values = {f: buffers[f][:shard_numel] for f in fields}
+        # The slots fill [0, numel) of the flat layout; the padding after them reads as 0.
+        real = min(max(unit.layout.numel - unit.shard_start, 0), shard_numel)
+        for field in fields:
+            values[field][real:].zero_()
         for slot in unit.layout.slots:
             part = unit.layout.overlap(slot, unit.shard_start, unit.shard_end)
             if part is None:

@@ -437,7 +437,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
 
     def load_shard(self, index: int, master: torch.Tensor, state: dict | None = None,
                    scalars: dict | None = None) -> None:
-        """Set unit ``index``'s fp32 weights (and optimizer state) from shard-shaped tensors."""
+        """Set unit ``index``'s fp32 weights (and optimizer state) from shard-shaped tensors,
+        copied (the caller may reuse them): into the state tensors the optimizer already holds
+        where their shapes match, so a load into a trained engine allocates nothing."""
         start, end = self.unit_ranges[index]
         self._wait_for_checkpoint_copy()
         with torch.no_grad():
@@ -446,11 +448,14 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         if state is None:
             return
         for run in self.runs_of_unit[index]:
-            # A run that is the whole shard takes the tensor as it is (the caller's, made for
-            # this load): no second copy of the moments.
-            whole = run.start == 0 and run.end == self.units[index].layout.shard_numel
-            restored = {key: value if whole else value[run.start : run.end].clone()
-                        for key, value in state.items()}
+            held = self.state.get(run.master, {})
+            restored = {}
+            for key, value in state.items():
+                piece = value[run.start : run.end]
+                kept = held.get(key)
+                fits = (isinstance(kept, torch.Tensor) and kept.shape == piece.shape
+                        and kept.dtype == piece.dtype)
+                restored[key] = kept.copy_(piece) if fits else piece.clone()
             for key, value in (scalars or {}).items():
                 restored[key] = self._scalar_tensor(value, run)
             self.state[run.master] = restored
