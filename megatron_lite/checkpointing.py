@@ -246,11 +246,9 @@ class RunControl:
         return self._device_streak
 
     def check_nonfinite_streak(self, trainer, streak: int) -> None:
-        """At the log interval: the device-kept streak, read back, against ``--exit-on-nan``
-        (the same on every rank: skips are agreed)."""
-        self._raise_on_nonfinite_streak(trainer, streak)
-
-    def _raise_on_nonfinite_streak(self, trainer, streak: int) -> None:
+        """A streak of skipped iterations with a non-finite loss (the device-kept one read
+        back at the log, or the host's) against ``--exit-on-nan``; the same on every rank,
+        as skips are agreed."""
         limit = self.config.exit_on_nan
         if limit and streak >= limit:
             raise FloatingPointError(
@@ -293,7 +291,7 @@ class RunControl:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         signalled, nonfinite, late = flags.tolist()
         self.nonfinite_streak = self.nonfinite_streak + 1 if nonfinite else 0
-        self._raise_on_nonfinite_streak(trainer, self.nonfinite_streak)
+        self.check_nonfinite_streak(trainer, self.nonfinite_streak)
         if signalled:
             trainer.log(f"SIGTERM received: saving at iteration {trainer.iteration} and "
                            "exiting")

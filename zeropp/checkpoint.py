@@ -215,10 +215,12 @@ def _shard_state(engine, staging, client_state: dict | None) -> dict:
     feedback = engine.sharded.error_feedback
     deltas = engine.sharded.weight_deltas
     # The units' masters and moments are the staging buffers, already on the host.
-    units = [unit_record(unit.name, unit.layout, unit.shard_start, unit.shard_end,
-                         staging.unit_buffers(index)["master"],
-                         {key: staging.unit_buffers(index)[key] for key in staging.state_keys})
-             for index, unit in enumerate(engine.sharded.units)]
+    units = []
+    for index, unit in enumerate(engine.sharded.units):
+        buffers = staging.unit_buffers(index)
+        units.append(unit_record(unit.name, unit.layout, unit.shard_start, unit.shard_end,
+                                 buffers["master"],
+                                 {key: buffers[key] for key in staging.state_keys}))
     state = rank_file_state(
         rank=rank, world_size=world, units=units,
         optimizer_type=type(optimizer.inner).__name__,
@@ -249,7 +251,7 @@ def finish_pending(engine, wait: bool = True) -> Path | None:
     Returns the published checkpoint's directory, or None when nothing was published. A
     failure of any rank's writer raises here, on every rank (as ``save`` does).
     """
-    pending = getattr(engine, "_pending_checkpoint", None)
+    pending = engine._pending_checkpoint
     if pending is None:
         return None
     if not wait and not pending.all_ranks_done():

@@ -89,7 +89,7 @@ def staging_nbytes(units, state_keys: int) -> int:
 
 
 def staging_for(engine) -> ShardStaging:
-    staging = getattr(engine, "_checkpoint_staging", None)
+    staging = engine._checkpoint_staging
     if staging is None:
         staging = ShardStaging(engine.sharded.device)
         engine._checkpoint_staging = staging

@@ -26,10 +26,9 @@ class LossScaler:
 
     @property
     def held_scale(self) -> float | torch.Tensor:
-        """The scale as held: a device tensor where the state lives on the device
-        (``DynamicLossScaler.scale_on``), else the float, with no read."""
-        on_device = getattr(self, "_scale_on_device", None)
-        return self.scale if on_device is None else on_device
+        """The scale as held, with no read: the float here (a device tensor where
+        ``DynamicLossScaler.scale_on`` moved the state)."""
+        return self.scale
 
     def update(self, overflow: bool) -> None:
         """Called once per optimizer step, after the overflow check agreed across ranks."""
@@ -53,6 +52,7 @@ class DynamicLossScaler(LossScaler):
         consecutive_hysteresis: bool = False,
         factor: float = 2.0,
     ) -> None:
+        self._scale_on_device: torch.Tensor | None = None  # set by scale_on
         super().__init__(2.0**initial_scale_power)
         self.window = window
         self.hysteresis = hysteresis
@@ -62,20 +62,23 @@ class DynamicLossScaler(LossScaler):
         self.iteration = 0  # steps seen, skipped or not: known to the host either way
         self.last_overflow_iteration: int | torch.Tensor = -1
         self.hysteresis_left: int | torch.Tensor = hysteresis
-        self._scale_on_device: torch.Tensor | None = None
 
     # The host's view of the scale; where the state lives on the device, reading it is a sync.
     @property
     def scale(self) -> float:
-        if getattr(self, "_scale_on_device", None) is not None:
+        if self._scale_on_device is not None:
             return float(self._scale_on_device)
         return self._scale
 
     @scale.setter
     def scale(self, value: float) -> None:
         self._scale = float(value)
-        if getattr(self, "_scale_on_device", None) is not None:
+        if self._scale_on_device is not None:
             self._scale_on_device.fill_(self._scale)
+
+    @property
+    def held_scale(self) -> float | torch.Tensor:
+        return self._scale if self._scale_on_device is None else self._scale_on_device
 
     def scale_on(self, device: torch.device) -> torch.Tensor:
         """The scale as a 0-dim fp32 tensor on ``device``; from the first call on, the state
