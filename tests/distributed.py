@@ -4,7 +4,8 @@
 Starting a rank costs a Python interpreter importing torch (about 1.7 s of CPU), more than
 many of the tests spend in their ranks. So ranks come from a pool of workers per world size,
 started once per test session and reused: each call builds a process group in a fresh file
-store, runs the function, destroys the group and restores the environment. A call that fails
+store, runs the function, leaves the group together (a barrier), destroys it and restores
+the environment. A call that fails (on any rank: the parent does not wait for the others)
 or times out kills its pool, so the next test starts from fresh processes, as does a call with
 an ``env`` (a variable may be read at import time). ``ZEROPP_TEST_FRESH_RANKS=1`` starts fresh
 processes for every call.
@@ -71,6 +72,9 @@ def _pool_worker(rank: int, world_size: int, tasks, results) -> None:
             dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                     world_size=world_size)
             payload = ("ok", fn(rank, world_size, *args))
+            # Leave the group together: a rank that destroyed it at once could close its
+            # connections while another rank is still making them (gloo's full mesh).
+            dist.barrier()
         except BaseException as exc:  # reported to the parent with its traceback
             payload = ("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
         finally:
@@ -121,6 +125,8 @@ class _RankPool:
                                              f"{timeout} s") from None
                     continue
                 payloads[rank] = pickle.loads(data)
+                if payloads[rank][0] != "ok":  # the other ranks may wait for it forever
+                    raise AssertionError(payloads[rank][1])
         results = []
         for rank in range(self.world_size):
             status, value = payloads[rank]
