@@ -246,7 +246,8 @@ class ZeroEngine:
     # Because the host does not know whether a step was skipped, an lr schedule must follow
     # the device's count of applied steps to stay exact (the training loop's does:
     # ``AnnealingLR.step_on_device``); a schedule the engine steps itself cannot, so with one
-    # the fp16 verdict stays on the host. qgZ's error feedback also decides on the host (its
+    # the fp16 verdict stays on the host. So does an offloaded step ([Note: offload]), which
+    # runs on the host. qgZ's error feedback also decides on the host (its
     # residuals change with the verdict), and so does any other optimizer. On the meta device
     # (the simulated GPU cluster) nothing is computed, so the deferred path runs whatever the
     # optimizer, to count what a GPU run with the fused optimizer issues.
@@ -258,6 +259,7 @@ class ZeroEngine:
         ``loss_scale`` read the device when called."""
         return ((not self.loss_scaler.dynamic or self.lr_scheduler is None)
                 and self.sharded.error_feedback is None
+                and not self.optimizer.offloaded  # the host steps on a norm it has read
                 and (self.optimizer.skips_on_device or self.sharded.device.type == "meta"))
 
     def _loss_scale(self) -> float | torch.Tensor:

@@ -16,6 +16,7 @@ from zeropp.comm.registry import collectives_for
 from zeropp.comm.streams import execution_for
 from zeropp.engine import ZeroEngine
 from zeropp.loss_scaler import DynamicLossScaler, LossScaler
+from zeropp.offload import HostMemory, OffloadOptions
 from zeropp.optimizer import (
     ELEMENTWISE_OPTIMIZERS,
     OptimizerRecipe,
@@ -138,15 +139,18 @@ def build_engine(
     lr_scheduler=None,
     config=None,
     optimizer: OptimizerRecipe | None = None,
+    offload: OffloadOptions | None = None,
 ) -> ZeroEngine:
     """Shard ``model`` (on the meta device or materialized) and wrap it in a ``ZeroEngine``.
 
     The optimizer is ``optimizer`` (a recipe: torch class, defaults, parameter groups), else
     AdamW(lr, betas, eps) with Megatron's groups: ``weight_decay`` on matrices, none on biases
     and norms. ``lr_scheduler`` is a schedule object or a callable taking the optimizer.
+    ``offload`` puts model states in host memory ([Note: offload]).
     """
     init_distributed()
     sharding = sharding or ShardingOptions()
+    offload = offload or OffloadOptions()
     quantization = quantization or QuantizationOptions()
     topology = build_topology(ranks_per_node, quantization.hpz_size,
                               weight_deltas=quantization.weight_deltas)
@@ -164,16 +168,19 @@ def build_engine(
     recipe = dataclasses.replace(recipe, groups=[
         {key: value for key, value in group.items() if key != "params"} for group in recipe.groups])
     execution = execution_for(device, sharding.overlap_comm)
+    host = HostMemory(device, offload.pin_memory)
     sharded = ShardedModel(
         model, topology, sharding, dtype, device,
         collectives_for(sharding.stage, quantization, topology, execution),
         _hpz_group(topology, residency), execution, residency,
         param_init_fn=param_init_fn, unit_modules=unit_modules,
         grad_dtype=gradient_shard_dtype(dtype, gradient_accumulation_steps),
+        host_shards=host if offload.params else None,
     )
     partitioned = PartitionedOptimizer(sharded.units, sharded.initial_masters, recipe,
                                        group_by_name, grad_shards_flat=sharded.grad_shards_flat,
-                                       shards_flat=sharded.shards_flat)
+                                       shards_flat=sharded.shards_flat,
+                                       host=host if offload.optimizer else None)
     sharded.initial_masters = []  # the optimizer owns the fp32 masters from here on
     # Weights written through zero.GatheredParameters(modifier_rank=...) reach the masters.
     sharded.shard_write_listeners.append(
@@ -342,6 +349,7 @@ def engine_from_config(
         config=cfg,
         optimizer=recipe,
         unit_modules=unit_modules,
+        offload=OffloadOptions.from_zero_config(zero),
     )
     if lr_scheduler is None and cfg.scheduler is not None:
         from zeropp.lr_schedules import WarmupSchedule

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from zeropp.comm import all_reduce_sum
+from zeropp.offload import HostMemory
 from zeropp.unit import ShardedUnit
 
 # Torch optimizers whose update of an element reads only that element's gradient and state:
@@ -219,13 +220,20 @@ class PartitionedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, units: list[ShardedUnit], initial_masters: list[torch.Tensor],
                  recipe: OptimizerRecipe, group_by_name: dict[str, int],
-                 grad_shards_flat: torch.Tensor, shards_flat: torch.Tensor | None) -> None:
+                 grad_shards_flat: torch.Tensor, shards_flat: torch.Tensor | None,
+                 host: HostMemory | None = None) -> None:
         """``grad_shards_flat`` and ``shards_flat`` are the model's flat gradient and working
-        shards ([Note: flat shards]); ``shards_flat`` is None where units are replicated."""
+        shards ([Note: flat shards]); ``shards_flat`` is None where units are replicated.
+        ``host``: where the masters, the moments and the step run when the optimizer is
+        offloaded ([Note: offload]); None keeps them on the gradients' device."""
         self.units = units
         self.world = units[0].comm.world if units else None
         self.recipe = recipe
+        self.host = host
         device = units[0].grad_shard.device if units else torch.device("cpu")
+        self.comm_device = device  # where the norm's all-reduce runs
+        if host is not None:
+            device = host.device
         self.unit_ranges: list[tuple[int, int]] = []
         offset = 0
         for unit in units:
@@ -233,11 +241,22 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             offset += unit.layout.shard_numel
         self.grad_shards_flat = grad_shards_flat
         self.shards_flat = shards_flat
-        self.master_flat = torch.empty(offset, dtype=torch.float32, device=device)
+        self.master_flat = (host.empty(offset, torch.float32) if host is not None
+                            else torch.empty(offset, dtype=torch.float32, device=device))
         for initial, (start, end) in zip(initial_masters, self.unit_ranges, strict=True):
             self.master_flat[start:end].copy_(initial)
-        # The fp32 gradients of a step: storage only while it runs (resize_, as unit.full).
-        self._grads32 = torch.zeros(offset, dtype=torch.float32, device=device)
+        # The fp32 gradients of a step: on the device, storage only while it runs (resize_,
+        # as unit.full); in host memory, kept (pinned storage cannot be resized, and the host
+        # has room), with ``_grads_fresh`` saying whether it holds this step's gradients.
+        self._grads32 = (host.zeros(offset, torch.float32) if host is not None
+                         else torch.zeros(offset, dtype=torch.float32, device=device))
+        self._grads_fresh = False
+        # On CUDA the updated weights cross to the device already 16-bit, from a pinned buffer
+        # (half of fp32's PCIe bytes); the event says when that copy has read it.
+        self._shard_staging: torch.Tensor | None = None
+        self._staging_read: torch.cuda.Event | None = None
+        if (host is not None and shards_flat is not None and shards_flat.device.type == "cuda"):
+            self._shard_staging = host.empty(offset, shards_flat.dtype)
 
         self.runs: list[_Run] = []
         self.runs_of_unit: list[list[_Run]] = []
@@ -262,7 +281,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                     mine.append(_Run(index, number, start, end, master))
             self.runs_of_unit.append(mine)
             self.runs.extend(mine)
-        self._grads32.untyped_storage().resize_(0)  # the views above stay bound to it
+        if host is None:
+            self._grads32.untyped_storage().resize_(0)  # the views above stay bound to it
         torch_groups = []
         for number, group in enumerate(recipe.groups):
             settings = {key: value for key, value in group.items() if key != "params"}
@@ -285,9 +305,20 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         """The tensors the torch optimizer steps (trainable elements and padding)."""
         return [run.master for run in self.runs]
 
+    @property
+    def offloaded(self) -> bool:
+        """Whether the masters, the moments and the step live in host memory."""
+        return self.host is not None
+
     def _gradients_fp32(self) -> torch.Tensor:
-        """The step's fp32 gradients, cast from the gradient shards once per step."""
+        """The step's fp32 gradients, cast from the gradient shards once per step (across to
+        the host in the same copy when offloaded)."""
         grads = self._grads32
+        if self.host is not None:
+            if not self._grads_fresh:
+                grads.copy_(self.grad_shards_flat)
+                self._grads_fresh = True
+            return grads
         nbytes = grads.numel() * grads.element_size()
         if grads.untyped_storage().nbytes() != nbytes:
             grads.untyped_storage().resize_(nbytes)
@@ -295,7 +326,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         return grads
 
     def _end_step(self) -> None:
-        self._grads32.untyped_storage().resize_(0)
+        if self.host is None:
+            self._grads32.untyped_storage().resize_(0)
+        self._grads_fresh = False
         self.grad_shards_flat.zero_()
         for unit in self.units:
             unit.grad_shard_is_zero = True
@@ -305,7 +338,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         on the device: one all-reduce, no host read."""
         # In fp32 (16-bit squares would overflow), summed as torch.sum sums (pairwise: the
         # same value whatever the number of ranks, to rounding).
-        total = self._gradients_fp32().pow(2).sum().reshape(1)
+        total = self._gradients_fp32().pow(2).sum().reshape(1).to(self.comm_device)
         if self.world is not None:
             all_reduce_sum(total, self.world, self.units[0].comm.stats, "optimizer")
         return total.reshape(()) * (inv_scale * inv_scale)
@@ -345,11 +378,27 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             self._gradients_fp32().mul_(grad_multiplier)
             if found_inf is not None:
                 self.inner.found_inf = found_inf.to(torch.float32)
-            self.inner.step()
+            if self.host is not None:
+                with self.host.running():  # the moments torch creates are host memory
+                    self.inner.step()
+            else:
+                self.inner.step()
         finally:
             self.inner.found_inf = None
             self._end_step()
-        if self.shards_flat is not None:
+        self._write_back()
+
+    def _write_back(self) -> None:
+        """The updated masters cast into the working shards."""
+        if self._shard_staging is not None:  # offloaded on CUDA: cast on the host, then DMA
+            assert self.shards_flat is not None
+            if self._staging_read is not None:
+                self._staging_read.synchronize()  # the last step's copy has read the buffer
+            self._shard_staging.copy_(self.master_flat)
+            self.shards_flat.copy_(self._shard_staging, non_blocking=True)
+            self._staging_read = torch.cuda.Event()
+            self._staging_read.record()
+        elif self.shards_flat is not None:
             self.shards_flat.copy_(self.master_flat)
         else:  # replicated units: each shard lies inside its unit's whole weights
             for unit, (start, end) in zip(self.units, self.unit_ranges, strict=True):
@@ -411,7 +460,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         result = {}
         for key in self.state_keys():
             if out is None:
-                full = torch.zeros_like(self.units[index].grad_shard, dtype=torch.float32)
+                full = torch.zeros(self.units[index].layout.shard_numel, dtype=torch.float32,
+                                   device=self.master_flat.device)
             else:
                 full = out[key]
                 if not self._runs_cover(index):

@@ -55,6 +55,7 @@ from zeropp.comm.streams import Execution
 from zeropp.deepspeed_adoption import DeepSpeedValues, stand_in_for_deepspeed
 from zeropp.flat_layout import FlatLayout
 from zeropp.initial_values import UnitInitialValues, reset_parameters_values
+from zeropp.offload import HostMemory
 from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
 from zeropp.residency import Residency, shard_alignment, stays_gathered
 from zeropp.topology import Topology
@@ -158,8 +159,12 @@ class ShardedModel:
         param_init_fn: Callable[[str], torch.Tensor] | None = None,
         unit_modules: list[nn.Module] | None = None,
         grad_dtype: torch.dtype = torch.float32,
+        host_shards: HostMemory | None = None,
     ) -> None:
+        """``host_shards``: where the working shards live when parameters are offloaded
+        ([Note: offload]); None keeps them on ``device``."""
         self.module = model
+        self.host_shards = host_shards
         self.topology = topology
         self.options = options
         self.dtype = dtype
@@ -267,7 +272,12 @@ class ShardedModel:
         total = sum(layout.shard_numel for layout in layouts)
         self.grad_shards_flat = torch.zeros(total, dtype=self.comm.grad_dtype, device=self.device)
         self.shards_flat = None
-        if not self.residency.weights_replicated:
+        if self.host_shards is not None:
+            if self.residency.weights_replicated:
+                raise ValueError("offloaded parameters need stage 3 (stages 0-2 keep whole "
+                                 "weights on every device)")
+            self.shards_flat = self.host_shards.zeros(total, self.dtype)
+        elif not self.residency.weights_replicated:
             self.shards_flat = torch.zeros(total, dtype=self.dtype, device=self.device)
         units, masters, offset = [], [], 0
         for (name, module, params), layout in zip(plan, layouts, strict=True):
@@ -287,6 +297,7 @@ class ShardedModel:
                 replicated=self.residency.weights_replicated, is_root=module is model,
                 shard=None if self.shards_flat is None else self.shards_flat[start:offset],
                 grad_shard=self.grad_shards_flat[start:offset],
+                shard_in_host_memory=self.host_shards is not None,
             )
             unit.shard.copy_(master)
             initial.clear()

@@ -112,6 +112,7 @@ class ShardedUnit:
         is_root: bool = False,
         shard: torch.Tensor | None = None,
         grad_shard: torch.Tensor | None = None,
+        shard_in_host_memory: bool = False,
     ) -> None:
         """``shard`` and ``grad_shard``, when given, are the storage of this unit's working
         and gradient shards (views of the model's flat buffers, [Note: flat shards]); by
@@ -134,9 +135,10 @@ class ShardedUnit:
         if replicated:
             self.shard = self.full[self.shard_start : self.shard_end]
         elif shard is not None:
-            self.shard = shard
+            self.shard = shard  # in host memory with offloaded parameters ([Note: offload])
         else:
             self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        self.shard_in_host_memory = shard_in_host_memory
         # hpZ: the 16-bit weights of this rank's node slice, or with the int8 secondary the
         # payload rows of qwZ's forward gather ([Note: int8 secondary]).
         self.secondary_shard: torch.Tensor | None = None
@@ -255,17 +257,25 @@ class ShardedUnit:
             pending = self.comm.secondary_gather(
                 self.full, self.secondary_shard, self.comm.hpz, self.comm.stats, phase)
         elif self.joins_persistent_gather:  # exact on every path ([Note: persistent units])
-            pending = all_gather(self.full, self.shard, self.comm.world, self.comm.stats, phase)
+            pending = all_gather(self.full, self.shard_on_device(), self.comm.world,
+                                 self.comm.stats, phase)
         else:
             # A replicated unit's shard lies inside ``full``: NCCL allows that in-place
             # gather, gloo copies each input into its slot with memcpy (source == target),
             # so the shard is sent from a transient copy.
-            shard = self.shard.clone() if self.replicated else self.shard
+            shard = self.shard.clone() if self.replicated else self.shard_on_device()
             # qwZ hands the unit its gathered payload when the int8 secondary is kept from it.
             keep = {"retain": self._retain_secondary_payload} if self._keeps_payload else {}
             pending = self.comm.gather(self.full, shard, self.comm.world, self.comm.stats,
                                        phase, key=self.name, **keep)
         self._gather_pending = pending
+
+    def shard_on_device(self) -> torch.Tensor:
+        """The working shard where collectives read it: the shard itself, or where it lives in
+        host memory ([Note: offload]) a device copy, made on the gather lane."""
+        if not self.shard_in_host_memory:
+            return self.shard
+        return to_device(self.shard, self.device, self.comm.execution)
 
     def _retain_secondary_payload(self, gathered: torch.Tensor) -> None:
         """Keep this rank's secondary shard out of the forward gather: its node slice of
@@ -304,7 +314,7 @@ class ShardedUnit:
         self.drop_secondary()
         self._alloc_full()
         # A replicated unit's shard lies inside ``full``: sent from a copy (see start_gather).
-        shard = self.shard.clone() if self.replicated else self.shard
+        shard = self.shard.clone() if self.replicated else self.shard_on_device()
         all_gather(self.full, shard, self.comm.world, stats, "optimizer").wait()
         self.state = ShardState.GATHERED
 
@@ -537,6 +547,8 @@ class PersistentUnits:
             return
         world = self.comm.world
         shards = torch.cat([u.shard for u in units])
+        if units[0].shard_in_host_memory:  # one copy for all of them ([Note: offload])
+            shards = to_device(shards, units[0].device, self.comm.execution)
         gathered = torch.empty(world.size * shards.numel(), dtype=shards.dtype,
                                device=shards.device)
         all_gather(gathered, shards, world, self.comm.stats, phase).wait()
@@ -571,3 +583,12 @@ class PersistentUnits:
                 width = unit.layout.shard_numel
                 unit.add_to_grad_shard(out[offset : offset + width])
                 offset += width
+
+
+def to_device(host: torch.Tensor, device: torch.device, execution) -> torch.Tensor:
+    """A device copy of a host tensor, made where the gather that reads it runs (its lane's
+    pool and stream, ``Execution.staging``); asynchronous from pinned memory."""
+    with execution.staging("gather"):
+        staged = torch.empty(host.shape, dtype=host.dtype, device=device)
+        staged.copy_(host, non_blocking=True)
+    return staged

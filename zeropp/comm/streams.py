@@ -87,6 +87,12 @@ class Execution(abc.ABC):
     def close(self) -> None:  # noqa: B027 (most executions hold nothing to release)
         """Release threads or streams (the engine calls it when it is done)."""
 
+    def staging(self, lane: str) -> contextlib.AbstractContextManager:
+        """Where a collective's input is brought to the device before it is issued (an
+        offloaded shard's host-to-device copy, [Note: offload]): the lane's pool, and on CUDA
+        the lane's stream, so the copy overlaps compute as the collective does."""
+        return allocating_on(lane)
+
 
 # [Note: allocation lanes]
 # On CUDA what a collective allocates while issued or finished (quantized payloads, receive
@@ -95,8 +101,11 @@ class Execution(abc.ABC):
 # each stream's peak, not the peak of their sum. The executions without streams say which
 # lane they stand in for while they run a collective's steps (``allocation_lane``), so the
 # simulated GPU cluster's memory tracker can hold a pool per lane as the allocator does.
+# Host buffers of ZeRO-Offload ([Note: offload] in zeropp/offload.py) are allocated on a lane
+# of their own, which the tracker counts as host memory, not the device's.
 _lanes = threading.local()
 COMPUTE_LANE = "compute"
+HOST_LANE = "host"
 
 
 def allocation_lane() -> str:
@@ -148,6 +157,13 @@ class CudaExecution(Execution):
         # next unit's weights are late.
         self.streams = {lane: torch.cuda.Stream(device=device, priority=HIGH_STREAM_PRIORITY)
                         for lane in ("gather", "reduce")}
+
+    @contextlib.contextmanager
+    def staging(self, lane: str) -> Iterator[None]:
+        # What is allocated here is used on this stream only (the copy, then the collective
+        # issued after it), so the allocator's per-stream reuse is safe without events.
+        with torch.cuda.stream(self.streams[lane]):
+            yield
 
     def launch(self, lane, issue, *, finish=None, keep=(), sequence=False) -> Pending:
         stream = self.streams[lane]

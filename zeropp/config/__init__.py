@@ -14,8 +14,9 @@ what its config says:
   booleans for numbers, numbers for booleans and Hugging Face ``"auto"`` placeholders do not.
 
 Hugging Face's ``"auto"`` placeholders are filled before parsing by ``resolve_auto``, with the
-values HF's Trainer would put there. Offload is refused unless its device is ``"none"``; the
-offload blocks' other keys and the ``aio`` block then describe no offload and are accepted.
+values HF's Trainer would put there. Offload's device may be ``"none"`` or ``"cpu"``
+(``"nvme"`` is refused); its other keys tune NVMe or DeepSpeed's buffers and are accepted
+without effect, as is the ``aio`` block.
 
 Errors are ``ConfigError`` with one line naming the key path and the offending value. Batch
 sizes are resolved against the data-parallel world size by DeepSpeed's rules

@@ -66,16 +66,20 @@ ALIASES: dict[str, str] = {
 _CLI_CHECKPOINTING = "no effect: --checkpoint-activations alone controls recomputation"
 _PROFILER_OFF = "no effect: the flops profiler is not reproduced"
 _BYTE_ACCOUNTING = "no effect: the engine's own byte accounting reports communication volume"
-# Offload sub-keys and the aio block only tune offload I/O. They are accepted because the
-# offload device itself is refused unless it is "none": they can only ever describe no offload.
-_OFFLOAD_OFF = 'no effect: offload is off (its device is "none")'
-_NVME_IO = 'no effect: NVMe I/O for offload, which is off (a device other than "none" is refused)'
+# Offload's tuning keys and the aio block concern NVMe offload (refused) or DeepSpeed's own
+# buffering; CPU offload ([Note: offload] in zeropp/offload.py) reads only device and
+# pin_memory.
+_OFFLOAD_TUNING = ("no effect: tunes NVMe offload or DeepSpeed's offload buffers; CPU offload "
+                   "here reads only device and pin_memory")
+_NVME_IO = 'no effect: NVMe I/O for offload, which is refused (devices: "none", "cpu")'
 
 ACCEPTED: dict[str, Accepted] = {
     "zero_allow_untested_optimizer": Accepted(
         _boolean, "no effect: the engine always runs its own partitioned optimizer"),
     "memory_breakdown": Accepted(_boolean, "no effect: DeepSpeed's memory printout is not reproduced"),
-    "zero_force_ds_cpu_optimizer": Accepted(_boolean, "no effect: concerns CPU offload, which is rejected"),
+    "zero_force_ds_cpu_optimizer": Accepted(
+        _boolean, "no effect: the offloaded step runs torch's optimizer on the host, whatever "
+        "the class"),
     **_under("comms_logger", _same_meaning(_BYTE_ACCOUNTING, enabled=_boolean, verbose=_boolean,
                                            prof_all=_boolean, prof_ops=_string_list, debug=_boolean)),
     "cuda_visible_devices": Accepted(
@@ -101,12 +105,18 @@ ACCEPTED: dict[str, Accepted] = {
                                  "(renamed intra_op_parallelism); NVMe I/O is not used"),
     }),
     **_under("zero_optimization.offload_param", _same_meaning(
-        _OFFLOAD_OFF, nvme_path=_optional(_string), buffer_count=_non_negative_int,
-        buffer_size=_non_negative_int, max_in_cpu=_non_negative_int, pin_memory=_boolean)),
+        _OFFLOAD_TUNING, nvme_path=_optional(_string), buffer_count=_non_negative_int,
+        buffer_size=_non_negative_int, max_in_cpu=_non_negative_int)),
     **_under("zero_optimization.offload_optimizer", _same_meaning(
-        _OFFLOAD_OFF, nvme_path=_optional(_string), buffer_count=_non_negative_int,
-        pin_memory=_boolean, pipeline_read=_boolean, pipeline_write=_boolean, fast_init=_boolean,
-        ratio=_unit_interval, super_offload=_boolean, cpuadam_cores_perc=_unit_interval)),
+        _OFFLOAD_TUNING, nvme_path=_optional(_string), buffer_count=_non_negative_int,
+        pipeline_read=_boolean, pipeline_write=_boolean, fast_init=_boolean,
+        cpuadam_cores_perc=_unit_interval)),
+    "zero_optimization.offload_optimizer.ratio": Accepted(
+        _unit_interval, "no effect: the whole optimizer state is offloaded (DeepSpeed's "
+        "ratio < 1 keeps part of it on the device)"),
+    "zero_optimization.offload_optimizer.super_offload": Accepted(
+        _boolean, "no effect: the offloaded step is this engine's (SuperOffload's GH200 "
+        "scheduling is not reproduced)"),
     "optimizer.params.torch_adam": Accepted(
         _boolean, "no effect on the update: torch's kernel instead of DeepSpeed's (with torch's "
         "AdamW, a missing weight_decay is torch's 0.01)"),
@@ -137,9 +147,8 @@ ACCEPTED: dict[str, Accepted] = {
     }),
 }
 
-_DEVICE_ONLY = "ZeRO-3/ZeRO++ on device memory only"
+_LEGACY_OFFLOAD = 'a legacy spelling: use offload_optimizer / offload_param {"device": "cpu"}'
 _DATA_PARALLEL_ONLY = "this engine is data-parallel only"
-_OFFLOAD = f"CPU/NVMe offload; {_DEVICE_ONLY}"
 _OFF = (DISABLED_BLOCK,)
 
 UNSUPPORTED: dict[str, Unsupported] = {
@@ -180,12 +189,10 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "checkpoint.load_universal": Unsupported("universal checkpoints", (False,)),
     "checkpoint.use_node_local_storage": Unsupported("node-local checkpoint storage", (False,)),
     **_under("zero_optimization", {
-        "offload_param.device": Unsupported(_OFFLOAD, ("none",)),
-        "offload_optimizer.device": Unsupported(_OFFLOAD, ("none",)),
-        "cpu_offload": Unsupported(_DEVICE_ONLY, (None, False)),
-        "cpu_offload_param": Unsupported(_DEVICE_ONLY, (None, False)),
-        "cpu_offload_use_pin_memory": Unsupported(_DEVICE_ONLY, (None, False)),
-        "zenflow": Unsupported(f"ZenFlow offloaded updates; {_DEVICE_ONLY}", (None,)),
+        "cpu_offload": Unsupported(_LEGACY_OFFLOAD, (None, False)),
+        "cpu_offload_param": Unsupported(_LEGACY_OFFLOAD, (None, False)),
+        "cpu_offload_use_pin_memory": Unsupported(_LEGACY_OFFLOAD, (None, False)),
+        "zenflow": Unsupported("ZenFlow's asynchronous offloaded updates", (None,)),
         "mics_shard_size": Unsupported("MiCS; zero_hpz_partition_size gives node-local gathers", (-1,)),
         "mics_hierarchical_params_gather": Unsupported("MiCS sharding", (False,)),
         "reduce_scatter": Unsupported(

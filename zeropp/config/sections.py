@@ -131,6 +131,35 @@ _LOCO_PARAMS: dict[str, tuple[Check, Any]] = {
 }
 
 
+def _offload_device(path: str, value: Any) -> str:
+    device = _one_of("none", "cpu", "nvme")(path, value)
+    if device == "nvme":
+        raise ConfigError(f'{path}="nvme" is not supported by this engine (NVMe offload); '
+                          'supported: "none", "cpu"')
+    return device
+
+
+@dataclass(frozen=True)
+class OffloadOptimizerConfig(_Section):
+    """ZeRO-Offload of the optimizer ([Note: offload] in zeropp/offload.py)."""
+
+    SECTION: ClassVar[str] = "zero_optimization.offload_optimizer"
+    device: str = _field("none", '"cpu": fp32 masters, optimizer states and the step in host '
+                         'memory; "none": on the device', _offload_device)
+    pin_memory: bool = _field(False, "page-locked host buffers (faster copies on CUDA)", _boolean)
+
+
+@dataclass(frozen=True)
+class OffloadParamConfig(_Section):
+    """ZeRO-Offload of the 16-bit parameter shards, stage 3 ([Note: offload])."""
+
+    SECTION: ClassVar[str] = "zero_optimization.offload_param"
+    device: str = _field("none", '"cpu": each rank\'s 16-bit weight shard in host memory, '
+                         'copied to the device at each gather; "none": on the device',
+                         _offload_device)
+    pin_memory: bool = _field(False, "page-locked host buffers (faster copies on CUDA)", _boolean)
+
+
 @dataclass(frozen=True)
 class ZeroConfig(_Section):
     """ZeRO-3 partitioning and the three ZeRO++ communication optimizations."""
@@ -177,8 +206,30 @@ class ZeroConfig(_Section):
         4, "weight-delta integer width: 2, 4 or 8", _one_of(2, 4, 8))
     zero_quantized_weight_deltas_block_size: int = _field(
         2048, "elements per fp32 scale of a weight delta", _positive_int)
+    offload_optimizer: OffloadOptimizerConfig | None = _field(
+        None, "ZeRO-Offload of the optimizer: {\"device\": \"cpu\", \"pin_memory\": ...}",
+        _optional(_section(OffloadOptimizerConfig)))
+    offload_param: OffloadParamConfig | None = _field(
+        None, "ZeRO-Offload of the weight shards (stage 3): {\"device\": \"cpu\"}",
+        _optional(_section(OffloadParamConfig)))
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return self.offload_optimizer is not None and self.offload_optimizer.device == "cpu"
+
+    @property
+    def offloads_params(self) -> bool:
+        return self.offload_param is not None and self.offload_param.device == "cpu"
 
     def _check_combination(self) -> None:
+        if self.offloads_optimizer and self.stage == 0:
+            raise ConfigError('zero_optimization.offload_optimizer.device="cpu": needs ZeRO '
+                              "stage 1, 2 or 3 (the offloaded state is each rank's shard), "
+                              "got stage 0")
+        if self.offloads_params and self.stage != 3:
+            raise ConfigError('zero_optimization.offload_param.device="cpu": needs ZeRO stage '
+                              f"3 (stages 0-2 keep whole weights on the device), got stage "
+                              f"{self.stage}")
         zeropp = {"zero_quantized_weights": ("qwZ", self.zero_quantized_weights),
                   "zero_hpz_partition_size": ("hpZ", self.zero_hpz_partition_size > 1),
                   "zero_quantized_gradients": ("qgZ", self.zero_quantized_gradients),
