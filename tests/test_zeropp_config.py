@@ -283,11 +283,10 @@ def test_unknown_keys_name_the_nearest_known_key(raw, message):
 
 
 @pytest.mark.parametrize("raw, message", [
-    (zero(stage=3, offload_param={"device": "cpu"}),
-     'zero_optimization.offload_param.device="cpu" is not supported by this engine (CPU/NVMe offload; '
-     'ZeRO-3/ZeRO++ on device memory only); accepted only as "none"'),
-    (zero(stage=3, offload_optimizer={"pin_memory": True, "device": "nvme", "nvme_path": "/nvme"}),
-     'zero_optimization.offload_optimizer.device="nvme" is not supported by this engine (CPU/NVMe offload'),
+    # NVMe offload's refusal: tests/test_offload.py
+    (zero(stage=3, cpu_offload=True),
+     'zero_optimization.cpu_offload=true is not supported by this engine (a legacy spelling: use '
+     'offload_optimizer / offload_param {"device": "cpu"})'),
     ({"data_types": {"grad_accum_dtype": "bf16"}},
      'data_types.grad_accum_dtype="bf16" is not supported by this engine (gradients accumulate across micro-batches in fp32'),
     ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "bias_correction": False}}},
