@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (README "GPU check"): the Triton kernels against the reference and at HBM
+# The GPU check (docs/results.md): the Triton kernels against the reference and at HBM
 # rate, the engine on NCCL against CPU/gloo, its streams' overlap and its host overhead, the
 # engine under the CUDA sanitizer, and two ranks on two GPUs (when there are two), in under
 # 10 minutes. Arguments go to scripts/bench/gpu_check.py:

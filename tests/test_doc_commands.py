@@ -1,9 +1,11 @@
 """The commands the documentation gives still run.
 
 Every ``python -m MODULE ...`` (also ``.venv/bin/python -m``, ``sudo ... python -m``) in
-README.md and docs/*.md names a module of this tree whose ``--help`` exits 0, and every
-``scripts/...sh`` and ``configs/...`` path README.md names exists. The ``--help`` calls run
-concurrently: nearly all of their time is interpreter start-up and importing torch.
+README.md and docs/*.md names a module of this tree whose ``--help`` exits 0, every
+``scripts/...sh`` and ``configs/...`` path they name exists, and every relative link they make
+points to a file of the tree. README.md stays a landing page: at most 260 lines, with a table
+of links to the docs/ pages that hold the reference. The ``--help`` calls run concurrently:
+nearly all of their time is interpreter start-up and importing torch.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ THIRD_PARTY = {"torch.distributed.run", "pytest", "pip", "venv", "deepspeed"}
 # Placeholders the prose uses for "any of these modules".
 PLACEHOLDERS = {"scripts.bench.X"}
 HELP_TIMEOUT_S = 240  # per module; the machine running the tests may be busy
+README_MAX_LINES = 260
+# A markdown link or image target: ``[text](target)``, ``![alt](target)``.
+LINK = re.compile(r"\]\(([^()\s]+)\)")
 
 
 def documented_modules() -> dict[str, list[str]]:
@@ -54,15 +59,33 @@ def _expand_braces(path: str) -> list[str]:
             for expanded in _expand_braces(path[:match.start()] + choice + path[match.end():])]
 
 
-def readme_paths() -> list[str]:
-    """``scripts/...sh`` and ``configs/...`` paths README.md names."""
-    text = (ROOT / "README.md").read_text()
+def named_paths(document: Path) -> list[str]:
+    """``scripts/...sh`` and ``configs/...`` paths a document names (relative to the root)."""
     paths = []
-    for raw in re.findall(r"(?<![\w/.-])((?:scripts|configs)/[\w./{},-]*)", text):
+    for raw in re.findall(r"(?<![\w/.-])((?:scripts|configs)/[\w./{},-]*)", document.read_text()):
         for path in _expand_braces(raw.rstrip(".,")):
             if path.startswith("configs/") or path.endswith(".sh"):
                 paths.append(path)
     return sorted(set(paths))
+
+
+def relative_links(document: Path) -> list[str]:
+    """Targets of the document's links that are files of this tree, without their #anchor."""
+    targets = []
+    for target in LINK.findall(document.read_text()):
+        if target.startswith(("http://", "https://", "mailto:", "#")):
+            continue
+        targets.append(target.split("#", 1)[0])
+    return targets
+
+
+def readme_link_table() -> list[str]:
+    """The link targets in the table of README.md's "Documentation" section."""
+    section = re.search(r"^## Documentation\n(.*?)(?=^## |\Z)", (ROOT / "README.md").read_text(),
+                        re.MULTILINE | re.DOTALL)
+    assert section is not None, "README.md has no '## Documentation' section"
+    rows = [line for line in section[1].splitlines() if line.startswith("|")]
+    return [target.split("#", 1)[0] for row in rows for target in LINK.findall(row)]
 
 
 def test_the_documents_run_modules():
@@ -107,8 +130,32 @@ def test_documented_modules_answer_help():
         f"{module}: exit {code}\n{output}" for module, (code, output) in failed.items())
 
 
-def test_readme_names_existing_scripts_and_configs():
-    paths = readme_paths()
-    assert "scripts/quickstart.sh" in paths and "configs/ds_zero3_config.json" in paths
-    missing = [path for path in paths if not (ROOT / path).exists()]
-    assert missing == [], f"README.md names paths that do not exist: {missing}"
+def test_documents_name_existing_scripts_and_configs():
+    readme = named_paths(ROOT / "README.md")
+    assert "scripts/quickstart.sh" in readme and "configs/ds_zero3_config.json" in readme
+    missing = {document.name: absent for document in DOCUMENTS
+               if (absent := [path for path in named_paths(document)
+                              if not (ROOT / path).exists()])}
+    assert missing == {}, f"paths the documents name that do not exist: {missing}"
+
+
+def test_readme_is_a_landing_page():
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines, at most {README_MAX_LINES}"
+    pages = readme_link_table()
+    docs_pages = [page for page in pages if page.startswith("docs/")]
+    # the reference lives in pages of one subject each
+    for page in ("docs/data.md", "docs/training.md", "docs/configuration.md",
+                 "docs/checkpoints.md", "docs/paper_setups.md", "docs/results.md"):
+        assert page in docs_pages, page
+    missing = [page for page in pages if not (ROOT / page).is_file()]
+    assert missing == [], f"README.md's link table names pages that do not exist: {missing}"
+
+
+def test_relative_links_point_to_files():
+    links = {document: relative_links(document) for document in DOCUMENTS}
+    assert "docs/img/throughput.png" in links[ROOT / "README.md"]
+    broken = {document.name: absent for document, targets in links.items()
+              if (absent := [target for target in targets
+                             if not (document.parent / target).exists()])}
+    assert broken == {}, f"relative links to files that do not exist: {broken}"

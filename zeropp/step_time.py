@@ -245,7 +245,7 @@ def lab_cluster(compute_flops: float, memory_bandwidth: float, link_bits_per_sec
                 intra_node_latency: float = 0.0, inter_node_latency: float = 0.0,
                 algorithm: str = "ring",
                 kernel_bandwidth: dict[str, float] | None = None) -> ClusterSpec:
-    """This machine's CPU lab (README "A low-bandwidth cluster on one machine", docs/lab.md).
+    """This machine's CPU lab (docs/lab.md; docs/results.md, "A low-bandwidth cluster").
 
     ``nodes`` network namespaces of ``ranks_per_node`` CPU ranks; each node has one veth
     shaped by tbf to ``link_bits_per_second`` each way (one "NIC"), ranks of a node talk over

@@ -26,9 +26,9 @@ Nothing is fitted, per cell or otherwise. The rates are measurements of this mac
 the unthrottled cells move with its load, as the lab's own figures do (10% between repeats);
 compare with a lab run taken just before, on a quiet machine.
 
-Where it stands (2026-11-24, lab run and rates minutes apart, quiet machine; README "Will
-ZeRO++ help on my cluster?"): every one of the 15 cells within 25%, the largest errors qwZ at
-100mbit (-24%) and qgZ at 100mbit (+21%); ZeRO-3 within 6% at every rate.
+Where it stands (2026-11-24, lab run and rates minutes apart, quiet machine; docs/paper_setups.md,
+"Will ZeRO++ help on my cluster?"): every one of the 15 cells within 25%, the largest errors qwZ
+at 100mbit (-24%) and qgZ at 100mbit (+21%); ZeRO-3 within 6% at every rate.
 """
 
 from __future__ import annotations
