@@ -63,6 +63,9 @@ class RankMeasurement:
     # each stream's own peak ("compute", "gather", "reduce"), and their sum.
     lane_peaks: dict[str, int] = field(default_factory=dict)
     reserved_peak_bytes: int = 0
+    # Host memory held for ZeRO-Offload ([Note: offload] in zeropp/offload.py), apart from
+    # every device figure above: the peak of the storages allocated on the host lane.
+    host_peak_bytes: int = 0
     # With ``trace=True``: iteration 2 as an IterationTrace (zeropp.simulation.trace), and
     # the engine's own byte accounting (``engine.comm_bytes()``'s {phase: {locality: bytes}})
     # over the same window, for checking one against the other.
@@ -339,17 +342,19 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
             if rank != 0 and save_to is not None:
                 _stand_in_for_rank_0(save_to, rank, iterations, before=False)
             run_peaks.append((tracker.peak_bytes, dict(tracker.peak_by_category),
-                              dict(tracker.category_peaks), dict(tracker.lane_peaks)))
+                              dict(tracker.category_peaks), dict(tracker.lane_peaks),
+                              tracker.host_peak_bytes))
         order = simulation.order_signature()
         violations = list(simulation.violations)
         collectives = dict(simulation.counts)
     if any(statuses):
         raise RuntimeError(f"the simulated rank {rank} exited with status {statuses[-1]}")
-    peak, by_category, category_peaks, lane_peaks = max(run_peaks, key=lambda peak: peak[0])
+    peak, by_category, category_peaks, lane_peaks, host_peak = max(run_peaks,
+                                                                   key=lambda peak: peak[0])
     return RankMeasurement(
         rank=rank, world_size=world_size, peak_bytes=peak, peak_by_category=by_category,
         category_peaks=category_peaks, lane_peaks=lane_peaks,
-        reserved_peak_bytes=sum(lane_peaks.values()),
+        reserved_peak_bytes=sum(lane_peaks.values()), host_peak_bytes=host_peak,
         phase_peaks=dict(tracker.phase_peaks),
         host_syncs_per_iteration=iteration_syncs[1],  # from iteration 2 to 3: steady state
         violations=violations, order=order, collectives=collectives,
@@ -407,6 +412,9 @@ def render(measurement: ClusterMeasurement) -> str:
         lines.append(f"  reserved by CUDA's caching allocator: "
                      f"{result.reserved_peak_bytes / GIB:.2f} GiB (each stream's pool at its "
                      f"own peak: {pools} GiB)")
+        if result.host_peak_bytes:
+            lines.append(f"  host memory (offloaded model states): "
+                         f"{result.host_peak_bytes / GIB:.2f} GiB")
         syncs = ", ".join(f"{site} x{count}" for site, count in
                           sorted(result.host_syncs_per_iteration.items())) or "none"
         lines.append(f"  host syncs per iteration: {syncs}")

@@ -176,6 +176,7 @@ def build_engine(
         param_init_fn=param_init_fn, unit_modules=unit_modules,
         grad_dtype=gradient_shard_dtype(dtype, gradient_accumulation_steps),
         host_shards=host if offload.params else None,
+        host_gradients=host if offload.optimizer else None,
     )
     partitioned = PartitionedOptimizer(sharded.units, sharded.initial_masters, recipe,
                                        group_by_name, grad_shards_flat=sharded.grad_shards_flat,

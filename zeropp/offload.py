@@ -17,6 +17,12 @@ run is bit-exact with the run without offload (the tests hold it there); on CUDA
 runs on the CPU's kernels instead of the GPU's, which round alike for AdamW's element-wise
 arithmetic.
 
+With the optimizer offloaded the gradient shards live in host memory too: each unit's
+reduction delivers into a device buffer, which crosses to the host as soon as that reduction
+completes (``GradientDelivery``: on CUDA a copy on a stream of its own into pinned memory,
+overlapped with the rest of backward, added into the shard once it has landed), so the
+device holds no gradient shard between a unit's reduction and the step.
+
 The host step needs the gradient norm before it can update, and the weights it writes are
 read by the next forward: an offloaded step reads the norm on the host (one sync per step,
 as DeepSpeed's offloaded step has) instead of deciding on the device ([Note: step outcome on
@@ -29,6 +35,7 @@ from the device's.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -78,3 +85,43 @@ class HostMemory:
     def running(self):
         """A context in which what torch allocates counts as host memory (the host step)."""
         return allocating_on(HOST_LANE)
+
+
+class GradientDelivery:
+    """Reduced gradients into shards held in host memory ([Note: offload]).
+
+    On CUDA ``add`` starts the device-to-host copy on a stream of its own and returns: the
+    host adds the landed values into the shard later (``finish``, also called at the next
+    ``add`` for copies already done), holding the device buffer until its copy has read it.
+    Elsewhere host and device memory are one and the addition happens at once.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        # (copy done, host values, target shard, device buffer kept alive until then)
+        self._in_flight: deque[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor,
+                                     torch.Tensor]] = deque()
+
+    def add(self, grad_shard: torch.Tensor, reduced: torch.Tensor) -> None:
+        if self._stream is None:
+            with allocating_on(HOST_LANE):
+                grad_shard.add_(reduced)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            landed = torch.empty(reduced.shape, dtype=reduced.dtype, pin_memory=True)
+            landed.copy_(reduced, non_blocking=True)
+            done = self._stream.record_event()
+        self._in_flight.append((done, landed, grad_shard, reduced))
+        self._settle(wait=False)
+
+    def finish(self) -> None:
+        """Every delivery added into its shard (before anything reads the shards)."""
+        self._settle(wait=True)
+
+    def _settle(self, wait: bool) -> None:
+        while self._in_flight and (wait or self._in_flight[0][0].query()):
+            done, landed, grad_shard, _ = self._in_flight.popleft()
+            done.synchronize()
+            grad_shard.add_(landed)

@@ -27,6 +27,7 @@ optimizer step]) only mirror the working shard.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from collections.abc import Callable, Mapping
@@ -316,6 +317,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         grads = self._grads32
         if self.host is not None:
             if not self._grads_fresh:
+                if self.units and self.units[0].comm.gradient_delivery is not None:
+                    self.units[0].comm.gradient_delivery.finish()  # every reduction landed
                 grads.copy_(self.grad_shards_flat)
                 self._grads_fresh = True
             return grads
@@ -338,7 +341,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         on the device: one all-reduce, no host read."""
         # In fp32 (16-bit squares would overflow), summed as torch.sum sums (pairwise: the
         # same value whatever the number of ranks, to rounding).
-        total = self._gradients_fp32().pow(2).sum().reshape(1).to(self.comm_device)
+        with self._allocating_state():
+            total = self._gradients_fp32().pow(2).sum().reshape(1)  # on the host if offloaded
+        total = total.to(self.comm_device)
         if self.world is not None:
             all_reduce_sum(total, self.world, self.units[0].comm.stats, "optimizer")
         return total.reshape(()) * (inv_scale * inv_scale)
@@ -378,10 +383,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             self._gradients_fp32().mul_(grad_multiplier)
             if found_inf is not None:
                 self.inner.found_inf = found_inf.to(torch.float32)
-            if self.host is not None:
-                with self.host.running():  # the moments torch creates are host memory
-                    self.inner.step()
-            else:
+            with self._allocating_state():  # the moments torch creates, if offloaded
                 self.inner.step()
         finally:
             self.inner.found_inf = None
@@ -505,10 +507,18 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 kept = held.get(key)
                 fits = (isinstance(kept, torch.Tensor) and kept.shape == piece.shape
                         and kept.dtype == piece.dtype)
-                restored[key] = kept.copy_(piece) if fits else piece.clone()
+                if fits:
+                    restored[key] = kept.copy_(piece)
+                else:  # a new state tensor where the optimizer keeps it: host memory if offloaded
+                    with self._allocating_state():
+                        restored[key] = piece.to(run.master.device, copy=True)
             for key, value in (scalars or {}).items():
                 restored[key] = self._scalar_tensor(value, run)
             self.state[run.master] = restored
+
+    def _allocating_state(self) -> contextlib.AbstractContextManager:
+        """Where the optimizer's own tensors are allocated: host memory when offloaded."""
+        return self.host.running() if self.host is not None else contextlib.nullcontext()
 
     def _scalar_tensor(self, value: float, run: _Run) -> torch.Tensor:
         """A per-tensor scalar as torch keeps it: on the device for fused and capturable

@@ -55,7 +55,7 @@ from zeropp.comm.streams import Execution
 from zeropp.deepspeed_adoption import DeepSpeedValues, stand_in_for_deepspeed
 from zeropp.flat_layout import FlatLayout
 from zeropp.initial_values import UnitInitialValues, reset_parameters_values
-from zeropp.offload import HostMemory
+from zeropp.offload import GradientDelivery, HostMemory
 from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
 from zeropp.residency import Residency, shard_alignment, stays_gathered
 from zeropp.topology import Topology
@@ -160,11 +160,14 @@ class ShardedModel:
         unit_modules: list[nn.Module] | None = None,
         grad_dtype: torch.dtype = torch.float32,
         host_shards: HostMemory | None = None,
+        host_gradients: HostMemory | None = None,
     ) -> None:
-        """``host_shards``: where the working shards live when parameters are offloaded
-        ([Note: offload]); None keeps them on ``device``."""
+        """``host_shards`` / ``host_gradients``: where the working / gradient shards live
+        when parameters / the optimizer are offloaded ([Note: offload]); None keeps them on
+        ``device``."""
         self.module = model
         self.host_shards = host_shards
+        self.host_gradients = host_gradients
         self.topology = topology
         self.options = options
         self.dtype = dtype
@@ -196,6 +199,7 @@ class ShardedModel:
             predivide_factor=float(options.gradient_predivide_factor or self.dp_size),
             grad_dtype=grad_dtype,
             reduce_world=reduce_world,
+            gradient_delivery=None if host_gradients is None else GradientDelivery(device),
         )
         self.phase = TrainingPhase.IDLE
         # A model DeepSpeed's zero.Init partitioned: meta stand-ins now, values per unit
@@ -270,7 +274,9 @@ class ShardedModel:
         # writes all weights with one kernel each (zeropp.optimizer) instead of a few per
         # unit. Replicated units (stages 0-2) keep their shard inside their whole weights.
         total = sum(layout.shard_numel for layout in layouts)
-        self.grad_shards_flat = torch.zeros(total, dtype=self.comm.grad_dtype, device=self.device)
+        self.grad_shards_flat = (
+            self.host_gradients.zeros(total, self.comm.grad_dtype) if self.host_gradients
+            is not None else torch.zeros(total, dtype=self.comm.grad_dtype, device=self.device))
         self.shards_flat = None
         if self.host_shards is not None:
             if self.residency.weights_replicated:

@@ -33,6 +33,7 @@ from zeropp.comm import CommGroup, CommStats, Pending, all_gather
 from zeropp.comm.collectives import AllGather, Collective
 from zeropp.comm.streams import Execution
 from zeropp.flat_layout import FlatLayout
+from zeropp.offload import GradientDelivery
 from zeropp.param_face import ZeroParamStatus, mirror_status, present_as_partitioned
 
 
@@ -71,6 +72,9 @@ class UnitComm:
     # The world again, on a communicator of its own: reductions overlap gathers on NCCL
     # (``zeropp.topology``'s ``reduce_world``). None: ``world``.
     reduce_world: CommGroup | None = None
+    # Set where the gradient shards live in host memory ([Note: offload]): reductions land
+    # in a device buffer that this sends across.
+    gradient_delivery: GradientDelivery | None = None
 
     @property
     def reduce_group(self) -> CommGroup:
@@ -456,8 +460,10 @@ class ShardedUnit:
         # Into the gradient shard itself while it holds nothing (the step zeroed it) and
         # the reduction rounds to its dtype anyway: no temporary and no addition. qgZ sums in
         # fp32 and rounds once on the write, as the addition to zero would.
-        direct = self.grad_shard_is_zero and (out_dtype == self.grad_shard.dtype
-                                              or self.comm.reduce.output_dtype is not None)
+        # (Not into a shard in host memory: a collective writes device memory.)
+        direct = (self.grad_shard_is_zero and self.comm.gradient_delivery is None
+                  and (out_dtype == self.grad_shard.dtype
+                       or self.comm.reduce.output_dtype is not None))
         out = self.grad_shard if direct else torch.empty(self.layout.shard_numel,
                                                          dtype=out_dtype, device=self.device)
         self.grad_shard_is_zero = False
@@ -486,7 +492,10 @@ class ShardedUnit:
         return flat
 
     def add_to_grad_shard(self, reduced: torch.Tensor) -> None:
-        self.grad_shard.add_(reduced)  # in the shard's dtype
+        if self.comm.gradient_delivery is not None:  # across to host memory
+            self.comm.gradient_delivery.add(self.grad_shard, reduced)
+        else:
+            self.grad_shard.add_(reduced)  # in the shard's dtype
         self.grad_shard_is_zero = False
 
     @property
@@ -502,6 +511,8 @@ class ShardedUnit:
         self.state = ShardState.GATHERED
 
     def zero_grad_shard(self) -> None:
+        if self.comm.gradient_delivery is not None:
+            self.comm.gradient_delivery.finish()  # nothing may land after the zeros
         self.grad_shard.zero_()
         self.grad_shard_is_zero = True
 

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zeropp.comm.streams import allocation_lane
+from zeropp.comm.streams import HOST_LANE, allocation_lane
 
 __all__ = ["CATEGORY_RULES", "DEFAULT_CATEGORY", "HostSyncCounter", "MemoryTracker", "OpCounter",
            "Rule", "collective_ops", "default_category", "dispatched_ops"]
@@ -189,6 +189,10 @@ class MemoryTracker(TorchDispatchMode):
         self._by_lane: dict[str, int] = {}
         self.lane_peaks: dict[str, int] = {}
         self.phase_peaks: dict[str, int] = {}
+        # Host memory ([Note: offload] in zeropp/offload.py): storages allocated on the host
+        # lane, kept apart from every device figure above.
+        self.host_bytes = 0
+        self.host_peak_bytes = 0
         self._phases: list[str] = []
         self._saved_resize: list[Any] = []
 
@@ -213,6 +217,7 @@ class MemoryTracker(TorchDispatchMode):
         self._peak_by_category = dict(self._by_category)
         self.category_peaks = dict(self._by_category)
         self.lane_peaks = dict(self._by_lane)
+        self.host_peak_bytes = self.host_bytes
 
     @contextlib.contextmanager
     def phase(self, label: str) -> Iterator[MemoryTracker]:
@@ -280,6 +285,10 @@ class MemoryTracker(TorchDispatchMode):
 
     def _bump(self, entry: _Entry, delta: int) -> None:
         category, lane = entry.category, entry.lane
+        if lane == HOST_LANE:  # ZeRO-Offload's host buffers: not the device's memory
+            self.host_bytes += delta
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+            return
         self._by_lane[lane] = self._by_lane.get(lane, 0) + delta
         if delta > 0 and self._by_lane[lane] > self.lane_peaks.get(lane, 0):
             self.lane_peaks[lane] = self._by_lane[lane]
