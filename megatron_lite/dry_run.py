@@ -375,6 +375,10 @@ def memory_lines(report: DryRunReport) -> list[str]:
         ("activations: recomputed chunk", [activations.recomputed_chunk] * 2),
         ("activations: logits and loss", [activations.logits] * 2),
     ]
+    offloaded = memories[1].host_model_states > 0
+    if offloaded:  # [Note: offload]: these rows are in host memory, not in the peak
+        rows.insert(0, ("in host memory (ZeRO-Offload): states", [m.host_model_states
+                                                                  for m in memories]))
     lines = [_row("per-GPU memory (GiB)", [plan.name for plan in plans])]
     lines += [_row(label, [_gib(v) for v in values]) for label, values in rows]
     lines.append(_row("peak (larger of forward and backward)",
@@ -386,6 +390,15 @@ def memory_lines(report: DryRunReport) -> list[str]:
     increase = report.total_bytes(plans[1]) - report.total_bytes(plans[0])
     lines.append(f"  ZeRO++ over ZeRO-3: {increase / GIB:+.2f} GiB per GPU, of which hpZ "
                  f"secondary shards {memories[1].hpz_secondary_shards / GIB:.2f} GiB")
+    if offloaded:
+        ranks = report.cluster.ranks_per_node
+        host = [m.host_bytes for m in memories]
+        lines.append(f"  host memory (ZeRO-Offload), ZeRO-3 / ZeRO++: {_gib(host[0])} / "
+                     f"{_gib(host[1])} GiB per GPU, {_gib(host[0] * ranks)} / "
+                     f"{_gib(host[1] * ranks)} GiB per node of {ranks}")
+        pcie = [(plan.pcie["to_host"], plan.pcie["to_device"]) for plan in plans]
+        lines.append("  PCIe per GPU per iteration, to host + to device, ZeRO-3 / ZeRO++: "
+                     + " / ".join(f"{_gib(a)} + {_gib(b)} GiB" for a, b in pcie))
     # [Note: asynchronous checkpoint saves]: the staging buffers hold each rank's fp32 master
     # shards and moments, pinned host memory, never GPU memory (so not in the peak above).
     staging = memories[1].fp32_master_shards + memories[1].optimizer_moments
@@ -518,7 +531,17 @@ def host_line(system: str, predictions: list) -> str:
                else f"the GPU sets the pace (its compute, {fastest:.3g} s or more, hides it)")
     return (f"    {system}: {p.host_ops:,} kernels and collectives per iteration, "
             f"{p.host_issue_seconds:.3g} s of host time at {cost}, {p.host_syncs} host "
-            f"sync(s); {verdict}")
+            f"sync(s); {verdict}" + offload_note(predictions))
+
+
+def offload_note(predictions: list) -> str:
+    """The offloaded step's host work and PCIe copies on each cluster ([Note: offload in the
+    step-time model]); empty without offload."""
+    cells = [f"{c.name} {q.host_step_seconds:.3g} s on the host, "
+             f"{q.pcie_seconds.get('to_host', 0):.3g} s to it, "
+             f"{q.pcie_seconds.get('to_device', 0):.3g} s back"
+             for c, q in predictions if q.host_step_seconds or q.pcie_seconds]
+    return ("; ZeRO-Offload: " + "; ".join(cells)) if cells else ""
 
 
 def measured_lines(report: DryRunReport, measurements: list) -> list[str]:

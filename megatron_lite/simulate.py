@@ -248,7 +248,8 @@ def simulate_rank(argv: list[str], rank: int, nodes: int, gpus_per_node: int,
             dtype_bytes=trainer.engine.sharded.dtype.itemsize)
         tracing["comm"] = {}
         tracing["stats"] = trainer.engine.comm_stats  # not qgZ's private, untracked ones
-        tracing["recorder"] = TraceRecorder(torch.device("meta"), phase="forward").__enter__()
+        tracing["recorder"] = TraceRecorder(torch.device("meta"), phase="forward",
+                                            in_host_memory=tracker.in_host_memory).__enter__()
 
     def iteration(step):
         # Host syncs are counted from the start of one iteration to the start of the next,

@@ -110,6 +110,10 @@ class GradientDelivery:
             return
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
+            # In the shard's dtype before it crosses (qgZ delivers fp32 sums): half the bytes
+            # for 16-bit shards, which hold one reduction per step, so rounding first and
+            # adding to their zeros rounds exactly once, as the addition would.
+            reduced = reduced.to(grad_shard.dtype)
             landed = torch.empty(reduced.shape, dtype=reduced.dtype, pin_memory=True)
             landed.copy_(reduced, non_blocking=True)
             done = self._stream.record_event()

@@ -380,7 +380,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self._opt_called = True
         self._wait_for_checkpoint_copy()
         try:
-            self._gradients_fp32().mul_(grad_multiplier)
+            with self._allocating_state():  # the host's work when offloaded
+                self._gradients_fp32().mul_(grad_multiplier)
             if found_inf is not None:
                 self.inner.found_inf = found_inf.to(torch.float32)
             with self._allocating_state():  # the moments torch creates, if offloaded

@@ -89,18 +89,43 @@ class MemoryPlan:
     # caching allocator keeps each stream's pool beside the compute stream's ([Note:
     # allocation lanes]), so they add to what it reserves, not to what is allocated at once.
     stream_buffers: int = 0
+    # ZeRO-Offload ([Note: offload]): the optimizer's states and the gradient shards, and
+    # with ``offload_params`` the working shards, live in host memory, not in the peak.
+    offload_optimizer: bool = False
+    offload_params: bool = False
 
     @property
     def model_states(self) -> int:
-        """What ZeRO partitions: weights, gradients and optimizer state."""
+        """What ZeRO partitions: weights, gradients and optimizer state (device and host)."""
         return (self.working_shards + self.gradient_shards + self.fp32_master_shards
                 + self.optimizer_moments)
 
+    @property
+    def device_model_states(self) -> int:
+        """The model states left in device memory."""
+        return self.model_states - self.host_model_states
+
+    @property
+    def host_model_states(self) -> int:
+        kept = 0
+        if self.offload_optimizer:
+            kept += self.gradient_shards + self.fp32_master_shards + self.optimizer_moments
+        if self.offload_params:
+            kept += self.working_shards
+        return kept
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory per rank: the offloaded states, and with the optimizer the step's fp32
+        gradients and the squares its norm sums (each the size of the fp32 masters)."""
+        step = 2 * self.fp32_master_shards if self.offload_optimizer else 0
+        return self.host_model_states + step
+
     def peak(self, forward_activations: int, backward_activations: int) -> int:
-        """Peak bytes with the activations alive at the end of forward and in backward."""
+        """Peak device bytes with the activations alive at the end of forward and in backward."""
         forward = self.gathered_forward + forward_activations
         backward = self.gathered_parameters + self.gradient_buffers + backward_activations
-        resident = self.model_states + self.hpz_secondary_shards + self.error_feedback
+        resident = self.device_model_states + self.hpz_secondary_shards + self.error_feedback
         return resident + max(forward, backward)
 
     def reserved(self, forward_activations: int, backward_activations: int) -> int:
@@ -121,6 +146,7 @@ class SystemPlan:
     units: tuple[UnitPlan, ...]
     memory: MemoryPlan
     comm: CommVolume  # bytes sent per rank per iteration (all micro-batches of one step)
+    pcie: dict[str, int] = dataclasses.field(default_factory=dict)  # plan_pcie's
 
     def comm_total(self, locality: str) -> int:
         if locality not in LOCALITIES:
@@ -280,6 +306,8 @@ def plan_memory(units: Sequence[UnitPlan], zero: ZeroConfig, dtype_bytes: int,
         gathered_forward=forward_gathered * dtype_bytes,
         error_feedback=sum(collectives.error_feedback_nbytes(u.padded_numel) for u in units),
         stream_buffers=stream_buffer_nbytes(units, hpz, _DTYPES[dtype_bytes], collectives),
+        offload_optimizer=zero.offloads_optimizer,
+        offload_params=zero.offloads_params,
     )
 
 
@@ -348,6 +376,33 @@ def plan_communication(units: Sequence[UnitPlan], cluster: ClusterShape, zero: Z
     return volume.bytes
 
 
+def plan_pcie(units: Sequence[UnitPlan], zero: ZeroConfig, dtype_bytes: int,
+              micro_batches: int) -> dict[str, int]:
+    """Bytes one GPU moves over PCIe per iteration with ZeRO-Offload ([Note: offload]):
+    "to_host", each micro-batch's reduced gradient shards (in the gradient shards' dtype,
+    ``GradientDelivery``); "to_device", the updated 16-bit weights once per step, or with offloaded
+    parameters each world gather's shard instead (hpZ's backward gathers read the device's
+    secondary shards)."""
+    to_host = to_device = 0
+    if zero.offloads_optimizer:
+        shard_dtype = gradient_shard_dtype(_DTYPES[dtype_bytes], micro_batches)
+        to_host = micro_batches * sum(u.shard_numel for u in units) * shard_dtype.itemsize
+        if not zero.offloads_params:
+            to_device = sum(u.shard_numel for u in units) * dtype_bytes
+    if zero.offloads_params:
+        kept = kept_for_backward(units, zero)
+        hpz = zero.zero_hpz_partition_size > 1
+        for unit in units:
+            if unit.persistent:
+                gathers = 1
+            elif unit.is_root or id(unit) in kept or hpz:
+                gathers = micro_batches
+            else:
+                gathers = 2 * micro_batches
+            to_device += gathers * unit.shard_numel * dtype_bytes
+    return {"to_host": to_host, "to_device": to_device}
+
+
 # ---- whole plans ------------------------------------------------------------------------
 
 
@@ -368,6 +423,7 @@ def plan_system(name: str, unit_numels: Sequence[int], cluster: ClusterShape, ze
         memory=plan_memory(units, zero, dtype_bytes, engine_objects(zero, cluster)[1],
                            micro_batches),
         comm=plan_communication(units, cluster, zero, dtype_bytes, micro_batches),
+        pcie=plan_pcie(units, zero, dtype_bytes, micro_batches),
     )
 
 

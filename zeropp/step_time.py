@@ -87,6 +87,21 @@ statistics" feature): eager PyTorch's dispatch plus ``cudaLaunchKernel``. The GP
 measures it on a lent GPU (scripts/gpu_check.sh), and ``--dry-run-kernel-rates`` takes the
 measured figure. CPU ranks (the lab) set it to 0: their kernel rates were measured with
 the dispatch included.
+
+[Note: offload in the step-time model]
+With ZeRO-Offload ([Note: offload] in zeropp/offload.py) the trace marks the ops that run on
+host memory ("host": the offloaded step's copies, norm and Adam update) and the copies across
+PCIe ("to_host": each unit's reduced gradients; "to_device": the updated weights, and with
+offloaded parameters each gather's shard). Host ops are memory-bound on the CPU: bytes /
+(the node's host memory bandwidth / ranks per node x ``memory_fraction``), since every rank
+of a node steps at once; they advance the host clock, after what they read has crossed the
+bus, so the next op the host issues waits for the step. Each PCIe direction is a timeline of
+its own (the link is full duplex): a copy starts after the device work issued before it, the
+host's issue, and the previous copy that way; a side-lane gather starts after the weights
+brought to the device so far, a ``HostSync`` waits for the gradients sent to the host. A
+cluster without host figures (CPU ranks, whose host memory is their device memory) charges
+these ops as kernels. The DGX descriptions take host memory bandwidth from their CPUs'
+memory channels (theoretical) and PCIe from the generation's x16 rate x 0.8 (an assumption).
 """
 
 from __future__ import annotations
@@ -149,6 +164,12 @@ class ClusterSpec:
     # Host seconds to issue one kernel or collective ([Note: host in the step-time model]);
     # 0 for CPU ranks, whose measured kernel rates include it.
     host_seconds_per_op: float = DEFAULT_HOST_SECONDS_PER_OP
+    # ZeRO-Offload ([Note: offload in the step-time model]): the node's host memory
+    # bandwidth (bytes/s, all sockets, theoretical; the node's ranks share it and get
+    # ``memory_fraction`` of it) and one GPU's PCIe link (bytes/s one direction, achievable).
+    # None: host memory is the device's (CPU ranks); offloaded work is charged as kernels.
+    host_memory_bandwidth: float | None = None
+    pcie_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -167,6 +188,10 @@ class ClusterSpec:
     def node_nic_bandwidth(self) -> float:
         """All of one node's NICs together, bytes/s one direction, as collectives get it."""
         return self.nics_per_node * self.nic_bandwidth * self.network_efficiency
+
+    @property
+    def offload_modelled(self) -> bool:
+        return self.host_memory_bandwidth is not None and self.pcie_bandwidth is not None
 
     def peak_for(self, dtype_bytes: int) -> float:
         """Peak FLOP/s for the working dtype: 16-bit types use the tensor-core figure."""
@@ -189,6 +214,22 @@ _NVLINK_LATENCY = 3.4e-6
 _NET_LATENCY = 9.6e-6
 
 
+# PCIe's achievable share of its line rate (TLP and flow-control overhead): an assumption
+# (host-to-device copies from pinned memory reach about 12-13 GB/s of Gen3 x16's 15.75).
+_PCIE_FRACTION = 0.8
+
+
+def _pcie(gen: int) -> float:
+    """One x16 link, one direction, bytes/s: PCIe 3.0 is 8 GT/s per lane with 128b/130b
+    encoding (0.985 GB/s per lane, 15.75 GB/s x16); each later generation doubles it."""
+    return 16 * 8e9 * 128 / 130 / 8 * 2 ** (gen - 3) * _PCIE_FRACTION
+
+
+def _ddr_channels(channels: int, mega_transfers: int) -> float:
+    """Theoretical bytes/s of ``channels`` 64-bit DDR channels at ``mega_transfers`` MT/s."""
+    return channels * mega_transfers * 1e6 * 8
+
+
 # [Note: the V100 calibration] (scripts/bench/predict_paper.py): the two constants of the
 # DGX-2 descriptions, the least-squares fit of the ZeRO++ paper's 16 TFLOPs figures and the
 # tutorial's two step times; every other DGX-2 figure is from a datasheet.
@@ -209,7 +250,10 @@ def _dgx2(gbps_per_node: int) -> ClusterSpec:
         gemm_fraction=V100_GEMM_FRACTION, memory_bandwidth=900e9,
         memory_fraction=_MEMORY_FRACTION, ranks_per_node=16, intra_node_bandwidth=150e9,
         intra_node_latency=_NVLINK_LATENCY, nics_per_node=nics, nic_bandwidth=_gbit(100),
-        inter_node_latency=_NET_LATENCY, network_efficiency=V100_NETWORK_EFFICIENCY)
+        inter_node_latency=_NET_LATENCY, network_efficiency=V100_NETWORK_EFFICIENCY,
+        # DGX-2 datasheet: 2x Xeon Platinum 8168 (6 DDR4-2666 channels each, Intel ARK),
+        # 1.5 TB; each V100 on a PCIe 3.0 x16 link through the PCIe switches.
+        host_memory_bandwidth=_ddr_channels(2 * 6, 2666), pcie_bandwidth=_pcie(3))
 
 
 CLUSTERS: dict[str, ClusterSpec] = {
@@ -222,7 +266,10 @@ CLUSTERS: dict[str, ClusterSpec] = {
         gemm_fraction=_GEMM_FRACTION, memory_bandwidth=2.0e12,
         memory_fraction=_MEMORY_FRACTION, ranks_per_node=8, intra_node_bandwidth=300e9,
         intra_node_latency=_NVLINK_LATENCY, nics_per_node=8, nic_bandwidth=_gbit(200),
-        inter_node_latency=_NET_LATENCY),
+        inter_node_latency=_NET_LATENCY,
+        # 2x AMD EPYC 7742 (8 DDR4-3200 channels each, AMD's product page), 1 TB; A100s on
+        # PCIe 4.0 x16.
+        host_memory_bandwidth=_ddr_channels(2 * 8, 3200), pcie_bandwidth=_pcie(4)),
     # NVIDIA DGX H100 datasheet / H100 SXM5 datasheet: 8x H100 80GB, 989 TFLOP/s bf16 dense
     # (1,979 with sparsity), 67 TFLOP/s fp32, 3.35 TB/s HBM3, NVLink4 900 GB/s bidirectional
     # = 450 GB/s each way, 8x single-port ConnectX-7 400 Gb/s NDR InfiniBand.
@@ -231,7 +278,10 @@ CLUSTERS: dict[str, ClusterSpec] = {
         gemm_fraction=_GEMM_FRACTION, memory_bandwidth=3.35e12,
         memory_fraction=_MEMORY_FRACTION, ranks_per_node=8, intra_node_bandwidth=450e9,
         intra_node_latency=_NVLINK_LATENCY, nics_per_node=8, nic_bandwidth=_gbit(400),
-        inter_node_latency=_NET_LATENCY),
+        inter_node_latency=_NET_LATENCY,
+        # 2x Xeon Platinum 8480C (8 DDR5-4800 channels each, Intel ARK), 2 TB; H100 SXM5 on
+        # PCIe 5.0 x16.
+        host_memory_bandwidth=_ddr_channels(2 * 8, 4800), pcie_bandwidth=_pcie(5)),
 }
 
 # Loopback inside a lab node: docs/lab.md measured 7-18 Gbit/s; the low end is the default.
@@ -477,6 +527,9 @@ class StepPrediction:
     host_ops: int = 0  # kernels and collectives the host issued
     host_syncs: int = 0
     gpu_waits_for_host_seconds: float = 0.0  # the compute stream idle, waiting to be issued
+    # [Note: offload in the step-time model]
+    host_step_seconds: float = 0.0  # the host's work on host memory (the offloaded step)
+    pcie_seconds: dict[str, float] = field(default_factory=dict)  # "to_host" / "to_device"
 
     @property
     def host_bound(self) -> bool:
@@ -514,6 +567,10 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
     host_cost = cluster.host_seconds_per_op
     host_ops = host_syncs = 0
     gpu_waits = 0.0
+    offload = cluster.offload_modelled
+    host_step = 0.0
+    bus_free = {"to_host": 0.0, "to_device": 0.0}  # each direction of the GPU's PCIe link
+    bus_seconds: dict[str, float] = {}
 
     def issue(ops: int) -> None:
         nonlocal host, host_ops
@@ -555,8 +612,28 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
             comm[key] = comm.get(key, 0.0) + dt
         return t
 
+    def host_work(op: ComputeOp) -> None:
+        """The host runs ``op`` on host memory once what it reads has crossed the bus."""
+        nonlocal host, host_step
+        share = cluster.host_memory_bandwidth / cluster.ranks_per_node * cluster.memory_fraction
+        dt = op.bytes / share
+        host = max(host, bus_free["to_host"]) + dt
+        host_step += dt
+
+    def bus_copy(op: ComputeOp) -> None:
+        """A copy across PCIe, after the device work before it and the host's issue."""
+        issue(1)
+        dt = op.bytes / cluster.pcie_bandwidth
+        start = max(compute, host, bus_free[op.where])
+        bus_free[op.where] = start + dt
+        bus_seconds[op.where] = bus_seconds.get(op.where, 0.0) + dt
+
     for event in trace.events:
-        if isinstance(event, ComputeOp):
+        if isinstance(event, ComputeOp) and offload and event.where == "host":
+            host_work(event)
+        elif isinstance(event, ComputeOp) and offload and event.where != "device":
+            bus_copy(event)
+        elif isinstance(event, ComputeOp):
             if launches_kernel(event):
                 issue(1)
                 compute_start()
@@ -580,7 +657,9 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
                 exposed[key] = exposed.get(key, 0.0) + (end - start)
                 compute = end
             elif event.lane in lane_free:
-                end = run_launch(event, max(compute, lane_free[event.lane], host))
+                # (a gather of offloaded weights reads what the bus brought to the device)
+                end = run_launch(event, max(compute, lane_free[event.lane], host,
+                                            bus_free["to_device"]))
                 lane_free[event.lane] = end
             else:
                 raise ValueError(f"unknown lane {event.lane!r}")
@@ -596,16 +675,17 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
                 exposed[key] = exposed.get(key, 0.0) + (end - compute)
                 compute = end
         elif isinstance(event, HostSync):
-            host = max(host, compute)
+            host = max(host, compute, bus_free["to_host"])
             host_syncs += 1
         else:
             raise TypeError(f"unknown trace event {event!r}")
 
-    seconds = max(compute, host, *lane_free.values())
+    seconds = max(compute, host, *lane_free.values(), *bus_free.values())
     tflops = trace.model_flops_per_iteration / seconds / 1e12 if seconds > 0 else 0.0
     return StepPrediction(cluster=cluster.name, seconds=seconds, tflops_per_gpu=tflops,
                           compute_busy_seconds=busy, comm_seconds=comm,
                           exposed_comm_seconds=exposed, lane_compute_seconds=lane_kernels,
                           host_transport_seconds=host_seconds,
                           host_issue_seconds=host_ops * host_cost, host_ops=host_ops,
-                          host_syncs=host_syncs, gpu_waits_for_host_seconds=gpu_waits)
+                          host_syncs=host_syncs, gpu_waits_for_host_seconds=gpu_waits,
+                          host_step_seconds=host_step, pcie_seconds=bus_seconds)

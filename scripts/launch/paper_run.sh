@@ -81,7 +81,8 @@ GPUS_PER_NODE="${GPUS_PER_NODE:-16}"
 case "$SYSTEM" in
   zero3) DS_CONFIG="${DS_CONFIG:-$ROOT/configs/ds_zero3_config.json}" ;;
   zeropp) DS_CONFIG="${DS_CONFIG:-$ROOT/configs/ds_zeropp_config.json}" ;;
-  *) die "unknown SYSTEM '$SYSTEM': use zero3 or zeropp" ;;
+  zeropp_offload) DS_CONFIG="${DS_CONFIG:-$ROOT/configs/ds_zeropp_offload.json}" ;;
+  *) die "unknown SYSTEM '$SYSTEM': use zero3, zeropp or zeropp_offload" ;;
 esac
 if [[ "$TOKENS" =~ ^([1-9][0-9]*)[kK]$ ]]; then
   TOKENS_NUMBER=$(( BASH_REMATCH[1] * 1024 ))

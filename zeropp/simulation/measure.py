@@ -211,6 +211,11 @@ class MemoryTracker(TorchDispatchMode):
         """The caching allocator's hold: every lane's own peak, at once (see class doc)."""
         return sum(self.lane_peaks.values())
 
+    def in_host_memory(self, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage`` was allocated on the host lane ([Note: offload])."""
+        entry = self._live.get(id(storage))
+        return entry is not None and entry.lane == HOST_LANE
+
     def reset_peak(self) -> None:
         """Start a new peak from what is live now (``phase_peaks`` are kept)."""
         self.peak_bytes = self.current_bytes

@@ -40,6 +40,10 @@ class ComputeOp:
     flops: float  # torch.utils.flop_counter's count; 0 for ops it does not count
     bytes: int  # bytes of the device tensors it reads plus those it writes
     phase: str  # "forward", "backward" or "optimizer"
+    # Where it runs with ZeRO-Offload ([Note: offload] in zeropp/offload.py): "device" (a
+    # kernel), "host" (the host's CPU, on host memory: the offloaded optimizer step), or
+    # "to_host" / "to_device" (a copy across PCIe; ``bytes`` is what crosses the bus).
+    where: str = "device"
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,7 @@ Event = ComputeOp | Launch | Wait | HostSync
 def launches_kernel(op: ComputeOp) -> bool:
     """Whether the op runs a kernel (it moves bytes or computes): views, allocations and
     metadata do not reach the GPU, so they are not charged as launches."""
-    return op.bytes > 0 or op.flops > 0
+    return op.where != "host" and (op.bytes > 0 or op.flops > 0)
 
 
 @dataclass

@@ -44,6 +44,7 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -126,9 +127,13 @@ class TraceRecorder:
     """Records the events of [Note: trace recording rules] while active (patches restored on
     exit). ``events`` is the trace's event list; ``next_id`` the next launch id."""
 
-    def __init__(self, device: torch.device | str = "meta", phase: str = "forward") -> None:
+    def __init__(self, device: torch.device | str = "meta", phase: str = "forward",
+                 in_host_memory: Callable[[torch.UntypedStorage], bool] | None = None) -> None:
+        """``in_host_memory``: whether a storage is host memory (ZeRO-Offload's buffers, which
+        on the meta device only the memory tracker's host lane tells apart); None: none is."""
         self.device = torch.device(device)
         self.phase = phase
+        self.in_host_memory = in_host_memory
         self.events: list[Event] = []
         self.next_id = 0
         self._open: list[dict[str, Any]] = []  # launches whose issue/finish are running
@@ -166,11 +171,31 @@ class TraceRecorder:
             storages = {t.untyped_storage()._cdata for t in inputs}
             moves = not all(t.untyped_storage()._cdata in storages for t in outputs)
         nbytes = sum(map(_nbytes, inputs)) + sum(map(_nbytes, outputs)) if moves else 0
-        op = ComputeOp(str(func), float(flops), int(nbytes), self.phase)
+        where = "device"
+        if self.in_host_memory is not None and moves:
+            where, nbytes = self._placement(inputs + outputs, nbytes)
+        op = ComputeOp(str(func), float(flops), int(nbytes), self.phase, where)
         if self._open:
             self._open[-1]["ops"].append(op)
         else:
             self.events.append(op)
+
+    def _placement(self, tensors: list[torch.Tensor], nbytes: int) -> tuple[str, int]:
+        """("host", bytes) for an op on host memory only; for one that reads one memory and
+        writes the other, its direction ("to_host" or "to_device", by where its output lies)
+        and the bytes crossing the bus (the smaller side's distinct tensors: a copy's source
+        or target, the gradient a host shard adds); else ("device", bytes)."""
+        host, device = {}, {}
+        for t in tensors:
+            side = host if self.in_host_memory(t.untyped_storage()) else device
+            side[(t.untyped_storage()._cdata, t.storage_offset(), t.numel())] = _nbytes(t)
+        if not host:
+            return "device", nbytes
+        if not device:
+            return "host", nbytes
+        written = tensors[-1]  # an op's output (or an in-place op's target) comes last
+        direction = "to_host" if self.in_host_memory(written.untyped_storage()) else "to_device"
+        return direction, min(sum(host.values()), sum(device.values()))
 
     def _collective(self, group: _SimProcessGroup, op: str, inputs, outputs) -> None:
         inputs, outputs = _flat(inputs), _flat(outputs)
