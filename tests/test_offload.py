@@ -13,6 +13,7 @@ saved with offload resumes without it and the other way round, bit-exact.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -236,3 +237,125 @@ def test_offload_config_errors():
     from zeropp.offload import OffloadOptions
 
     assert OffloadOptions.from_zero_config(zero) == OffloadOptions(optimizer=True, pin_memory=True)
+
+
+# ---- the plan, the simulated GPU cluster and the step-time model ---------------------------
+
+SMALL_GPT = ("--num-layers 3 --hidden-size 256 --num-attention-heads 4 --seq-length 64 "
+             "--batch-size 2 --fp16 --checkpoint-activations --dry-run "
+             "--dry-run-nodes 2 --dry-run-gpus-per-node 4 --deepspeed_config {config}")
+
+
+def _offload_config(tmp_path, params: bool) -> str:
+    """configs/ds_zeropp_offload.json with hpZ over the 4 GPUs of a node (the file's 16 is
+    DGX-2's)."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(__file__).resolve().parents[1] / "configs"
+                         / "ds_zeropp_offload.json").read_text())
+    config["zero_optimization"]["zero_hpz_partition_size"] = 4
+    if not params:
+        config["zero_optimization"].pop("offload_param")
+    path = tmp_path / f"offload_{params}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("params", [False, True], ids=["optimizer", "optimizer+params"])
+def test_plan_and_simulated_gpu_cluster_agree_on_device_host_and_pcie(tmp_path, params):
+    """The dry run's plan against rank 0 run on the simulated GPU cluster (meta tensors):
+    the device peak, the host memory and the bytes each PCIe direction carries; the offloaded
+    states leave the device's peak; the trace marks the host step and the copies."""
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.dry_run import build_report, simulate_plans
+
+    argv = SMALL_GPT.format(config=_offload_config(tmp_path, params)).split()
+    report = build_report(parse_args(argv))
+    zero3, zeropp = report.plans
+    measurements = simulate_plans(argv, report)
+    for plan, measured in zip(report.plans, measurements, strict=True):
+        memory = plan.memory
+        assert memory.offload_optimizer and memory.offload_params == params
+        offloaded = (memory.gradient_shards + memory.fp32_master_shards
+                     + memory.optimizer_moments + (memory.working_shards if params else 0))
+        assert memory.host_model_states == offloaded
+        assert memory.device_model_states == memory.model_states - offloaded
+        # (and the norm's 4-byte sum)
+        assert measured.host_peak_bytes == pytest.approx(memory.host_bytes, abs=64), plan.name
+        # what stays on the device of the model states (the working shards, or nothing)
+        on_device = measured.peak_by_category.get("model states", 0)
+        assert on_device == pytest.approx(memory.device_model_states, abs=64), plan.name
+        ops = [e for e in measured.trace.events if hasattr(e, "where")]
+        ops += [op for e in measured.trace.events for op in getattr(e, "compute_ops", ())]
+        crossed = {way: sum(op.bytes for op in ops if op.where == way)
+                   for way in ("to_host", "to_device")}
+        # (and the norm's sum, 4 bytes, to the device for its all-reduce)
+        assert crossed == pytest.approx(plan.pcie, abs=64), plan.name
+        assert sum(op.bytes for op in ops if op.where == "host") > 5 * memory.fp32_master_shards
+        assert not any(op.where == "host" and op.phase != "optimizer" for op in ops)
+    # the same run without offload holds the states on the device
+    without = dataclasses.replace(zeropp.memory, offload_optimizer=False, offload_params=False)
+    assert report.total_bytes(zeropp) == pytest.approx(
+        report.total_bytes(dataclasses.replace(zeropp, memory=without))
+        - zeropp.memory.host_model_states)
+
+
+def test_pcie_plan_formulas():
+    """Optimizer offload: gradients to the host once per micro-batch in the shard's dtype,
+    16-bit weights back once per step; parameter offload: each world gather's shard to the
+    device instead (hpZ's backward reads its secondary shard on the device)."""
+    from zeropp.config import ZeroConfig
+    from zeropp.planner import ClusterShape, plan_system
+
+    counts = [50_000, 40_000, 40_000, 8_000]  # root, two blocks, a small persistent unit
+
+    def pcie(micro, **zero):
+        block = {"stage": 3, "stage3_param_persistence_threshold": 10_000,
+                 "stage3_max_reuse_distance": 0,
+                 "offload_optimizer": {"device": "cpu"}, **zero}
+        plan = plan_system("x", counts, ClusterShape(8, 4), ZeroConfig.from_mapping(block), 2,
+                           micro)
+        return plan.pcie, [u.shard_numel for u in plan.units]
+
+    got, shards = pcie(1)
+    assert got == {"to_host": 2 * sum(shards), "to_device": 2 * sum(shards)}
+    got, shards = pcie(3)  # fp32 gradient shards with accumulation
+    assert got == {"to_host": 3 * 4 * sum(shards), "to_device": 2 * sum(shards)}
+    got, shards = pcie(2, offload_param={"device": "cpu"})
+    root, blocks, persistent = shards[0], shards[1] + shards[2], shards[3]
+    assert got["to_device"] == 2 * (2 * root + 2 * 2 * blocks + persistent)
+    got, shards = pcie(2, offload_param={"device": "cpu"}, zero_hpz_partition_size=4)
+    root, blocks, persistent = shards[0], shards[1] + shards[2], shards[3]  # hpZ's padding
+    assert got["to_device"] == 2 * (2 * root + 2 * blocks + persistent)
+
+
+def test_step_time_times_the_host_step_and_the_bus():
+    from zeropp.simulation.trace import ComputeOp, HostSync, IterationTrace
+    from zeropp.step_time import CLUSTERS, predict
+
+    cluster = CLUSTERS["dgx2_100g"]
+    trace = IterationTrace(rank=0, world_size=16, ranks_per_node=16, tokens_per_iteration=1,
+                           model_flops_per_iteration=1.0, dtype_bytes=2, events=[
+                               ComputeOp("aten.mm.default", 1e12, 0, "backward"),
+                               ComputeOp("aten.add_.Tensor", 0, 10**9, "backward", "to_host"),
+                               HostSync(),
+                               ComputeOp("aten._foreach_mul_.Scalar", 0, 10**10, "optimizer",
+                                         "host"),
+                               ComputeOp("aten.copy_.default", 0, 10**9, "optimizer",
+                                         "to_device")])
+    p = predict(trace, cluster)
+    share = cluster.host_memory_bandwidth / 16 * cluster.memory_fraction
+    assert cluster.host_memory_bandwidth == 12 * 2666e6 * 8  # two sockets of 6 DDR4-2666
+    assert p.host_step_seconds == pytest.approx(1e10 / share)
+    assert p.pcie_seconds == pytest.approx({"to_host": 1e9 / cluster.pcie_bandwidth,
+                                            "to_device": 1e9 / cluster.pcie_bandwidth})
+    gemm = 1e12 / (cluster.peak_flops * cluster.gemm_fraction)
+    # in sequence: the GEMM, the gradients to the host, the host step, the weights back
+    assert p.seconds == pytest.approx(gemm + 2e9 / cluster.pcie_bandwidth + 1e10 / share,
+                                      rel=1e-3)
+    # without host figures (a CPU rank) the same ops are kernels on the compute stream
+    cpu_like = dataclasses.replace(cluster, host_memory_bandwidth=None, pcie_bandwidth=None)
+    q = predict(trace, cpu_like)
+    assert q.host_step_seconds == 0 and q.pcie_seconds == {}
+    assert q.compute_busy_seconds > p.compute_busy_seconds
