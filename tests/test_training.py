@@ -277,3 +277,17 @@ def test_metrics_records_and_log_line(process_group, corpus, tmp_path, capsys):
     assert f"lm loss: {records[1]['lm_loss']:.6E} |" in lines[1]
     assert "validation loss at iteration 4 | lm loss value:" in out
     assert "exiting after iteration 4" in out
+
+
+def test_offloaded_states_give_the_same_run(process_group, corpus, tmp_path):
+    """The program with DeepSpeed's offload blocks ([Note: offload]): the same losses, norms
+    and learning rates as with every state on the device (one memory on CPU: bit-exact)."""
+    common = [*SCHEDULE, "--train-iters", "4", "--micro-batch-size", "2",
+              "--global-batch-size", "4", "--eval-interval", "100", "--zero-stage", "3"]
+    _, plain, _ = train(corpus, tmp_path, *common, ds_extra={"zero_optimization": {"stage": 3}})
+    offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                     "offload_param": {"device": "cpu"}}}
+    _, offloaded, _ = train(corpus, tmp_path, *common, ds_extra=offload)
+    assert losses(offloaded) == losses(plain)
+    assert [r["grad_norm"] for r in offloaded] == [r["grad_norm"] for r in plain]
+    assert [r["lr"] for r in offloaded] == [r["lr"] for r in plain]
