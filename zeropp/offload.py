@@ -99,9 +99,9 @@ class GradientDelivery:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        # (copy done, host values, target shard, device buffer kept alive until then)
+        # (copy done, host values, target shard, device buffers kept alive until then)
         self._in_flight: deque[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor,
-                                     torch.Tensor]] = deque()
+                                     tuple[torch.Tensor, ...]]] = deque()
 
     def add(self, grad_shard: torch.Tensor, reduced: torch.Tensor) -> None:
         if self._stream is None:
@@ -113,11 +113,13 @@ class GradientDelivery:
             # In the shard's dtype before it crosses (qgZ delivers fp32 sums): half the bytes
             # for 16-bit shards, which hold one reduction per step, so rounding first and
             # adding to their zeros rounds exactly once, as the addition would.
-            reduced = reduced.to(grad_shard.dtype)
-            landed = torch.empty(reduced.shape, dtype=reduced.dtype, pin_memory=True)
-            landed.copy_(reduced, non_blocking=True)
+            crossing = reduced.to(grad_shard.dtype)
+            landed = torch.empty(crossing.shape, dtype=crossing.dtype, pin_memory=True)
+            landed.copy_(crossing, non_blocking=True)
             done = self._stream.record_event()
-        self._in_flight.append((done, landed, grad_shard, reduced))
+        # Both device buffers are read on this stream: held until the copy is done, so the
+        # allocator does not hand them to the compute stream meanwhile.
+        self._in_flight.append((done, landed, grad_shard, (reduced, crossing)))
         self._settle(wait=False)
 
     def finish(self) -> None:
