@@ -6,7 +6,9 @@ The script protocol is DeepSpeed-Chat's ``save_zero_three_model`` and ``_z3_para
 (DeepSpeedExamples, applications/DeepSpeed-Chat/dschat/utils/utils.py): a parameter with a
 ``ds_id`` is read inside ``GatheredParameters`` of those whose ``ds_status`` is DeepSpeed's
 ``ZeroParamStatus.NOT_AVAILABLE``, any other is read directly. Before these attributes, every
-sharded parameter took the direct path and the saved file held released storage."""
+sharded parameter took the direct path and the saved file held released storage. Outside a
+gather a parameter's data is DeepSpeed's empty tensor ([Note: released parameters] in
+zeropp/unit.py): a raw read finds nothing instead of freed memory."""
 
 from __future__ import annotations
 
@@ -51,6 +53,15 @@ def save_as_deepspeed_chat_does(rank, world):
                 saved[name] = v.data.cpu().clone()
         else:
             saved[name] = v.cpu().clone()
+    # A raw read of a released parameter, as a script that forgot to gather would make it:
+    # DeepSpeed's empty tensor ([Note: released parameters]), never the freed storage.
+    embed = params["embed.weight"]
+    out["raw_read"] = (tuple(embed.shape), float(embed.data.sum()), embed.detach().numel())
+    try:
+        embed @ torch.ones(embed.ds_shape[1])
+        out["raw_use"] = "no error"
+    except RuntimeError as error:
+        out["raw_use"] = str(error).splitlines()[0]
     full = engine.full_state_dict()
     out["saved_equals_engine"] = all(torch.equal(saved[name], full[name]) for name in saved)
     out["statuses_inside"] = sorted(statuses_inside)
@@ -70,6 +81,8 @@ def test_a_deepspeed_chat_style_save_gathers_sharded_parameters_and_reads_them_w
         assert result["statuses_inside"] == ["AVAILABLE"]
         assert result["saved_equals_engine"]
         assert result["released_after"] == result["released"]  # released again on exit
+        assert result["raw_read"] == ((0,), 0.0, 0)
+        assert result["raw_use"] != "no error"
 
 
 def test_zero_param_status_equals_deepspeeds_member_of_the_same_name():
