@@ -247,7 +247,7 @@ def test_fp16_training_loop_with_device_decided_skips_logs_what_the_host_decided
     for mode in ("host", "device"):
         if mode == "device":  # the implementation torch picks on CUDA
             monkeypatch.setattr(zeropp.optimizer, "_multi_tensor_settings",
-                                lambda cls, defaults, device: {"fused": True})
+                                lambda cls, defaults, device, **_: {"fused": True})
         save = tmp_path / mode
         assert main([*argv, "--save", str(save), "--save-interval", "15"]) == 0
         if dist.is_initialized():
