@@ -117,6 +117,8 @@ CASES = {
     "weight_deltas": (_config({"zero_hpz_partition_size": 2, "zero_quantized_weight_deltas": True}),
                       True),
     "accumulation": (_config(ZEROPP, gradient_accumulation_steps=3), True),
+    # stage 1 holds whole gradients through the window and reduces at its last micro-batch
+    "stage1_accumulation": (_config({"stage": 1}, gradient_accumulation_steps=3), False),
 }
 
 
