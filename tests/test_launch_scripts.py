@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "scripts" / "launch"
 MODELS = ("18b", "49b", "91b", "138b")
 NODE_COUNTS = (1, 2, 4, 8, 16, 24)
-SYSTEMS = {"zero3": "ds_zero3_config.json", "zeropp": "ds_zeropp_config.json"}
+SYSTEMS = {"zero3": "ds_zero3_config.json", "zeropp": "ds_zeropp_config.json",
+           "zeropp_offload": "ds_zeropp_offload.json"}
 TOKENS = {"1K": 2, "2K": 4}  # micro batch at seq 512
 GPT2_VOCAB = 50257
 SCRIPTS = sorted(LAUNCH.glob("*.sh")) + [ROOT / "scripts" / "run_cpu_cluster.sh"]

@@ -9,6 +9,8 @@
 #                                             -> configs/models/MODEL.args
 #   NODES           1 | 2 | 4 | 8 | 16 | 24   -> configs/hostfiles/dgx2_NODESnodes
 #   SYSTEM          zero3 | zeropp            -> configs/ds_zero3_config.json | ds_zeropp_config.json
+#                   zeropp_offload            -> configs/ds_zeropp_offload.json (ZeRO++ with the
+#                                                optimizer and the weights in host memory)
 #   TOKENS_PER_GPU  1K | 2K (or 1024, 2048)   -> micro batch = tokens / seq length (2 or 4 at 512;
 #                   a multiple of the model's seq length: 4K or 8K for the Llama shapes)
 #   extra flags     appended last, so they override the configs (e.g. --train-iters 1000)
@@ -35,7 +37,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 usage() {
   echo "usage: $0 MODEL NODES SYSTEM TOKENS_PER_GPU [extra flags...]" >&2
   echo "  MODEL 18b|49b|91b|138b|llama2_7b|llama3_8b|llama2_70b, NODES 1|2|4|8|16|24," >&2
-  echo "  SYSTEM zero3|zeropp, TOKENS_PER_GPU 1K|2K (a multiple of the model's seq length)" >&2
+  echo "  SYSTEM zero3|zeropp|zeropp_offload, TOKENS_PER_GPU 1K|2K (a multiple of the model's seq length)" >&2
   exit 2
 }
 die() {
