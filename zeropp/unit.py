@@ -179,15 +179,17 @@ class ShardedUnit:
 
         self.params: list[nn.Parameter] = []
         # [Note: released parameters] While ``full`` is freed each parameter's ``.data`` is
-        # this empty tensor, as DeepSpeed's partitioned parameters read, and ``_views`` keeps
-        # the views into ``full`` that a gather gives back. A view of freed storage would read
+        # this empty tensor, as DeepSpeed's partitioned parameters read; ``_views`` are the
+        # views into ``full`` that a gather gives back. A view of freed storage would read
         # as garbage or crash (a null data pointer with elements); an empty tensor reads as
         # nothing, and an op that needs the weights fails with a shape error naming them.
         # Autograd's saved references to a parameter see its views again, because every
         # backward that uses a unit's weights gathers them first (its pre-backward hook).
         self._released = torch.empty(0, dtype=dtype, device=device)
-        self._views: list[torch.Tensor] | None = None
+        self._views: list[torch.Tensor] = []  # made once: reading ``param.data`` costs an op
+        self._data_released = False
         for ref, view in zip(refs, layout.views(self.full), strict=True):
+            self._views.append(view)
             param = nn.Parameter(
                 torch.empty(0, dtype=dtype, device=device), requires_grad=ref.param.requires_grad
             )
@@ -210,19 +212,19 @@ class ShardedUnit:
     def _free_full(self) -> None:
         self.full.untyped_storage().resize_(0)
         # [Note: released parameters] read as DeepSpeed's partitioned ones: empty.
-        if self._views is None:
-            self._views = [param.data for param in self.params]
+        if not self._data_released:
             for param in self.params:
                 param.data = self._released
+            self._data_released = True
 
     def _alloc_full(self) -> None:
         nbytes = self.full.numel() * self.full.element_size()
         if self.full.untyped_storage().nbytes() != nbytes:
             self.full.untyped_storage().resize_(nbytes)
-        if self._views is not None:
+        if self._data_released:
             for param, view in zip(self.params, self._views, strict=True):
                 param.data = view
-            self._views = None
+            self._data_released = False
 
     @property
     def gathering(self) -> bool:
