@@ -42,8 +42,6 @@ import torch
 
 from zeropp.comm.streams import HOST_LANE, allocating_on
 
-OFFLOAD_DEVICES = ("none", "cpu")
-
 
 @dataclass(frozen=True)
 class OffloadOptions:
@@ -52,10 +50,6 @@ class OffloadOptions:
     optimizer: bool = False  # fp32 masters, optimizer moments, the step's fp32 gradients
     params: bool = False  # the 16-bit working shards (stage 3)
     pin_memory: bool = True  # page-locked host buffers on CUDA (DeepSpeed's pin_memory)
-
-    @property
-    def any(self) -> bool:
-        return self.optimizer or self.params
 
     @classmethod
     def from_zero_config(cls, zero) -> OffloadOptions:
@@ -105,7 +99,7 @@ class GradientDelivery:
 
     def add(self, grad_shard: torch.Tensor, reduced: torch.Tensor) -> None:
         if self._stream is None:
-            with allocating_on(HOST_LANE):
+            with allocating_on(HOST_LANE):  # the host's work (a cast's temporary included)
                 grad_shard.add_(reduced)
             return
         self._stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -252,9 +252,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                             else torch.empty(offset, dtype=torch.float32, device=device))
         for initial, (start, end) in zip(initial_masters, self.unit_ranges, strict=True):
             self.master_flat[start:end].copy_(initial)
-        # The fp32 gradients of a step: on the device, storage only while it runs (resize_,
-        # as unit.full); in host memory, kept (pinned storage cannot be resized, and the host
-        # has room), with ``_grads_fresh`` saying whether it holds this step's gradients.
+        # The fp32 gradients of a step, ``_grads_fresh`` once cast for it: on the device,
+        # storage only while the step runs (resize_, as unit.full); in host memory, kept
+        # (pinned storage cannot be resized, and the host has room).
         self._grads32 = (host.zeros(offset, torch.float32) if host is not None
                          else torch.zeros(offset, dtype=torch.float32, device=device))
         self._grads_fresh = False
@@ -295,8 +295,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             settings = {key: value for key, value in group.items() if key != "params"}
             params = [run.master for run in self.runs if run.group == number]
             torch_groups.append({**recipe.defaults, **settings, "params": params})
-        implementation = _multi_tensor_settings(recipe.cls, recipe.defaults, device,
-                                                offloaded_from_gpu=self.comm_device.type == "cuda")
+        implementation = _multi_tensor_settings(
+            recipe.cls, recipe.defaults, device,
+            offloaded_from_gpu=host is not None and self.comm_device.type == "cuda")
         self.inner = recipe.cls(torch_groups, **implementation)
         super().__init__(torch_groups, self.inner.defaults)
         # One set of groups and state, the inner optimizer's: what a schedule writes is what
@@ -322,17 +323,14 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         """The step's fp32 gradients, cast from the gradient shards once per step (across to
         the host in the same copy when offloaded)."""
         grads = self._grads32
-        if self.host is not None:
-            if not self._grads_fresh:
-                if self.units and self.units[0].comm.gradient_delivery is not None:
-                    self.units[0].comm.gradient_delivery.finish()  # every reduction landed
-                grads.copy_(self.grad_shards_flat)
-                self._grads_fresh = True
+        if self._grads_fresh:
             return grads
-        nbytes = grads.numel() * grads.element_size()
-        if grads.untyped_storage().nbytes() != nbytes:
-            grads.untyped_storage().resize_(nbytes)
-            grads.copy_(self.grad_shards_flat)
+        if self.host is None:
+            grads.untyped_storage().resize_(grads.numel() * grads.element_size())
+        elif self.units and self.units[0].comm.gradient_delivery is not None:
+            self.units[0].comm.gradient_delivery.finish()  # every reduction has landed
+        grads.copy_(self.grad_shards_flat)
+        self._grads_fresh = True
         return grads
 
     def _end_step(self) -> None:

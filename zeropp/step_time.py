@@ -612,11 +612,14 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
             comm[key] = comm.get(key, 0.0) + dt
         return t
 
+    if offload:  # every rank of the node steps at once: its share of the host's bandwidth
+        host_share = (cluster.host_memory_bandwidth / cluster.ranks_per_node
+                      * cluster.memory_fraction)
+
     def host_work(op: ComputeOp) -> None:
         """The host runs ``op`` on host memory once what it reads has crossed the bus."""
         nonlocal host, host_step
-        share = cluster.host_memory_bandwidth / cluster.ranks_per_node * cluster.memory_fraction
-        dt = op.bytes / share
+        dt = op.bytes / host_share
         host = max(host, bus_free["to_host"]) + dt
         host_step += dt
 
