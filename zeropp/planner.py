@@ -339,6 +339,17 @@ class _Volume:
             self.bytes[phase][where] += nbytes * times
 
 
+def world_gathers_per_step(unit: UnitPlan, kept: set[int], hpz: int, micro_batches: int) -> int:
+    """How often a unit's shard is read by a gather over the world in one optimizer step:
+    persistent units once, after the update ([Note: persistent units]); the others in each
+    micro-batch's forward, and again in its backward unless the unit stays gathered until
+    then (the root, blocks reused soon) or hpZ gathers it inside the node."""
+    if unit.persistent:
+        return 1
+    regathered = not (unit.is_root or id(unit) in kept or hpz > 1)
+    return micro_batches * (2 if regathered else 1)
+
+
 def plan_communication(units: Sequence[UnitPlan], cluster: ClusterShape, zero: ZeroConfig,
                        dtype_bytes: int, micro_batches: int) -> CommVolume:
     """Bytes this rank sends in one optimizer step of ``micro_batches`` micro-batches, as the
@@ -391,15 +402,9 @@ def plan_pcie(units: Sequence[UnitPlan], zero: ZeroConfig, dtype_bytes: int,
             to_device = sum(u.shard_numel for u in units) * dtype_bytes
     if zero.offloads_params:
         kept = kept_for_backward(units, zero)
-        hpz = zero.zero_hpz_partition_size > 1
-        for unit in units:
-            if unit.persistent:
-                gathers = 1
-            elif unit.is_root or id(unit) in kept or hpz:
-                gathers = micro_batches
-            else:
-                gathers = 2 * micro_batches
-            to_device += gathers * unit.shard_numel * dtype_bytes
+        to_device += sum(world_gathers_per_step(unit, kept, zero.zero_hpz_partition_size,
+                                                micro_batches) * unit.shard_numel
+                         for unit in units) * dtype_bytes
     return {"to_host": to_host, "to_device": to_device}
 
 
