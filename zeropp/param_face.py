@@ -29,7 +29,7 @@ import enum
 import itertools
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,17 @@ class ZeroParamStatus(enum.Enum):
 _next_id = itertools.count()
 
 
+# The engine's answers to DeepSpeed's two calls, ``(gather, partition)``, each taking the list
+# of parameters: registered by zeropp.zero when it is imported (the package's __init__ imports
+# it), because zeropp.zero imports the units that import this module.
+_deepspeed_answers: tuple[Callable, Callable] | None = None
+
+
+def answer_deepspeed_calls(gather: Callable, partition: Callable) -> None:
+    global _deepspeed_answers
+    _deepspeed_answers = (gather, partition)
+
+
 class _DeepSpeedCall:
     """``param.all_gather(param_list=...)`` or ``param.partition(param_list=...)``, the two
     calls DeepSpeed's own ``GatheredParameters`` makes on a parameter ([Note: DeepSpeed's
@@ -65,13 +76,15 @@ class _DeepSpeedCall:
         self._gather = gather
 
     def __call__(self, param_list=None, *args, has_been_updated: bool = False, **kwargs):
-        from zeropp import zero  # zero imports the units, which import this module
-
+        if _deepspeed_answers is None:
+            raise RuntimeError("zeropp.zero is not imported: import zeropp before gathering "
+                               "its parameters with deepspeed.zero.GatheredParameters")
+        gather, partition = _deepspeed_answers
         params = [self._param()] if param_list is None else list(param_list)
         if self._gather:
-            zero.gather_for_deepspeed(params)
+            gather(params)
         else:
-            zero.partition_for_deepspeed(params, has_been_updated)
+            partition(params, has_been_updated)
 
 
 def present_as_partitioned(params: Sequence[nn.Parameter], shapes: Sequence[tuple[int, ...]],

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from zeropp.param_face import answer_deepspeed_calls
 from zeropp.sharded_model import ShardedModel, find_unit
 from zeropp.unit import ShardedUnit, ShardState
 
@@ -186,8 +187,9 @@ class GatheredParameters:
 # calls ``params[0].all_gather(param_list=params)`` and on exit
 # ``params[0].partition(param_list=params, has_been_updated=...)``, methods DeepSpeed's
 # ``zero.Init`` puts on each parameter. The stage-3 parameters here answer those two calls
-# (``zeropp.param_face``) by opening and closing this module's ``GatheredParameters`` on the
-# same list, held in ``_HELD_FOR_DEEPSPEED`` between the two. With ``modifier_rank=r``
+# (``zeropp.param_face``, to which this module hands the two functions below) by opening and
+# closing this module's ``GatheredParameters`` on the same list, held in
+# ``_HELD_FOR_DEEPSPEED`` between the two. With ``modifier_rank=r``
 # DeepSpeed broadcasts rank r's whole values itself before ``partition(has_been_updated=True)``,
 # so every rank holds r's values then, and writing back any rank's (0's) is writing r's.
 _HELD_FOR_DEEPSPEED: dict[frozenset[int], GatheredParameters] = {}
@@ -213,6 +215,9 @@ def partition_for_deepspeed(params: list[torch.Tensor], has_been_updated: bool) 
     if has_been_updated and context.enabled:
         context.modifier_rank = 0  # every rank holds the modifier's values (see the note)
     context.__exit__(None, None, None)
+
+
+answer_deepspeed_calls(gather_for_deepspeed, partition_for_deepspeed)
 
 
 # Arguments whose DeepSpeed meaning needs something this engine does not do.

@@ -10,11 +10,13 @@ What this runner adds around the script is observation and launching only:
 
 * with ``--system zeropp`` it replaces the line ``import deepspeed`` by
   ``import zeropp as deepspeed`` in main.py's source text it executes (the file is not
-  changed); dschat's own ``import deepspeed`` lines stay (SOURCES.md says why);
+  changed); dschat's own ``import deepspeed`` lines stay (SOURCES.md says why), and the two
+  lines of ``DSCHAT_PORT`` are changed in prepare()'s copy for both systems;
 * it records each training micro-step's loss and the lr in force (a wrapper on the engine's
   ``backward``), each evaluation's loss (a wrapper on dschat's ``get_all_reduce_mean``, which
-  the script's evaluation calls once per evaluation), and what the engine ran (ZeRO stage,
-  dtype, optimizer, optimizer steps).
+  the script's evaluation calls once per evaluation), what the engine ran (ZeRO stage,
+  dtype, optimizer, optimizer steps, epochs counted by ``tput_timer``) and, in ``seconds``,
+  when each phase of the script began.
 
 Each rank writes its record as JSON to the path in ``CHAT_EXAMPLE_RESULT``. By hand, from the
 repository root:
@@ -255,6 +257,25 @@ def run_rank(system: str, args: list[str]) -> int:
 
         dschat_utils.get_all_reduce_mean = get_all_reduce_mean
 
+        import dschat.utils.data.data_utils as dschat_data
+        import dschat.utils.model.model_utils as dschat_model
+
+        def timed(owner, name: str) -> None:
+            original = getattr(owner, name)
+
+            def call(*a, **kw):
+                mark(name)
+                try:
+                    return original(*a, **kw)
+                finally:
+                    mark(f"{name} done")
+
+            setattr(owner, name, call)
+
+        timed(module, "init_distributed")
+        timed(dschat_utils, "load_hf_tokenizer")
+        timed(dschat_model, "create_hf_model")
+        timed(dschat_data, "create_prompt_dataset")
         mark("imported")
         saved_argv = sys.argv
         sys.argv = [str(SCRIPT)] + args
