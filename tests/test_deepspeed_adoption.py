@@ -39,6 +39,7 @@ def adopt_and_train(rank, world):
     from transformers.integrations import HfDeepSpeedConfig
 
     import zeropp
+    from zeropp.param_face import _DeepSpeedCall
 
     keep_alive = HfDeepSpeedConfig(DS_CONFIG)  # noqa: F841 (Hugging Face reads it globally)
     torch.manual_seed(0)
@@ -66,10 +67,11 @@ def adopt_and_train(rank, world):
         "partitioned": len(partitioned), "params": len(reference), "empty_before": empty_before,
         "gathers": gathers,
         "same_values": all(torch.equal(adopted[name], value) for name, value in reference.items()),
-        # The engine's parameters answer with DeepSpeed's ds_* names of their own
-        # ([Note: DeepSpeed's parameter attributes]); none holds a DeepSpeed partition.
+        # The engine's parameters answer with DeepSpeed's ds_* names and all_gather of their
+        # own ([Note: DeepSpeed's parameter attributes]); none holds a DeepSpeed partition.
         "deepspeed_left": [name for name, p in engine.module.named_parameters()
-                           if hasattr(p, "ds_tensor") or hasattr(p, "all_gather")],
+                           if hasattr(p, "ds_tensor")
+                           or not isinstance(p.all_gather, _DeepSpeedCall)],
     }
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, 97, (2, 16), generator=g)] * 3  # one batch, learned

@@ -94,3 +94,64 @@ def test_zero_param_status_equals_deepspeeds_member_of_the_same_name():
         theirs = DeepSpeeds[ours.name]
         assert ours == theirs and theirs == ours and not (ours != theirs)
         assert all(ours != other for other in DeepSpeeds if other is not theirs)
+
+
+def deepspeeds_own_gathered_parameters(rank, world):
+    """DeepSpeed-Chat's dschat package keeps ``import deepspeed``: its save gathers this
+    engine's parameters with DeepSpeed's own ``GatheredParameters`` ([Note: DeepSpeed's
+    GatheredParameters on this engine's parameters] in zeropp/zero.py)."""
+    import deepspeed
+    import deepspeed.comm
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    import zeropp
+
+    deepspeed.comm.init_distributed(dist_backend="gloo")  # wraps the group the test made
+    model = toy_model()
+    config = {"train_micro_batch_size_per_gpu": 3, "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, _, _, _ = zeropp.initialize(model, optimizer=torch.optim.AdamW(
+        model.parameters(), lr=1e-2), config=config)
+    tokens = toy_batches(1, 1, 3 * world)[0, 0, rank * 3:(rank + 1) * 3]
+    engine.backward(toy_loss(engine(tokens), tokens))
+    engine.step()
+    full = engine.full_state_dict()
+    params = dict(engine.module.named_parameters())
+    out = {"saved": {}, "inside": set()}
+    for name, v in params.items():  # save_zero_three_model, with DeepSpeed's context
+        fetch = [p for p in [v] if hasattr(p, "ds_id")
+                 and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        with deepspeed.zero.GatheredParameters(fetch, enabled=True):
+            out["inside"].add(v.ds_status.name)
+            out["saved"][name] = v.data.cpu().clone()
+    out["released_after"] = all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE
+                                for p in params.values())
+    out["saved_equals_engine"] = all(torch.equal(out["saved"][n], full[n]) for n in full)
+    embed = params["embed.weight"]
+    with deepspeed.zero.GatheredParameters([embed]):  # no modifier: changes are discarded
+        with torch.no_grad():
+            embed.add_(rank + 1.0)
+    out["discarded"] = torch.equal(engine.full_state_dict()["embed.weight"], full["embed.weight"])
+    with deepspeed.zero.GatheredParameters([embed, params["norm.weight"]], modifier_rank=1):
+        with torch.no_grad():
+            embed.fill_(float(rank + 1))  # rank 1's 2.0 is broadcast by DeepSpeed
+    written = engine.full_state_dict()
+    written_embed = written["embed.weight"]
+    out["written"] = (torch.equal(written_embed, torch.full_like(written_embed, 2.0)),
+                      torch.equal(written["norm.weight"], full["norm.weight"]))
+    # The optimizer's fp32 masters were told: the next step starts from the written values.
+    engine.backward(toy_loss(engine(tokens), tokens))
+    engine.step()
+    moved = engine.full_state_dict()["embed.weight"] - 2.0
+    out["stepped_from_written"] = 0 < float(moved.abs().max()) < 0.05
+    engine.close()
+    return out
+
+
+def test_deepspeeds_own_gathered_parameters_reads_and_writes_this_engines_parameters():
+    for result in run_ranks(deepspeeds_own_gathered_parameters, 2):
+        assert result["inside"] == {"AVAILABLE"}
+        assert result["saved_equals_engine"] and result["released_after"]
+        assert result["discarded"]
+        assert result["written"] == (True, True)
+        assert result["stepped_from_written"]

@@ -193,3 +193,40 @@ def test_the_engine_answers_as_deepspeeds_module_does():
     assert to_half.startswith("engine.to(torch.float16): the engine computes in torch.float32")
     assert missing == ("'ZeroEngine' object has no attribute 'no_such_thing', nor has its "
                        "model (LlamaForCausalLM)")
+
+
+def throughput(rank, world):
+    engine = _engine(stage=3, accumulation=2)
+    timer = engine.tput_timer
+    data = toy_batches(5, 2, 3 * world)[:, :, rank * 3:(rank + 1) * 3]
+    out = {"before": timer.avg_samples_per_sec()}
+    with torch.no_grad():  # an evaluation forward: its span ends at the next step()
+        engine(data[0, 0])
+    for step in range(2):
+        for micro in range(2):
+            _micro(engine, data[step, micro])
+    # The first start_step (2) optimizer steps are warm-up, not timed.
+    out["warm"] = (timer.global_step_count, timer.micro_step_count, timer.avg_samples_per_sec())
+    timer.update_epoch_count()
+    out["epoch"] = (timer.epoch_count, timer.micro_step_count)
+    for step in range(2, 5):
+        for micro in range(2):
+            _micro(engine, data[step, micro])
+    out["timed"] = (timer.global_step_count, timer.micro_step_count, timer.total_elapsed_time,
+                    timer.avg_samples_per_sec(), timer.batch_size)
+    engine.close()
+    return out
+
+
+def test_tput_timer_counts_epochs_and_steps_and_rates_the_timed_ones():
+    """DeepSpeed's ``engine.tput_timer``: DeepSpeed-Chat calls ``update_epoch_count()`` after
+    each epoch; the rate is train_batch_size over the mean time of the steps after the first
+    two, -inf before any was timed (DeepSpeed's answer)."""
+    for out in run_ranks(throughput, 2):
+        assert out["before"] == float("-inf")
+        assert out["warm"] == (2, 4, float("-inf"))
+        assert out["epoch"] == (1, 0)
+        steps, micro, elapsed, rate, batch = out["timed"]
+        assert (steps, micro, batch) == (5, 6, 12)  # 3 per micro-batch x 2 ranks x 2
+        assert elapsed > 0
+        assert rate == pytest.approx(batch / (elapsed / 3))

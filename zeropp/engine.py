@@ -62,11 +62,14 @@ class ZeroEngine:
         self._pending_checkpoint = None
         self._checkpoint_staging = None
         # DeepSpeed's own printouts and monitors (steps_per_print, wall_clock_breakdown, ...).
+        from zeropp.reports import EngineReports, ThroughputTimer
+
         self.reports = None
         if config is not None:
-            from zeropp.reports import EngineReports
-
             self.reports = EngineReports(config, sharded.topology.rank, sharded.device)
+        self.tput_timer = ThroughputTimer(
+            getattr(config, "train_batch_size", None),
+            getattr(config, "steps_per_print", None), sharded.topology.rank)
 
     # ---- model ---------------------------------------------------------------------------
     @property
@@ -87,6 +90,7 @@ class ZeroEngine:
         return self.sharded.stats
 
     def __call__(self, *args, **kwargs):
+        self.tput_timer.start()  # DeepSpeed's span: this forward to the next step()
         with self._timed("fwd"):
             return self.sharded(*args, **kwargs)
 
@@ -193,6 +197,7 @@ class ZeroEngine:
         """Update at the accumulation boundary; returns True when an update was applied."""
         with self._timed("step"):
             applied = self._step()
+        self.tput_timer.stop(global_step=self.is_gradient_accumulation_boundary())
         if self.reports is not None:
             self.reports.after_micro_step(self, self.is_gradient_accumulation_boundary())
         return applied

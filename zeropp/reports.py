@@ -6,6 +6,8 @@
   | step_microstep: ..`` after every micro-step and ``time (ms) | fwd: .. | bwd: .. | step: ..``
   (summed over the accumulation) at every optimizer step. On CUDA the times come from events,
   read when printed (that read waits for them: the price of asking for timings).
+- ``tput_timer`` (``ThroughputTimer``): samples per second over the optimizer steps, printed by
+  rank 0 every ``steps_per_print`` steps.
 - ``dump_state``: rank 0 prints the engine's resolved configuration once, key by key.
 - ``tensorboard`` / ``csv_monitor`` / ``wandb`` blocks: rank 0 writes DeepSpeed's events at
   every optimizer step, ``Train/Samples/lr`` and, with fp16, ``Train/Samples/loss_scale``,
@@ -122,6 +124,70 @@ class _WandbWriter:
 
     def close(self) -> None:
         self.run.finish()
+
+
+class ThroughputTimer:
+    """DeepSpeed's ``engine.tput_timer``: samples per second over the optimizer steps.
+
+    Scripts call ``engine.tput_timer.update_epoch_count()`` at the end of an epoch
+    (DeepSpeed-Chat does) and read ``avg_samples_per_sec()``. The meanings are DeepSpeed's:
+    a span runs from a forward to the next ``step()``; the first ``start_step`` optimizer
+    steps are not timed (warm-up); ``batch_size`` is the global batch (train_batch_size), so
+    the rate is the whole job's; ``epoch_count`` counts the calls to ``update_epoch_count``,
+    which also restarts ``micro_step_count``. Every ``steps_per_output`` optimizer steps rank
+    0 prints the running and current rates, as DeepSpeed's engine logs them.
+    """
+
+    def __init__(self, batch_size: int | None, steps_per_output: int | None, rank: int,
+                 start_step: int = 2) -> None:
+        self.batch_size = 1 if batch_size is None else batch_size
+        self.steps_per_output = steps_per_output
+        self.rank = rank
+        self.start_step = start_step
+        self.epoch_count = 0
+        self.micro_step_count = 0
+        self.global_step_count = 0
+        self.total_elapsed_time = 0.0
+        self.step_elapsed_time = 0.0
+        self.started = False
+        self.start_time = 0.0
+
+    def update_epoch_count(self) -> None:
+        self.epoch_count += 1
+        self.micro_step_count = 0
+
+    def start(self) -> None:
+        self.started = True
+        if self.global_step_count >= self.start_step:
+            self.start_time = time.time()
+
+    def stop(self, global_step: bool) -> None:
+        if not self.started:
+            return
+        self.started = False
+        self.micro_step_count += 1
+        if global_step:
+            self.global_step_count += 1
+        if self.start_time <= 0:
+            return  # still warming up
+        duration = time.time() - self.start_time
+        self.total_elapsed_time += duration
+        self.step_elapsed_time += duration
+        if not global_step:
+            return
+        if (self.rank == 0 and self.steps_per_output
+                and self.global_step_count % self.steps_per_output == 0):
+            current = self.batch_size / max(self.step_elapsed_time, 1e-8)
+            print(f"epoch={self.epoch_count}/micro_step={self.micro_step_count}/"
+                  f"global_step={self.global_step_count}, RunningAvgSamplesPerSec="
+                  f"{self.avg_samples_per_sec()}, CurrSamplesPerSec={current}", flush=True)
+        self.step_elapsed_time = 0.0
+
+    def avg_samples_per_sec(self) -> float:
+        timed_steps = self.global_step_count - self.start_step
+        if timed_steps <= 0 or self.total_elapsed_time <= 0:
+            return float("-inf")  # DeepSpeed's answer before any step was timed
+        return self.batch_size / (self.total_elapsed_time / timed_steps)
 
 
 class EngineReports:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -334,12 +335,14 @@ class ShardedModel:
                         partial(self._on_grad_ready, unit)))
 
     def _install_state_dict_guards(self) -> None:
-        """``module.state_dict()`` (Hugging Face's ``save_pretrained`` calls it) raises a clear
-        error while weights it would read are sharded, instead of torch failing on their
-        empty storage. Every module holding parameters gets the check, for the units under it.
+        """``module.state_dict()`` (Hugging Face's ``save_pretrained`` calls it) while weights
+        it would read are sharded returns their empty placeholders, as DeepSpeed's does, and
+        warns once ([Note: state_dict of sharded weights]). Every module holding parameters
+        gets the check, for the units under it.
         """
         if self.residency.weights_replicated:
             return  # stages 0-2: the weights stay whole
+        warned = [False]  # once per engine, whichever module is read first
         unit_of = {id(p): unit for unit in self.units for p in unit.params}
         for name, module in self.module.named_modules():
             units = {id(unit_of[id(p)]): unit_of[id(p)] for p in module.parameters()}
@@ -347,7 +350,7 @@ class ShardedModel:
                 continue
             label = f"{name} ({type(module).__name__})" if name else type(module).__name__
             self._hook_handles.append(module.register_state_dict_pre_hook(
-                partial(_refuse_sharded_state_dict, list(units.values()), label)))
+                partial(_warn_sharded_state_dict, warned, list(units.values()), label)))
 
     # ---- hooks ---------------------------------------------------------------------------
     def _pre_forward(self, unit: ShardedUnit, module, args, kwargs):
@@ -719,11 +722,20 @@ class _distinct:
                 yield item
 
 
-def _refuse_sharded_state_dict(units: list[ShardedUnit], label: str, module, prefix,
-                               keep_vars) -> None:
-    if any(unit.state is not ShardState.GATHERED for unit in units):
-        raise RuntimeError(
-            f"the weights of {label} are sharded by ZeRO stage 3; read them inside "
-            "engine.gathered_parameters() or zeropp.zero.GatheredParameters(...), or use "
-            "engine.full_state_dict() / engine.save_16bit_model()"
-        )
+def _warn_sharded_state_dict(warned: list[bool], units: list[ShardedUnit], label: str, module,
+                             prefix, keep_vars) -> None:
+    """[Note: state_dict of sharded weights] DeepSpeed's ZeRO-3 ``module.state_dict()``
+    returns the released parameters' empty placeholders, and scripts rely on that not
+    failing: DeepSpeed-Chat's ``save_hf_format`` calls it on rank 0 alone (a gather there
+    would be a collective one rank enters), then ``save_zero_three_model`` writes the
+    gathered weights over that file. So it returns the same empty tensors here
+    ([Note: released parameters] in zeropp/unit.py), and says once per engine how to read
+    the whole weights."""
+    if warned[0] or all(unit.state is ShardState.GATHERED for unit in units):
+        return
+    warned[0] = True
+    warnings.warn(
+        f"state_dict(): the weights of {label} are sharded by ZeRO stage 3 and read as empty "
+        "tensors, as in DeepSpeed; read them inside engine.gathered_parameters() or "
+        "zeropp.zero.GatheredParameters(...), or use engine.full_state_dict() / "
+        "engine.save_16bit_model()", stacklevel=3)

@@ -20,10 +20,11 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from zeropp.param_face import answer_deepspeed_calls
 from zeropp.sharded_model import ShardedModel, find_unit
 from zeropp.unit import ShardedUnit, ShardState
 
-__all__ = ["GatheredParameters", "Init"]
+__all__ = ["GatheredParameters", "Init", "gather_for_deepspeed", "partition_for_deepspeed"]
 
 
 class GatheredParameters:
@@ -177,6 +178,46 @@ class GatheredParameters:
                     unit.refresh_after_update()
                 finally:
                     unit.holds += 1
+
+
+# [Note: DeepSpeed's GatheredParameters on this engine's parameters]
+# A script that keeps ``import deepspeed`` in its own helpers (DeepSpeed-Chat's dschat package
+# does, for ``save_zero_three_model``) gathers this engine's parameters with DeepSpeed's own
+# ``deepspeed.zero.GatheredParameters``. That context does no gathering itself: on entry it
+# calls ``params[0].all_gather(param_list=params)`` and on exit
+# ``params[0].partition(param_list=params, has_been_updated=...)``, methods DeepSpeed's
+# ``zero.Init`` puts on each parameter. The stage-3 parameters here answer those two calls
+# (``zeropp.param_face``, to which this module hands the two functions below) by opening and
+# closing this module's ``GatheredParameters`` on the same list, held in
+# ``_HELD_FOR_DEEPSPEED`` between the two. With ``modifier_rank=r``
+# DeepSpeed broadcasts rank r's whole values itself before ``partition(has_been_updated=True)``,
+# so every rank holds r's values then, and writing back any rank's (0's) is writing r's.
+_HELD_FOR_DEEPSPEED: dict[frozenset[int], GatheredParameters] = {}
+
+
+def gather_for_deepspeed(params: list[torch.Tensor]) -> None:
+    """``param.all_gather(param_list=params)`` as DeepSpeed's GatheredParameters calls it."""
+    key = frozenset(id(p) for p in params)
+    if key in _HELD_FOR_DEEPSPEED:
+        raise RuntimeError("these parameters are already gathered by an open "
+                           "deepspeed.zero.GatheredParameters context")
+    context = GatheredParameters(params)
+    context.__enter__()
+    _HELD_FOR_DEEPSPEED[key] = context
+
+
+def partition_for_deepspeed(params: list[torch.Tensor], has_been_updated: bool) -> None:
+    """``param.partition(param_list=params, has_been_updated=...)``: the matching exit. A
+    list this engine did not gather for DeepSpeed is released already: nothing to do."""
+    context = _HELD_FOR_DEEPSPEED.pop(frozenset(id(p) for p in params), None)
+    if context is None:
+        return
+    if has_been_updated and context.enabled:
+        context.modifier_rank = 0  # every rank holds the modifier's values (see the note)
+    context.__exit__(None, None, None)
+
+
+answer_deepspeed_calls(gather_for_deepspeed, partition_for_deepspeed)
 
 
 # Arguments whose DeepSpeed meaning needs something this engine does not do.

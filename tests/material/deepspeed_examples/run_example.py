@@ -69,7 +69,7 @@ def script_source(system: str) -> str:
     return source
 
 
-def _import_deepspeed():
+def import_deepspeed():
     """Import DeepSpeed with its shared-memory all-reduce op marked unavailable.
 
     DeepSpeed's CPU communication backend JIT-compiles that op in ``init_distributed``, for
@@ -107,7 +107,7 @@ def run_rank(system: str, save_dir: str | None, load_dir: str | None,
         multiprocessing.set_start_method("forkserver", force=True)
         multiprocessing.set_forkserver_preload(["numpy", "torch", "torchvision"])
         multiprocessing.forkserver.ensure_running()  # its imports overlap DeepSpeed's here
-        _import_deepspeed()  # both systems: the script imports deepspeed.accelerator/.moe
+        import_deepspeed()  # both systems: the script imports deepspeed.accelerator/.moe
         module = __import__(system)  # what ``import deepspeed`` binds in the script
         engines = []
         original_initialize = module.initialize
@@ -187,27 +187,53 @@ def launch(system: str, *, save: str | None = None, load: str | None = None, wor
            workdir: str | None = None, timeout: float = 600) -> list[dict]:
     """Start ``world_size`` ranks of the script, wait, and return each rank's record.
 
-    Raises AssertionError (with each rank's error and output tail) when a rank fails. The
-    rendezvous port is picked free just before the start; if another program takes it in
-    between (EADDRINUSE in a log), the ranks are started once more on a new port.
+    Raises AssertionError (with each rank's error and output tail) when a rank fails.
     """
     workdir = Path(workdir or tempfile.mkdtemp(prefix=f"cifar_{system}_"))
+    tag = f"{system}_{'B' if load else 'A'}"
+
+    def argv_for(rank: int) -> list[str]:
+        argv = [sys.executable, str(Path(__file__).resolve()), "--system", system]
+        if save:
+            argv += ["--save", str(save)]
+        if load:
+            argv += ["--load", str(load)]
+        return argv + ["--", f"--local_rank={rank}"] + SCRIPT_ARGS
+
+    return start_ranks(tag, argv_for, workdir, result_env=RESULT_ENV, pythonpath=[STANDIN],
+                       world_size=world_size, timeout=timeout)
+
+
+def start_ranks(tag: str, argv_for, workdir: Path, *, result_env: str, pythonpath=(),
+                extra_env: dict[str, str] | None = None, world_size: int = 2,
+                timeout: float = 600) -> list[dict]:
+    """Start ``world_size`` processes ``argv_for(rank)`` as the ranks of one gloo job on CPU
+    (what ``deepspeed``/``torchrun`` would set up), wait, and return each rank's record: the
+    JSON each rank writes to the path in ``result_env`` (``{rank}`` in it becomes the rank).
+
+    Logs go to ``workdir/{tag}_rank{N}.log``. Raises AssertionError (with each rank's error and
+    output tail) when a rank fails. The rendezvous port is picked free just before the start;
+    if another program takes it in between (EADDRINUSE in a log), the ranks are started once
+    more on a new port.
+    """
+    workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     for attempt in range(2):
-        records, problems, logs = _launch_once(system, save, load, world_size, workdir, timeout)
+        records, problems, logs = _launch_once(tag, argv_for, workdir, result_env, pythonpath,
+                                               extra_env or {}, world_size, timeout)
         if not problems:
             return records
         if attempt == 0 and any("EADDRINUSE" in _tail(log, 100_000) for log in logs):
             continue
-        raise AssertionError(f"{system} run ({workdir}) failed:\n" + "\n".join(problems))
+        raise AssertionError(f"{tag} run ({workdir}) failed:\n" + "\n".join(problems))
     raise AssertionError("unreachable")
 
 
-def _launch_once(system, save, load, world_size, workdir: Path, timeout):
-    tag = f"{system}_{'B' if load else 'A'}"
+def _launch_once(tag, argv_for, workdir: Path, result_env, pythonpath, extra_env, world_size,
+                 timeout):
     env = dict(os.environ)
     inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    pythonpath = [str(STANDIN), str(REPO_ROOT)] + inherited
+    pythonpath = [str(p) for p in pythonpath] + [str(REPO_ROOT)] + inherited
     env.update(
         PYTHONPATH=os.pathsep.join(pythonpath),
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
@@ -217,20 +243,15 @@ def _launch_once(system, save, load, world_size, workdir: Path, timeout):
         CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", TRITON_INTERPRET="1",
         PYTHONUNBUFFERED="1",
     )
-    env[RESULT_ENV] = str(workdir / f"{tag}_rank{{rank}}.json")
+    env.update(extra_env)
+    env[result_env] = str(workdir / f"{tag}_rank{{rank}}.json")
     procs, logs = [], []
     for rank in range(world_size):
-        Path(env[RESULT_ENV].format(rank=rank)).unlink(missing_ok=True)
+        Path(env[result_env].format(rank=rank)).unlink(missing_ok=True)
         log = workdir / f"{tag}_rank{rank}.log"
-        argv = [sys.executable, str(Path(__file__).resolve()), "--system", system]
-        if save:
-            argv += ["--save", str(save)]
-        if load:
-            argv += ["--load", str(load)]
-        argv += ["--", f"--local_rank={rank}"] + SCRIPT_ARGS
         rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
         with open(log, "w") as out:
-            procs.append(subprocess.Popen(argv, cwd=workdir, env=rank_env, stdout=out,
+            procs.append(subprocess.Popen(argv_for(rank), cwd=workdir, env=rank_env, stdout=out,
                                           stderr=subprocess.STDOUT))
         logs.append(log)
     deadline = time.monotonic() + timeout
@@ -247,7 +268,7 @@ def _launch_once(system, save, load, world_size, workdir: Path, timeout):
                 proc.wait()
     records, problems = [], []
     for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-        path = Path(env[RESULT_ENV].format(rank=rank))
+        path = Path(env[result_env].format(rank=rank))
         record = json.loads(path.read_text()) if path.exists() else {"status": "no record"}
         records.append(record)
         if timed_out or proc.returncode != 0 or record.get("status") != "ok":
