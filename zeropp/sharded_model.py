@@ -329,10 +329,16 @@ class ShardedModel:
                                                       with_kwargs=True),
                 unit.module.register_forward_hook(partial(self._post_forward, unit)),
             ]
+        # A parameter's post-accumulate-grad hooks are held from C++ (its autograd metadata),
+        # where Python's collector cannot see them: a hook holding this model (or a unit, which
+        # holds the process groups) would keep an engine that was never closed alive for
+        # good, with its gloo groups' threads. The hooks hold a weak reference and an index.
+        model = weakref.ref(self)
+        for index, unit in enumerate(self.units):
             for param in unit.params:
                 if param.requires_grad:
                     self._hook_handles.append(param.register_post_accumulate_grad_hook(
-                        partial(self._on_grad_ready, unit)))
+                        partial(_grad_ready, model, index)))
 
     def _install_state_dict_guards(self) -> None:
         """``module.state_dict()`` (Hugging Face's ``save_pretrained`` calls it) while weights
@@ -720,6 +726,13 @@ class _distinct:
                 self._ids.add(id(item))
                 self.seen.append(item)
                 yield item
+
+
+def _grad_ready(model: weakref.ref, unit_index: int, param) -> None:
+    """A parameter's gradient is accumulated: tell its unit (see ``_install_hooks``)."""
+    sharded = model()
+    if sharded is not None:
+        sharded._on_grad_ready(sharded.units[unit_index], param)
 
 
 def _warn_sharded_state_dict(warned: list[bool], units: list[ShardedUnit], label: str, module,
