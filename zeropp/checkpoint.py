@@ -15,7 +15,10 @@ rename). A crash at any point leaves ``latest`` naming the previous complete che
 
 Each shard records, per unit, the parameter slots of its flat buffer and the range of it the
 rank owned. A load rebuilds every element of its own new shard by parameter name from the old
-shards (memory-mapped, read only where needed), so a checkpoint written by N ranks loads on M
+shards (memory-mapped, read only where needed; at the same world size the rank's own file is
+the one its verification read into memory, [Note: checkpoint loads at disk speed], and a unit
+whose saved shard is exactly the new one is copied straight from it into the optimizer), so a
+checkpoint written by N ranks loads on M
 ranks, with another ranks-per-node or hpZ size, without a conversion step. Parameters are found
 by name in whichever unit holds them, so other units load too (``zeropp.convert`` writes a
 DeepSpeed checkpoint as one unit, through ``write_from_one_process``). Files hold only
@@ -36,7 +39,7 @@ import torch.distributed as dist
 
 from zeropp.checkpoint_files import CheckpointError, CheckpointStorageError, shard_file
 from zeropp.checkpoint_integrity import gather_checksums
-from zeropp.checkpoint_io import save_to_file
+from zeropp.checkpoint_io import FileInMemory, save_to_file
 from zeropp.flat_layout import FlatLayout
 
 SHARD_FORMAT = "zeropp-shard-v1"
@@ -355,9 +358,10 @@ def _agree_or_raise(error: Exception | None, device: torch.device, message: str)
 
 
 class _OldShards:
-    """Lazy, memory-mapped access to the shards of a saved checkpoint."""
+    """Lazy, memory-mapped access to the shards of a saved checkpoint; ``in_memory``: files a
+    verification has read into memory, by rank (taken from the dict as they are loaded)."""
 
-    def __init__(self, tag_dir: Path) -> None:
+    def __init__(self, tag_dir: Path, in_memory: dict[int, FileInMemory] | None = None) -> None:
         meta_path = tag_dir / "meta.json"
         if not meta_path.is_file():
             raise CheckpointError(f"{tag_dir} has no meta.json: incomplete checkpoint")
@@ -367,14 +371,47 @@ class _OldShards:
         self.tag_dir = tag_dir
         self.world_size = int(self.meta["world_size"])
         self._files: dict[int, dict] = {}
+        self._in_memory = in_memory if in_memory is not None else {}
 
     def rank_state(self, rank: int) -> dict:
         if rank not in self._files:
             path = shard_file(self.tag_dir, rank)
+            if rank in self._in_memory:
+                state = self._in_memory.pop(rank).load()
+                # Every tensor loaded holds the whole file's memory: what may outlive the
+                # load (RNG states, client state, error feedback, bases) is copied out, so
+                # that the file's memory goes with the units' tensors when the load ends.
+                self._files[rank] = {**_host_copy({k: v for k, v in state.items()
+                                                   if k != "units"}),
+                                     "units": state["units"]}
+                return self._files[rank]
             if not path.is_file():
                 raise CheckpointError(f"checkpoint shard {path} is missing")
             self._files[rank] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         return self._files[rank]
+
+    def same_shard(self, rank: int, unit, fields) -> dict[str, torch.Tensor] | None:
+        """The saved fields of ``unit``'s shard on ``rank`` when the checkpoint holds exactly
+        that shard (same slots, same range, fp32, padding zero as a rebuilt shard's is), to be
+        copied as they are; else None."""
+        if rank >= self.world_size:
+            return None
+        record = next((r for r in self.rank_state(rank)["units"] if r["name"] == unit.name),
+                      None)
+        layout = unit.layout
+        if (record is None or record["shard_start"] != unit.shard_start
+                or record["shard_end"] != unit.shard_end
+                or record["padded_numel"] != layout.padded_numel
+                or record["slots"] != [[s.name, list(s.shape), s.offset] for s in layout.slots]
+                or any(field not in record for field in fields)):
+            return None
+        real = min(max(layout.numel - unit.shard_start, 0), layout.shard_numel)
+        values = {field: record[field] for field in fields}
+        for value in values.values():
+            if (value.dtype != torch.float32 or value.numel() != layout.shard_numel
+                    or bool(value[real:].any())):
+                return None
+        return values
 
     def unit(self, rank: int, name: str) -> dict:
         for record in self.rank_state(rank)["units"]:
@@ -412,17 +449,19 @@ class _OldShards:
 
 def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
          load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-         load_module_only: bool = False) -> dict:
+         load_module_only: bool = False,
+         in_memory: dict[int, FileInMemory] | None = None) -> dict:
     """Restore ``engine`` from a checkpoint written at any world size; returns client_state.
 
     ``load_module_only`` restores the weights alone: no optimizer state, loss scale, lr
     schedule or step counters (DeepSpeed's meaning, for fine-tuning from a checkpoint).
+    ``in_memory``: files ``checkpoint_integrity.verify`` read into memory (by rank).
     """
     if load_module_only:
         load_optimizer_states = load_lr_scheduler_states = False
     root = Path(load_dir)
     tag = tag or read_latest(root)
-    old = _OldShards(root / tag)
+    old = _OldShards(root / tag, in_memory)
     # Parameters are found by name, whichever unit holds them: a checkpoint written with
     # other units (another unit policy, or converted from DeepSpeed) loads all the same.
     saved_units = old.parameter_units()
@@ -444,30 +483,23 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
     fields = ("master", *state_keys) if load_optimizer_states else ("master",)
     # One buffer per field, reused unit after unit (the optimizer copies out of it): memory
     # the size of one unit's shard is touched for the first time, not the whole rank's.
+    # Made only for a unit whose shard is rebuilt from pieces: one saved as it is now (a
+    # resume at the same world size) is copied from the file's memory directly.
     largest = max(unit.layout.shard_numel for unit in engine.sharded.units)
     device = engine.sharded.units[0].grad_shard.device
-    buffers = {f: torch.empty(largest, dtype=torch.float32, device=device) for f in fields}
+    buffers: dict[str, torch.Tensor] = {}
+    scalars = saved.get("optimizer_scalars", {"step": saved["adam_step"]})
     for index, unit in enumerate(engine.sharded.units):
-        shard_numel = unit.layout.shard_numel
-        values = {f: buffers[f][:shard_numel] for f in fields}
-        # The slots fill [0, numel) of the flat layout; the padding after them reads as 0.
-        real = min(max(unit.layout.numel - unit.shard_start, 0), shard_numel)
-        for field in fields:
-            values[field][real:].zero_()
-        for slot in unit.layout.slots:
-            part = unit.layout.overlap(slot, unit.shard_start, unit.shard_end)
-            if part is None:
-                continue
-            lo, hi = part
-            dst = slot.offset + lo - unit.shard_start
-            for field in fields:
-                values[field][dst : dst + hi - lo] = old.read(
-                    saved_units[slot.name], slot.name, slot.shape, lo, hi, field
-                ).to(unit.grad_shard.device)
+        values = old.same_shard(engine.topology.rank, unit, fields)
+        if values is None:
+            if not buffers:
+                buffers = {f: torch.empty(largest, dtype=torch.float32, device=device)
+                           for f in fields}
+            values = _rebuilt_shard(old, unit, fields, buffers, saved_units)
         state = {key: values[key] for key in state_keys} if load_optimizer_states else None
-        scalars = saved.get("optimizer_scalars", {"step": saved["adam_step"]})
         optimizer.load_shard(index, values["master"], state, scalars)
         unit.zero_grad_shard()
+    del buffers
     mine = old.rank_state(engine.topology.rank) if engine.topology.rank < old.world_size else None
     deltas = engine.sharded.weight_deltas
     if deltas is not None:
@@ -511,6 +543,29 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
     engine.loaded_rng_state = (mine["rng"] if mine is not None
                                and old.world_size == engine.topology.world_size else None)
     return dict(reference["client_state"])
+
+
+def _rebuilt_shard(old: _OldShards, unit, fields, buffers: dict[str, torch.Tensor],
+                   saved_units: dict[str, str]) -> dict[str, torch.Tensor]:
+    """``unit``'s new shard of each field, gathered parameter by parameter from the old
+    shards into ``buffers`` (views of them are returned)."""
+    shard_numel = unit.layout.shard_numel
+    values = {f: buffers[f][:shard_numel] for f in fields}
+    # The slots fill [0, numel) of the flat layout; the padding after them reads as 0.
+    real = min(max(unit.layout.numel - unit.shard_start, 0), shard_numel)
+    for field in fields:
+        values[field][real:].zero_()
+    for slot in unit.layout.slots:
+        part = unit.layout.overlap(slot, unit.shard_start, unit.shard_end)
+        if part is None:
+            continue
+        lo, hi = part
+        dst = slot.offset + lo - unit.shard_start
+        for field in fields:
+            values[field][dst : dst + hi - lo] = old.read(
+                saved_units[slot.name], slot.name, slot.shape, lo, hi, field
+            ).to(unit.grad_shard.device)
+    return values
 
 
 def restore_rng_state(state: dict | None) -> bool:

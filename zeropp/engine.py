@@ -54,9 +54,9 @@ class ZeroEngine:
         # This rank's random streams from the last load_checkpoint (restored by whoever wants
         # them: zeropp.checkpoint.restore_rng_state), None before a load or across worlds.
         self.loaded_rng_state: dict | None = None
-        # (directory, tag) that checkpoint_to_load has just verified: load_checkpoint does
-        # not read its files a second time.
-        self._verified_checkpoint: tuple[Path, str] | None = None
+        # (directory, tag, this rank's file read into memory) that checkpoint_to_load has
+        # just verified: load_checkpoint does not read its files a second time.
+        self._verified_checkpoint: tuple[Path, str, dict] | None = None
         # The asynchronous save in flight (zeropp.checkpoint_async.PendingSave), and the host
         # buffers every save stages the shards in (kept: reused by the next save).
         self._pending_checkpoint = None
@@ -488,8 +488,13 @@ class ZeroEngine:
         latest = checkpoint.read_latest(root, must_exist=False)
         if log is None:
             log = print if self.topology.rank == 0 else (lambda message: None)
-        tag = checkpoint_integrity.choose(root, latest, self.sharded.device, fallback, log)
-        self._verified_checkpoint = (root.resolve(), tag)
+        if self._verified_checkpoint is not None:
+            checkpoint_integrity.release(self._verified_checkpoint[2])
+            self._verified_checkpoint = None
+        kept: dict = {}
+        tag = checkpoint_integrity.choose(root, latest, self.sharded.device, fallback, log,
+                                          keep=kept)
+        self._verified_checkpoint = (root.resolve(), tag, kept)
         return tag
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
@@ -512,13 +517,21 @@ class ZeroEngine:
         root = Path(load_dir)
         if tag is None:
             tag = self.checkpoint_to_load(root, load_fallback)
-        elif self._verified_checkpoint != (root.resolve(), tag):
-            problem = checkpoint_integrity.verify(root / tag, self.sharded.device)
+        verified, self._verified_checkpoint = self._verified_checkpoint, None
+        if verified is not None and verified[:2] == (root.resolve(), tag):
+            kept = verified[2]
+        else:
+            if verified is not None:
+                checkpoint_integrity.release(verified[2])
+            kept = {}
+            problem = checkpoint_integrity.verify(root / tag, self.sharded.device, keep=kept)
             if problem is not None:
                 raise checkpoint.CheckpointError(f"checkpoint {root / tag}: {problem}")
-        self._verified_checkpoint = None
-        state = checkpoint.load(self, load_dir, tag, load_optimizer_states,
-                                load_lr_scheduler_states, load_module_only)
+        try:
+            state = checkpoint.load(self, load_dir, tag, load_optimizer_states,
+                                    load_lr_scheduler_states, load_module_only, in_memory=kept)
+        finally:
+            checkpoint_integrity.release(kept)  # what the load did not take
         return str(load_dir) + "/" + tag, state
 
     def memory_breakdown(self) -> dict[str, int]:
