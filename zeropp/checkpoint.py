@@ -261,6 +261,10 @@ def finish_pending(engine, wait: bool = True) -> Path | None:
         return None
     engine._pending_checkpoint = None
     pending.join()
+    if engine.topology.world_size > 1 and not dist.is_initialized():
+        # Without the group no rank learns the others' checksums: meta.json would be wrong.
+        raise CheckpointError(f"cannot publish checkpoint {pending.final_dir}: the process "
+                              "group is gone (finish the save before destroy_process_group)")
     return _commit(engine, pending)
 
 
