@@ -221,6 +221,25 @@ def test_the_reader_falls_back_to_the_page_cache_where_direct_io_is_refused(tmp_
     assert torch.equal(in_memory.load()["big"], state["big"])
 
 
+def test_a_read_error_is_raised_as_it_is(tmp_path, monkeypatch):
+    import errno
+
+    from zeropp import checkpoint_io
+
+    monkeypatch.setattr(checkpoint_io, "READ_CHUNK_BYTES", 64 << 10)
+    real_read = checkpoint_io.read_chunk
+
+    def bad_block(fd, view, offset):
+        if offset == 3 * (64 << 10):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_read(fd, view, offset)
+
+    monkeypatch.setattr(checkpoint_io, "read_chunk", bad_block)
+    _state, path, _data = _saved_file(tmp_path)
+    with pytest.raises(OSError, match="Input/output error"):
+        checkpoint_io.FileInMemory(path)
+
+
 def load_counting_reads(rank, world, root):
     """Save, then load in a fresh engine counting what is read: each rank's own file once,
     into memory, with no separate checksum pass, and nothing of it kept after the load."""
