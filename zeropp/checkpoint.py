@@ -15,9 +15,8 @@ rename). A crash at any point leaves ``latest`` naming the previous complete che
 
 Each shard records, per unit, the parameter slots of its flat buffer and the range of it the
 rank owned. A load rebuilds every element of its own new shard by parameter name from the old
-shards (memory-mapped, read only where needed; at the same world size the rank's own file is
-the one its verification read into memory, [Note: checkpoint loads at disk speed], and a unit
-whose saved shard is exactly the new one is copied straight from it into the optimizer), so a
+shards (memory-mapped, read only where needed; a unit whose saved shard is exactly the new one,
+as in a resume at the same world size, is copied straight from it into the optimizer), so a
 checkpoint written by N ranks loads on M
 ranks, with another ranks-per-node or hpZ size, without a conversion step. Parameters are found
 by name in whichever unit holds them, so other units load too (``zeropp.convert`` writes a
@@ -39,7 +38,7 @@ import torch.distributed as dist
 
 from zeropp.checkpoint_files import CheckpointError, CheckpointStorageError, shard_file
 from zeropp.checkpoint_integrity import gather_checksums
-from zeropp.checkpoint_io import FileInMemory, save_to_file
+from zeropp.checkpoint_io import save_to_file
 from zeropp.flat_layout import FlatLayout
 
 SHARD_FORMAT = "zeropp-shard-v1"
@@ -362,10 +361,9 @@ def _agree_or_raise(error: Exception | None, device: torch.device, message: str)
 
 
 class _OldShards:
-    """Lazy, memory-mapped access to the shards of a saved checkpoint; ``in_memory``: files a
-    verification has read into memory, by rank (taken from the dict as they are loaded)."""
+    """Lazy, memory-mapped access to the shards of a saved checkpoint."""
 
-    def __init__(self, tag_dir: Path, in_memory: dict[int, FileInMemory] | None = None) -> None:
+    def __init__(self, tag_dir: Path) -> None:
         meta_path = tag_dir / "meta.json"
         if not meta_path.is_file():
             raise CheckpointError(f"{tag_dir} has no meta.json: incomplete checkpoint")
@@ -375,23 +373,19 @@ class _OldShards:
         self.tag_dir = tag_dir
         self.world_size = int(self.meta["world_size"])
         self._files: dict[int, dict] = {}
-        self._in_memory = in_memory if in_memory is not None else {}
 
     def rank_state(self, rank: int) -> dict:
         if rank not in self._files:
             path = shard_file(self.tag_dir, rank)
-            if rank in self._in_memory:
-                state = self._in_memory.pop(rank).load()
-                # Every tensor loaded holds the whole file's memory: what may outlive the
-                # load (RNG states, client state, error feedback, bases) is copied out, so
-                # that the file's memory goes with the units' tensors when the load ends.
-                self._files[rank] = {**_host_copy({k: v for k, v in state.items()
-                                                   if k != "units"}),
-                                     "units": state["units"]}
-                return self._files[rank]
             if not path.is_file():
                 raise CheckpointError(f"checkpoint shard {path} is missing")
-            self._files[rank] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            # Every tensor loaded maps the whole file: what may outlive the load (RNG states,
+            # client state, error feedback, bases) is copied out, so that the file's memory
+            # is unmapped with the units' tensors when the load ends (a kept RNG state held
+            # all of it in the process's memory for the rest of the run).
+            self._files[rank] = {**_host_copy({k: v for k, v in state.items() if k != "units"}),
+                                 "units": state["units"]}
         return self._files[rank]
 
     def same_shard(self, rank: int, unit, fields) -> dict[str, torch.Tensor] | None:
@@ -453,19 +447,17 @@ class _OldShards:
 
 def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
          load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-         load_module_only: bool = False,
-         in_memory: dict[int, FileInMemory] | None = None) -> dict:
+         load_module_only: bool = False) -> dict:
     """Restore ``engine`` from a checkpoint written at any world size; returns client_state.
 
     ``load_module_only`` restores the weights alone: no optimizer state, loss scale, lr
     schedule or step counters (DeepSpeed's meaning, for fine-tuning from a checkpoint).
-    ``in_memory``: files ``checkpoint_integrity.verify`` read into memory (by rank).
     """
     if load_module_only:
         load_optimizer_states = load_lr_scheduler_states = False
     root = Path(load_dir)
     tag = tag or read_latest(root)
-    old = _OldShards(root / tag, in_memory)
+    old = _OldShards(root / tag)
     # Parameters are found by name, whichever unit holds them: a checkpoint written with
     # other units (another unit policy, or converted from DeepSpeed) loads all the same.
     saved_units = old.parameter_units()

@@ -9,12 +9,8 @@ and catches any error burst up to 32 bits and all but 2^-32 of the rest: this gu
 bad disk blocks and torn copies, not against someone forging a file.
 
 A load verifies first (``verify``): the files are shared round-robin among the loading ranks,
-each reads its share once in large chunks and every rank learns whether all passed through one
-all-reduce, so all ranks agree. At the world size that wrote the checkpoint rank r's share
-starts with its own file, the one its load needs: given ``keep``, that file is read into
-memory, checked there and kept for the load ([Note: checkpoint loads at disk speed] in
-``zeropp/checkpoint_io.py``), so the disk is read once and the checksum costs no pass of its
-own; the rest of a share goes through the page cache, which serves the load's reads of them. The
+each reads its share once in 16 MiB chunks (the page cache then serves the memory-mapped load)
+and every rank learns whether all passed through one all-reduce, so all ranks agree. The
 checksums in ``meta.json`` also say which files must exist: a missing or truncated one fails
 the same way. A checkpoint from before checksums loads, with one line saying it is not
 verified.
@@ -34,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from zeropp.checkpoint_files import CheckpointError, shard_file
-from zeropp.checkpoint_io import IN_MEMORY_LOADS, FileInMemory, file_checksum
+from zeropp.checkpoint_io import file_checksum
 from zeropp.comm.collectives import all_gather_into_tensor
 
 
@@ -48,10 +44,8 @@ def gather_checksums(crc: int, nbytes: int, device: torch.device) -> list[list[i
     return every.tolist()
 
 
-def _problem(tag_dir: Path, rank: int, world: int,
-             keep: dict[int, FileInMemory] | None = None) -> str | None:
-    """What is wrong with this rank's share of ``tag_dir``'s files, or None. ``keep``: where
-    to put this rank's own file, read into memory and verified (same world size only)."""
+def _problem(tag_dir: Path, rank: int, world: int) -> str | None:
+    """What is wrong with this rank's share of ``tag_dir``'s files, or None."""
     try:
         meta = json.loads((tag_dir / "meta.json").read_text())
     except FileNotFoundError:
@@ -66,26 +60,12 @@ def _problem(tag_dir: Path, rank: int, world: int,
         if not path.is_file():
             return f"{path} is missing"
         expected_crc, expected_size = checksums[index]
-        size = path.stat().st_size
-        if size != expected_size:  # said before reading: a wrong size may be a huge file
-            return f"{path} has {size} bytes, {expected_size} were written (truncated?)"
-        if keep is not None and index == rank and len(checksums) == world and IN_MEMORY_LOADS:
-            in_memory = FileInMemory(path)
-            crc, size = in_memory.crc32, in_memory.nbytes
-            keep[index] = in_memory
-        else:
-            crc, size = file_checksum(path)
+        crc, size = file_checksum(path)
         if size != expected_size:
             return f"{path} has {size} bytes, {expected_size} were written (truncated?)"
         if crc != expected_crc:
             return f"{path} fails its checksum (crc32 {crc:08x}, written {expected_crc:08x})"
     return None
-
-
-def release(keep: dict[int, FileInMemory] | None) -> None:
-    """Free the files a verification kept in memory and the load did not take."""
-    while keep:
-        keep.popitem()[1].close()
 
 
 def has_checksums(tag_dir: Path) -> bool:
@@ -95,25 +75,17 @@ def has_checksums(tag_dir: Path) -> bool:
         return False
 
 
-def verify(tag_dir: Path, device: torch.device,
-           keep: dict[int, FileInMemory] | None = None) -> str | None:
+def verify(tag_dir: Path, device: torch.device) -> str | None:
     """Collective: None when every file of ``tag_dir`` verifies, else what failed (as the
-    first rank that found a problem saw it; the same text on every rank). ``keep`` receives
-    this rank's own file read into memory when all verify, for ``zeropp.checkpoint.load``
-    (the caller releases it if it does not load); it stays empty otherwise."""
+    first rank that found a problem saw it; the same text on every rank)."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    try:
-        problem = _problem(tag_dir, rank, world, keep)
-    except BaseException:
-        release(keep)
-        raise
+    problem = _problem(tag_dir, rank, world)
     failed = torch.tensor([0 if problem is None else 1], device=device)
     if distributed:
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if failed.item() == 0:
         return None
-    release(keep)
     if distributed:  # rare: every rank learns the first rank's finding, to name the file
         found: list = [None] * world
         dist.all_gather_object(found, problem)
@@ -135,12 +107,11 @@ def candidates(root: Path, latest: str | None) -> list[str]:
 
 
 def choose(root: Path, latest: str | None, device: torch.device, fallback: bool,
-           log=print, keep: dict[int, FileInMemory] | None = None) -> str:
-    """The tag to load (collective; see [Note: checkpoint checksums]); ``keep`` as in
-    ``verify``, for the tag chosen."""
+           log=print) -> str:
+    """The tag to load (collective; see [Note: checkpoint checksums])."""
     failures = []
     for tag in candidates(root, latest):
-        problem = verify(root / tag, device, keep)
+        problem = verify(root / tag, device)
         if problem is None:
             if failures:
                 log(f"checkpoint {failures[0][0]} is not usable ({failures[0][1]}); "

@@ -54,9 +54,9 @@ class ZeroEngine:
         # This rank's random streams from the last load_checkpoint (restored by whoever wants
         # them: zeropp.checkpoint.restore_rng_state), None before a load or across worlds.
         self.loaded_rng_state: dict | None = None
-        # (directory, tag, this rank's file read into memory) that checkpoint_to_load has
-        # just verified: load_checkpoint does not read its files a second time.
-        self._verified_checkpoint: tuple[Path, str, dict] | None = None
+        # (directory, tag) that checkpoint_to_load has just verified: load_checkpoint does
+        # not read its files a second time.
+        self._verified_checkpoint: tuple[Path, str] | None = None
         # The asynchronous save in flight (zeropp.checkpoint_async.PendingSave), and the host
         # buffers every save stages the shards in (kept: reused by the next save).
         self._pending_checkpoint = None
@@ -395,15 +395,10 @@ class ZeroEngine:
         waited for and published as ``finish_checkpoint`` publishes it (checksums,
         ``meta.json``, rename, then ``latest``); a failed writer raises here, on every rank,
         after the rest is closed."""
-        from zeropp import checkpoint_integrity
-
         try:
             self.finish_checkpoint(wait=True)
         finally:
             self._pending_checkpoint = None  # a failed publish is not retried
-            if self._verified_checkpoint is not None:
-                checkpoint_integrity.release(self._verified_checkpoint[2])
-                self._verified_checkpoint = None
             self.sharded.close()
             if self.reports is not None:
                 self.reports.close()
@@ -496,13 +491,8 @@ class ZeroEngine:
         latest = checkpoint.read_latest(root, must_exist=False)
         if log is None:
             log = print if self.topology.rank == 0 else (lambda message: None)
-        if self._verified_checkpoint is not None:
-            checkpoint_integrity.release(self._verified_checkpoint[2])
-            self._verified_checkpoint = None
-        kept: dict = {}
-        tag = checkpoint_integrity.choose(root, latest, self.sharded.device, fallback, log,
-                                          keep=kept)
-        self._verified_checkpoint = (root.resolve(), tag, kept)
+        tag = checkpoint_integrity.choose(root, latest, self.sharded.device, fallback, log)
+        self._verified_checkpoint = (root.resolve(), tag)
         return tag
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
@@ -525,21 +515,13 @@ class ZeroEngine:
         root = Path(load_dir)
         if tag is None:
             tag = self.checkpoint_to_load(root, load_fallback)
-        verified, self._verified_checkpoint = self._verified_checkpoint, None
-        if verified is not None and verified[:2] == (root.resolve(), tag):
-            kept = verified[2]
-        else:
-            if verified is not None:
-                checkpoint_integrity.release(verified[2])
-            kept = {}
-            problem = checkpoint_integrity.verify(root / tag, self.sharded.device, keep=kept)
+        elif self._verified_checkpoint != (root.resolve(), tag):
+            problem = checkpoint_integrity.verify(root / tag, self.sharded.device)
             if problem is not None:
                 raise checkpoint.CheckpointError(f"checkpoint {root / tag}: {problem}")
-        try:
-            state = checkpoint.load(self, load_dir, tag, load_optimizer_states,
-                                    load_lr_scheduler_states, load_module_only, in_memory=kept)
-        finally:
-            checkpoint_integrity.release(kept)  # what the load did not take
+        self._verified_checkpoint = None
+        state = checkpoint.load(self, load_dir, tag, load_optimizer_states,
+                                load_lr_scheduler_states, load_module_only)
         return str(load_dir) + "/" + tag, state
 
     def memory_breakdown(self) -> dict[str, int]:
