@@ -1,6 +1,7 @@
 """Asynchronous checkpoint saves and the disk-speed writer: the same files as a synchronous
 save, bit-exact resume, nothing published before every rank's file is durable, a full disk
-reported once on every rank with the previous checkpoint intact, and reused staging memory."""
+reported once on every rank with the previous checkpoint intact, reused staging memory, and
+a save in flight published by close()."""
 
 from __future__ import annotations
 
@@ -212,20 +213,36 @@ def test_staging_buffers_are_reused_across_saves(tmp_path):
     assert (tmp_path / "latest").read_text() == "s9"
 
 
-def test_close_finishes_the_write_but_publishes_nothing(tmp_path):
-    import torch.distributed as dist
+def close_with_a_save_in_flight(rank, world, root):
+    """An asynchronous save, then close() at once, on every rank (the end of a program that
+    does not call finish_checkpoint), then a fresh engine loads what close() published."""
+    engine = _engine()
+    _train(engine, rank, world, range(1))
+    engine.save_checkpoint(root, tag="first")
+    _train(engine, rank, world, range(1, 2))
+    engine.save_checkpoint(root, tag="second", async_save=True, client_state={"step": 2})
+    expected = engine.full_state_dict()
+    engine.close()
+    in_flight = engine.checkpoint_in_flight
+    resumed = _engine()
+    path, client = resumed.load_checkpoint(root)
+    state = resumed.full_state_dict()
+    resumed.close()
+    return in_flight, path, client, all(torch.equal(state[k], expected[k]) for k in state)
 
-    try:  # one rank, in this process
-        engine = _engine()
-        _train(engine, 0, 1, range(1))
-        engine.save_checkpoint(tmp_path, tag="first")
-        engine.save_checkpoint(tmp_path, tag="second", async_save=True)
-        engine.close()
-    finally:  # the process group the engine made must not outlive the test
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    assert (tmp_path / "latest").read_text() == "first"
-    assert (tmp_path / "second.tmp" / "zero_rank00000.pt").is_file()
+
+def test_close_publishes_the_save_in_flight(tmp_path):
+    from zeropp.checkpoint_integrity import newest_verified
+
+    for in_flight, path, client, equal in run_ranks(close_with_a_save_in_flight, 2,
+                                                    str(tmp_path)):
+        assert not in_flight
+        assert path.endswith("/second") and client == {"step": 2} and equal
+    assert (tmp_path / "latest").read_text() == "second"
+    assert not (tmp_path / "second.tmp").exists()
+    meta = json.loads((tmp_path / "second" / "meta.json").read_text())
+    assert len(meta["checksums"]) == 2  # both ranks' files, as the training loop publishes
+    assert newest_verified(tmp_path) == "second"
 
 
 # ---- the program: --async-save ------------------------------------------------------------

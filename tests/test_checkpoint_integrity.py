@@ -168,3 +168,35 @@ def test_a_full_disk_during_save_keeps_the_previous_checkpoint(data_prefix, save
         assert sorted(got)[0] == 3
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+# ---- what a load leaves in memory ---------------------------------------------------------
+def load_and_look_at_the_mappings(rank, world, root):
+    """Save, then load in a fresh engine (4 ranks, qgZ: error feedback is restored too): the
+    restored state is the saved one, and no rank file is still mapped once the load is done."""
+    import gc
+
+    from tests.test_gradient_reduction import build, qgz_config, train_steps
+
+    engine = build(qgz_config())
+    train_steps(engine, rank, world, 2)
+    engine.save_checkpoint(root, tag="t")
+    expected = engine.full_state_dict()
+    engine.close()
+    resumed = build(qgz_config())
+    resumed.load_checkpoint(root, tag="t")
+    state = resumed.full_state_dict()
+    kept_rng = resumed.loaded_rng_state is not None
+    resumed.close()
+    gc.collect()
+    with open("/proc/self/maps") as maps:
+        left = sum("zero_rank" in line for line in maps)
+    return left, kept_rng, all(torch.equal(state[k], expected[k]) for k in state)
+
+
+@pytest.mark.skipif(not os.path.isfile("/proc/self/maps"), reason="reads /proc/self/maps")
+def test_a_load_leaves_no_rank_file_mapped(tmp_path):
+    for left, kept_rng, same in run_ranks(load_and_look_at_the_mappings, 4, str(tmp_path)):
+        # The RNG states it keeps are copies: the whole file stayed mapped through them.
+        assert kept_rng and left == 0
+        assert same

@@ -15,7 +15,9 @@ rename). A crash at any point leaves ``latest`` naming the previous complete che
 
 Each shard records, per unit, the parameter slots of its flat buffer and the range of it the
 rank owned. A load rebuilds every element of its own new shard by parameter name from the old
-shards (memory-mapped, read only where needed), so a checkpoint written by N ranks loads on M
+shards (memory-mapped, read only where needed; a unit whose saved shard is exactly the new one,
+as in a resume at the same world size, is copied straight from it into the optimizer), so a
+checkpoint written by N ranks loads on M
 ranks, with another ranks-per-node or hpZ size, without a conversion step. Parameters are found
 by name in whichever unit holds them, so other units load too (``zeropp.convert`` writes a
 DeepSpeed checkpoint as one unit, through ``write_from_one_process``). Files hold only
@@ -258,6 +260,10 @@ def finish_pending(engine, wait: bool = True) -> Path | None:
         return None
     engine._pending_checkpoint = None
     pending.join()
+    if engine.topology.world_size > 1 and not dist.is_initialized():
+        # Without the group no rank learns the others' checksums: meta.json would be wrong.
+        raise CheckpointError(f"cannot publish checkpoint {pending.final_dir}: the process "
+                              "group is gone (finish the save before destroy_process_group)")
     return _commit(engine, pending)
 
 
@@ -373,8 +379,37 @@ class _OldShards:
             path = shard_file(self.tag_dir, rank)
             if not path.is_file():
                 raise CheckpointError(f"checkpoint shard {path} is missing")
-            self._files[rank] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            # Every tensor loaded maps the whole file: what may outlive the load (RNG states,
+            # client state, error feedback, bases) is copied out, so that the file's memory
+            # is unmapped with the units' tensors when the load ends (a kept RNG state held
+            # all of it in the process's memory for the rest of the run).
+            self._files[rank] = {**_host_copy({k: v for k, v in state.items() if k != "units"}),
+                                 "units": state["units"]}
         return self._files[rank]
+
+    def same_shard(self, rank: int, unit, fields) -> dict[str, torch.Tensor] | None:
+        """The saved fields of ``unit``'s shard on ``rank`` when the checkpoint holds exactly
+        that shard (same slots, same range, fp32, padding zero as a rebuilt shard's is), to be
+        copied as they are; else None."""
+        if rank >= self.world_size:
+            return None
+        record = next((r for r in self.rank_state(rank)["units"] if r["name"] == unit.name),
+                      None)
+        layout = unit.layout
+        if (record is None or record["shard_start"] != unit.shard_start
+                or record["shard_end"] != unit.shard_end
+                or record["padded_numel"] != layout.padded_numel
+                or record["slots"] != [[s.name, list(s.shape), s.offset] for s in layout.slots]
+                or any(field not in record for field in fields)):
+            return None
+        real = min(max(layout.numel - unit.shard_start, 0), layout.shard_numel)
+        values = {field: record[field] for field in fields}
+        for value in values.values():
+            if (value.dtype != torch.float32 or value.numel() != layout.shard_numel
+                    or bool(value[real:].any())):
+                return None
+        return values
 
     def unit(self, rank: int, name: str) -> dict:
         for record in self.rank_state(rank)["units"]:
@@ -444,30 +479,23 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
     fields = ("master", *state_keys) if load_optimizer_states else ("master",)
     # One buffer per field, reused unit after unit (the optimizer copies out of it): memory
     # the size of one unit's shard is touched for the first time, not the whole rank's.
+    # Made only for a unit whose shard is rebuilt from pieces: one saved as it is now (a
+    # resume at the same world size) is copied from the file's memory directly.
     largest = max(unit.layout.shard_numel for unit in engine.sharded.units)
     device = engine.sharded.units[0].grad_shard.device
-    buffers = {f: torch.empty(largest, dtype=torch.float32, device=device) for f in fields}
+    buffers: dict[str, torch.Tensor] = {}
+    scalars = saved.get("optimizer_scalars", {"step": saved["adam_step"]})
     for index, unit in enumerate(engine.sharded.units):
-        shard_numel = unit.layout.shard_numel
-        values = {f: buffers[f][:shard_numel] for f in fields}
-        # The slots fill [0, numel) of the flat layout; the padding after them reads as 0.
-        real = min(max(unit.layout.numel - unit.shard_start, 0), shard_numel)
-        for field in fields:
-            values[field][real:].zero_()
-        for slot in unit.layout.slots:
-            part = unit.layout.overlap(slot, unit.shard_start, unit.shard_end)
-            if part is None:
-                continue
-            lo, hi = part
-            dst = slot.offset + lo - unit.shard_start
-            for field in fields:
-                values[field][dst : dst + hi - lo] = old.read(
-                    saved_units[slot.name], slot.name, slot.shape, lo, hi, field
-                ).to(unit.grad_shard.device)
+        values = old.same_shard(engine.topology.rank, unit, fields)
+        if values is None:
+            if not buffers:
+                buffers = {f: torch.empty(largest, dtype=torch.float32, device=device)
+                           for f in fields}
+            values = _rebuilt_shard(old, unit, fields, buffers, saved_units)
         state = {key: values[key] for key in state_keys} if load_optimizer_states else None
-        scalars = saved.get("optimizer_scalars", {"step": saved["adam_step"]})
         optimizer.load_shard(index, values["master"], state, scalars)
         unit.zero_grad_shard()
+    del buffers
     mine = old.rank_state(engine.topology.rank) if engine.topology.rank < old.world_size else None
     deltas = engine.sharded.weight_deltas
     if deltas is not None:
@@ -511,6 +539,29 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
     engine.loaded_rng_state = (mine["rng"] if mine is not None
                                and old.world_size == engine.topology.world_size else None)
     return dict(reference["client_state"])
+
+
+def _rebuilt_shard(old: _OldShards, unit, fields, buffers: dict[str, torch.Tensor],
+                   saved_units: dict[str, str]) -> dict[str, torch.Tensor]:
+    """``unit``'s new shard of each field, gathered parameter by parameter from the old
+    shards into ``buffers`` (views of them are returned)."""
+    shard_numel = unit.layout.shard_numel
+    values = {f: buffers[f][:shard_numel] for f in fields}
+    # The slots fill [0, numel) of the flat layout; the padding after them reads as 0.
+    real = min(max(unit.layout.numel - unit.shard_start, 0), shard_numel)
+    for field in fields:
+        values[field][real:].zero_()
+    for slot in unit.layout.slots:
+        part = unit.layout.overlap(slot, unit.shard_start, unit.shard_end)
+        if part is None:
+            continue
+        lo, hi = part
+        dst = slot.offset + lo - unit.shard_start
+        for field in fields:
+            values[field][dst : dst + hi - lo] = old.read(
+                saved_units[slot.name], slot.name, slot.shape, lo, hi, field
+            ).to(unit.grad_shard.device)
+    return values
 
 
 def restore_rng_state(state: dict | None) -> bool:

@@ -16,7 +16,11 @@ or at the first write) the same chunks go through the page cache, then fsync.
 
 Reads go through the page cache, so that the memory-mapped load after the verification finds
 the pages there; ``file_checksum`` keeps several large reads in flight (one at a time leaves
-the disk idle between requests) and runs the CRC over them in order.
+the disk idle between requests) and runs the CRC over them in order. Measured on the
+reference machine (one rank, 1.16 GiB file, cold, alternated runs): a load so read takes
+1.0-1.1 s against 1.2-1.3 s for ``dd iflag=direct``, while reading the file with O_DIRECT
+into a memfd that ``torch.load(mmap=True)`` maps took 1.4-1.9 s: shared memory pages cost
+0.3-0.8 s per GiB to allocate and 0.2 s to free there, the page cache reads as fast as the disk.
 """
 
 from __future__ import annotations

@@ -396,14 +396,17 @@ class ZeroEngine:
     def close(self) -> None:
         """Finish what is in flight, stop the engine's communication threads, close monitors.
 
-        An asynchronous save still in flight is written to the end but not published (that
-        needs every rank: ``finish_checkpoint``); ``latest`` keeps naming the previous one."""
-        if self._pending_checkpoint is not None:
-            self._pending_checkpoint.join()
-            self._pending_checkpoint = None
-        self.sharded.close()
-        if self.reports is not None:
-            self.reports.close()
+        Collective while an asynchronous save is in flight (every rank calls it): the save is
+        waited for and published as ``finish_checkpoint`` publishes it (checksums,
+        ``meta.json``, rename, then ``latest``); a failed writer raises here, on every rank,
+        after the rest is closed."""
+        try:
+            self.finish_checkpoint(wait=True)
+        finally:
+            self._pending_checkpoint = None  # a failed publish is not retried
+            self.sharded.close()
+            if self.reports is not None:
+                self.reports.close()
 
     def get_global_grad_norm(self) -> float | None:
         return self.last_grad_norm

@@ -12,7 +12,9 @@ and measures, every rank at once, between barriers:
   staging copy), and the time until the checkpoint is published, with one training
   iteration running meanwhile; the mean over ``--async-saves`` saves;
 - load: ``engine.load_checkpoint`` (checksums verified, then the shards restored), with the
-  files evicted from the page cache first;
+  files evicted from the page cache first (the rank's own file is read with ``O_DIRECT``
+  anyway; rank 0's, whose small records every rank reads, from the disk too), and how far
+  the rank's RSS rose above where it stood before the load, at its peak (VmHWM, reset first);
 - dd: ``dd oflag=direct`` writing, then ``dd iflag=direct`` reading, one file of each rank's
   shard size per rank, concurrently, into the same directory;
 - RSS of each rank after the first and after the last async save (staging is reused).
@@ -64,11 +66,20 @@ def _iteration(engine, rank: int) -> None:
     engine.step()
 
 
-def _rss_bytes() -> int:
+def _rss_bytes(field: str = "VmRSS") -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def _reset_peak_rss() -> bool:
+    """Start VmHWM again from the current RSS (Linux: clear_refs 5); False where refused."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
 
 
 def _evict(paths) -> None:
@@ -116,7 +127,10 @@ def rank_main(rank: int, world: int, options: argparse.Namespace, results) -> No
     shard_bytes = mine.stat().st_size
     _evict([ckpt / "sync" / f"zero_rank{r:05d}.pt" for r in range(world)])
     dist.barrier()
+    peak_known = _reset_peak_rss()
+    before_load = _rss_bytes()
     row["load"] = _timed(lambda: engine.load_checkpoint(ckpt, tag="sync"))
+    row["load_peak_growth"] = (_rss_bytes("VmHWM") - before_load) if peak_known else -1
 
     blocked, published, rss = [], [], []
     for index in range(options.async_saves):
@@ -194,6 +208,11 @@ def render(rows: list[dict], options: argparse.Namespace) -> str:
             f"{r['rss_first'] / 2**30:.2f} / {r['rss_last'] / 2**30:.2f} GiB "
             f"({(r['rss_last'] - r['rss_first']) / r['rss_first']:+.1%})" for r in rows)
         + f"; staging {rows[0]['staging_bytes'] / 2**30:.2f} GiB per rank",
+        "",
+        "Load: RSS at its peak above where it stood before, per rank (rank file "
+        f"{rows[0]['shard_bytes'] / 2**30:.2f} GiB): " + ", ".join(
+            f"{r['load_peak_growth'] / 2**30:+.2f} GiB" if r["load_peak_growth"] >= 0
+            else "not measured (no clear_refs)" for r in rows),
     ]
     return "\n".join(lines)
 
