@@ -32,7 +32,6 @@ import importlib.util
 import json
 import os
 import random
-import re
 import shutil
 import sys
 import tempfile
@@ -42,7 +41,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "main.py"
-IMPORT_LINE = re.compile(r"^import deepspeed$", re.MULTILINE)
 RESULT_ENV = "CHAT_EXAMPLE_RESULT"
 
 _spec = importlib.util.spec_from_file_location(
@@ -195,14 +193,7 @@ def prepare(root: Path) -> Path:
 # ---- one rank ----------------------------------------------------------------------------
 def script_source(system: str) -> str:
     """main.py's text as it is executed: unchanged for DeepSpeed, one line for zeropp."""
-    source = SCRIPT.read_text()
-    if system == "zeropp":
-        source, count = IMPORT_LINE.subn("import zeropp as deepspeed", source)
-        if count != 1:
-            raise RuntimeError(f"expected one 'import deepspeed' line in {SCRIPT}, found {count}")
-    elif system != "deepspeed":
-        raise ValueError(f"unknown system {system!r}")
-    return source
+    return run_example.script_source(system, SCRIPT)
 
 
 def run_rank(system: str, args: list[str]) -> int:

@@ -57,13 +57,13 @@ IMPORT_LINE = re.compile(r"^import deepspeed$", re.MULTILINE)
 RESULT_ENV = "CIFAR_EXAMPLE_RESULT"
 
 
-def script_source(system: str) -> str:
+def script_source(system: str, script: Path = SCRIPT) -> str:
     """The script's text as it is executed: unchanged for DeepSpeed, one line for zeropp."""
-    source = SCRIPT.read_text()
+    source = script.read_text()
     if system == "zeropp":
         source, count = IMPORT_LINE.subn("import zeropp as deepspeed", source)
         if count != 1:
-            raise RuntimeError(f"expected one 'import deepspeed' line in {SCRIPT}, found {count}")
+            raise RuntimeError(f"expected one 'import deepspeed' line in {script}, found {count}")
     elif system != "deepspeed":
         raise ValueError(f"unknown system {system!r}")
     return source
