@@ -275,3 +275,26 @@ def test_weight_deltas_follow_nccl_rules_and_the_plan(tmp_path):
     bases = report.plans[1].memory.hpz_secondary_shards
     measured = cluster.first.category_peaks["hpZ secondary shards"]
     assert bases > 0 and measured == pytest.approx(bases, rel=0.05), (measured, bases)
+
+
+def test_a_save_stages_on_the_host_lane_as_the_dry_run_plans(tmp_path):
+    """A checkpoint save (async or not: both copy the shards into host staging buffers first,
+    [Note: asynchronous checkpoint saves]) on the simulated GPU cluster: the staging counts as
+    host memory, the size the dry run prints for --async-save (fp32 masters and Adam moments),
+    and the device's peak is the same in both modes. Before, a synchronous save staged into
+    real host memory the tracker did not see (0 host bytes here; 26 GB per rank for the 138B
+    on 64 GPUs, more than a small machine has), and an asynchronous one failed copying out of
+    meta tensors."""
+    argv = [a.format(layers=2) for a in SMALL] + [
+        "--deepspeed_config", "configs/ds_zero3_config.json"]
+    measured = {}
+    for mode in ([], ["--async-save"]):
+        rank = simulate_rank(argv + mode, 0, 2, 4, save_dir=tmp_path / f"save{len(mode)}")
+        assert rank.violations == []
+        measured[bool(mode)] = (rank.host_peak_bytes, rank.peak_bytes)
+    memory = build_report(parse_args(argv + ["--dry-run", "--dry-run-nodes", "2",
+                                             "--dry-run-gpus-per-node", "4"])).plans[1].memory
+    planned = memory.fp32_master_shards + memory.optimizer_moments
+    assert measured[True] == measured[False]
+    host, _ = measured[True]
+    assert host == pytest.approx(planned, rel=0.01), (host, planned)

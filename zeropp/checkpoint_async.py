@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from zeropp.checkpoint_io import save_to_file
+from zeropp.offload import HostMemory
 
 
 class ShardStaging:
@@ -47,6 +48,9 @@ class ShardStaging:
 
     def __init__(self, device: torch.device) -> None:
         self.pinned = device.type == "cuda"
+        # Host memory as the engine allocates it for offload: pinned CPU memory on CUDA, the
+        # meta device on the simulated cluster, counted there on the host lane.
+        self._host = HostMemory(device, pin_memory=True)
         self.state_keys: tuple[str, ...] = ()
         self._buffers: list[dict[str, torch.Tensor]] = []
 
@@ -60,8 +64,7 @@ class ShardStaging:
             numel = unit.layout.shard_numel
             for field in fields:
                 if field not in buffers or buffers[field].numel() != numel:
-                    buffers[field] = torch.empty(numel, dtype=torch.float32,
-                                                 pin_memory=self.pinned)
+                    buffers[field] = self._host.empty(numel, torch.float32)
             for field in [f for f in buffers if f not in fields]:
                 del buffers[field]
 
