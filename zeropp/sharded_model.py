@@ -576,9 +576,10 @@ class ShardedModel:
     def close(self) -> None:
         """Finish the reductions in flight, stop communication threads, remove the hooks.
 
-        The hooks make a reference cycle through the parameters that Python's collector
-        does not always break, so a program that builds a second engine (a resumed run in
-        the same process) would otherwise keep the first one's shards alive.
+        The module hooks make a reference cycle through the model that the collector breaks
+        only when it runs; removing them frees a closed engine's shards at once, before a
+        program builds a second engine (a resumed run in the same process). The gradient
+        hooks hold the model weakly (``_install_hooks``).
         """
         self._finish_reductions()
         self.comm.execution.close()

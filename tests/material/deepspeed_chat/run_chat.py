@@ -281,13 +281,7 @@ def run_rank(system: str, args: list[str]) -> int:
         if not engines:
             raise RuntimeError("the script never called initialize")
         engine = engines[-1]
-        record["final_lr"] = list(engine.get_lr())
-        record["zero_stage"] = engine.zero_optimization_stage()
-        record["fp16"], record["bf16"] = engine.fp16_enabled(), engine.bfloat16_enabled()
-        record["optimizer"] = type(engine.optimizer).__name__
-        inner = getattr(engine.optimizer, "optimizer", None)
-        record["inner_optimizer"] = None if inner is None else type(inner).__name__
-        record["global_steps"] = engine.global_steps
+        record.update(run_example.what_ran(engine))
         record["epoch_count"] = engine.tput_timer.epoch_count
         torch.distributed.barrier()
         record["status"] = "ok"

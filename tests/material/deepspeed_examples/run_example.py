@@ -149,15 +149,7 @@ def run_rank(system: str, save_dir: str | None, load_dir: str | None,
         if not engines:
             raise RuntimeError("the script never called initialize")
         engine = engines[-1]
-        record["final_lr"] = list(engine.get_lr())
-        # What actually ran: ZeRO stage, precision, and the optimizer under the ZeRO wrapper
-        # (DeepSpeed: DeepSpeedZeroOptimizer_Stage3 around the config's "Adam", FusedAdam).
-        record["zero_stage"] = engine.zero_optimization_stage()
-        record["fp16"], record["bf16"] = engine.fp16_enabled(), engine.bfloat16_enabled()
-        record["optimizer"] = type(engine.optimizer).__name__
-        inner = getattr(engine.optimizer, "optimizer", None)
-        record["inner_optimizer"] = None if inner is None else type(inner).__name__
-        record["global_steps"] = getattr(engine, "global_steps", None)
+        record.update(what_ran(engine))
         if save_dir is not None:  # phase A
             engine.save_checkpoint(save_dir)
         torch.distributed.barrier()
@@ -170,6 +162,17 @@ def run_rank(system: str, save_dir: str | None, load_dir: str | None,
     with open(result_path, "w") as f:
         json.dump(record, f, indent=1)
     return code
+
+
+def what_ran(engine) -> dict:
+    """The engine's final lr, and what actually ran: ZeRO stage, precision, and the optimizer
+    under the ZeRO wrapper (DeepSpeed: DeepSpeedZeroOptimizer_Stage3 around FusedAdam)."""
+    inner = getattr(engine.optimizer, "optimizer", None)
+    return {"final_lr": list(engine.get_lr()), "zero_stage": engine.zero_optimization_stage(),
+            "fp16": engine.fp16_enabled(), "bf16": engine.bfloat16_enabled(),
+            "optimizer": type(engine.optimizer).__name__,
+            "inner_optimizer": None if inner is None else type(inner).__name__,
+            "global_steps": getattr(engine, "global_steps", None)}
 
 
 def _free_port() -> int:
