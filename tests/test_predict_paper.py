@@ -4,7 +4,7 @@ import pytest
 
 from scripts.bench import predict_paper
 from zeropp.simulation.trace import Collective, ComputeOp, IterationTrace, Launch, Wait
-from zeropp.step_time import CLUSTERS, predict
+from zeropp.step_time import CLUSTERS, DEFAULT_HOST_SECONDS_PER_OP, predict
 
 WORLD = 64  # 4 DGX-2 nodes
 
@@ -50,3 +50,32 @@ def test_fit_recovers_the_constants_that_made_the_figures():
     assert cells[1]["error"] == pytest.approx(0.5 / 0.45 - 1, rel=1e-4)
     table = predict_paper.render(cells, 0.45, 0.8)
     assert "| ZeRO-3 |" in table and f"{cells[0]['error']:+.0%}" in table
+
+
+def test_reductions_replay_as_deepspeed_issues_them():
+    # [Note: DeepSpeed's granularity in the replay]: a 25M-element fp16 reduce-scatter is
+    # three 1e7-element buckets, each a third of the bytes, and each pays the ring latency.
+    numel = 25 * 10**6
+    scatter = Collective("reduce_scatter", tuple(range(WORLD)), 2 * numel, 2 * numel // WORLD)
+    engine = trace([Launch(1, "reduce", (scatter,), "backward"), Wait(1),
+                    Launch(2, "gather", (scatter,), "forward"), Wait(2)])
+    as_deepspeed = predict_paper.as_deepspeed_reduces(engine, 10**7, 2)
+    reduce, gather = as_deepspeed.launches("reduce"), as_deepspeed.launches("gather")
+    assert [c.input_bytes for c in reduce[0].collectives] == [2 * numel // 3] * 3
+    assert gather[0].collectives == (scatter,)  # gathers are untouched
+    cluster = CLUSTERS["dgx2_400g"]
+    extra = predict(as_deepspeed, cluster).seconds - predict(engine, cluster).seconds
+    ring_latency = (WORLD - 4) * cluster.intra_node_latency + 3 * cluster.inter_node_latency
+    # (and the host's 5 us issuing each of the two added collectives)
+    assert extra == pytest.approx(2 * (ring_latency + DEFAULT_HOST_SECONDS_PER_OP), rel=1e-6)
+    # qgZ's two hops are repeated together, bucket by bucket; its first hop carries 4 bits.
+    hops = (Collective("all_to_all", tuple(range(16)), numel // 2, numel // 2),
+            Collective("all_to_all", (0, 16, 32, 48), numel // 32, numel // 32))
+    qgz = predict_paper.as_deepspeed_reduces(trace([Launch(1, "reduce", hops, "backward")]),
+                                             10**7, 0.5)
+    assert [c.group[1] for c in qgz.launches()[0].collectives] == [1, 16] * 3
+
+
+def test_the_bucket_and_wire_format_come_from_the_tutorial_json():
+    assert predict_paper.wire_bytes_per_element("18b", 4, 512, "ZeRO-3") == (10**7, 2)
+    assert predict_paper.wire_bytes_per_element("18b", 4, 512, "ZeRO++") == (10**7, 0.5)

@@ -65,24 +65,30 @@ def test_small_children_become_units_without_a_minimum_and_a_linear_is_never_spl
     assert sum(counts) == sum(p.numel() for p in model.parameters())
 
 
-def test_the_cap_follows_the_deepspeed_keys():
-    assert max_unit_numel(ZeroConfig(stage=3)) == 50_000_000  # DeepSpeed's default prefetch
+def test_the_cap_is_a_quarter_of_the_live_budget_not_the_prefetch_window():
+    # DeepSpeed's default budget, 1e9: blocks of up to 250M parameters stay whole.
+    assert max_unit_numel(ZeroConfig(stage=3)) == 250_000_000
     zero = ZeroConfig(stage=3, stage3_prefetch_bucket_size=0, stage3_max_live_parameters=7)
-    assert max_unit_numel(zero) == 7  # prefetch off: the live budget bounds a unit
-    assert options_from_config(zero)[0].max_unit_numel == 7
-    # The planner groups a model as the engine will for that config (18B: 453M-element blocks).
+    assert max_unit_numel(zero) == 1  # a budget below four parameters: every module alone
+    assert options_from_config(zero)[0].max_unit_numel == 1
+    # The planner groups a model as the engine will for that config (18B: 453M-element
+    # blocks, split at the default budget).
     model = gpt(layers=3)
     block = sum(p.numel() for p in model.layers[0].parameters())
-    def counts(cap):
-        zero = ZeroConfig(stage=3, stage3_prefetch_bucket_size=cap,
+
+    def counts(max_live, prefetch=50_000_000):
+        zero = ZeroConfig(stage=3, stage3_max_live_parameters=max_live,
+                          stage3_prefetch_bucket_size=prefetch,
                           stage3_param_persistence_threshold=1000)
         return unit_parameter_counts(model, zero=zero)
 
-    whole, split = counts(block), counts(block - 1)
+    whole, split = counts(4 * block), counts(4 * block - 4)
     # Split: the block's own unit (its layer norms, below the persistence threshold),
     # attention and MLP, each within the cap.
     assert len(whole) == 1 + 3 and len(split) == 1 + 3 * 3
     assert sum(whole) == sum(split)
+    # The prefetch window says how far ahead to gather, not how small a unit is.
+    assert counts(4 * block, prefetch=1) == counts(4 * block, prefetch=0) == whole
 
 
 def _engine(unit_modules=None, **options):

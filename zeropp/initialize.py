@@ -26,6 +26,7 @@ from zeropp.optimizer import (
 from zeropp.residency import Residency
 from zeropp.sharded_model import ShardedModel, ShardingOptions
 from zeropp.topology import Topology, build_topology
+from zeropp.unit_modules import unit_cap
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> None:
@@ -229,9 +230,9 @@ def make_loss_scaler(fp16_enabled: bool, fp16_config=None) -> LossScaler:
 
 
 def max_unit_numel(zero) -> int:
-    """The largest unit of sharding ([Note: units]): what one prefetch brings in
-    (stage3_prefetch_bucket_size), or the live-parameter budget when prefetch is off."""
-    return zero.stage3_prefetch_bucket_size or zero.stage3_max_live_parameters
+    """The largest unit of sharding: a quarter of ``stage3_max_live_parameters``
+    ([Note: units]); the prefetch window does not size units."""
+    return unit_cap(zero.stage3_max_live_parameters)
 
 
 def options_from_config(zero, engine_config=None) -> tuple[ShardingOptions, QuantizationOptions]:

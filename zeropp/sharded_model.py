@@ -61,7 +61,7 @@ from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
 from zeropp.residency import Residency, shard_alignment, stays_gathered
 from zeropp.topology import Topology
 from zeropp.unit import ParamRef, PersistentUnits, ShardedUnit, ShardState, UnitComm
-from zeropp.unit_modules import check_no_sharing, default_unit_modules, unit_parameters
+from zeropp.unit_modules import check_no_sharing, default_unit_modules, unit_cap, unit_parameters
 
 # reset_parameters_values lives in zeropp.initial_values; it stays importable from here.
 __all__ = ["ShardedModel", "ShardingOptions", "TrainingPhase", "find_unit",
@@ -114,9 +114,9 @@ class ShardingOptions:
     # 0 here keeps none; the DeepSpeed config's default is 1e9, as in DeepSpeed.
     max_reuse_distance: int = 0
     # Blocks with more parameters than this are split into units below the block
-    # ([Note: units]); None keeps whole blocks. The DeepSpeed config sets it from
-    # stage3_prefetch_bucket_size (stage3_max_live_parameters when prefetch is off).
-    max_unit_numel: int | None = 50_000_000
+    # ([Note: units]); None keeps whole blocks. The DeepSpeed config sets it to a quarter
+    # of stage3_max_live_parameters (``unit_cap``), as here for the default budget.
+    max_unit_numel: int | None = unit_cap(1_000_000_000)
 
 
 def _param_owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:

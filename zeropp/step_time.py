@@ -233,8 +233,8 @@ def _ddr_channels(channels: int, mega_transfers: int) -> float:
 # [Note: the V100 calibration] (scripts/bench/predict_paper.py): the two constants of the
 # DGX-2 descriptions, the least-squares fit of the ZeRO++ paper's 16 TFLOPs figures and the
 # tutorial's two step times; every other DGX-2 figure is from a datasheet.
-V100_GEMM_FRACTION = 0.36
-V100_NETWORK_EFFICIENCY = 0.77
+V100_GEMM_FRACTION = 0.37
+V100_NETWORK_EFFICIENCY = 0.95
 
 
 def _dgx2(gbps_per_node: int) -> ClusterSpec:

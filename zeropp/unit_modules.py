@@ -6,13 +6,22 @@ released after it (``zeropp.unit``). By default every child of an ``nn.ModuleLis
 transformer block) is a unit, and the model itself is the *root* unit: it holds whatever no
 other unit holds (embeddings, the final norm, a tied head).
 
-A block larger than ``max_unit_numel`` parameters is split below itself, as DeepSpeed
-gathers per submodule: each child holding at least ``min_child_numel`` parameters becomes a
-unit (split again while it is still above the cap), and the block keeps a unit of its own
-for its direct parameters and its small children (layer norms). One module's own parameters
-are never split, so a single ``nn.Linear`` above the cap is one unit. The cap comes from
-the DeepSpeed JSON (``zeropp.initialize.options_from_config``): ``stage3_prefetch_bucket_size``,
-what one prefetch brings in, or ``stage3_max_live_parameters`` when prefetch is off.
+A block larger than ``max_unit_numel`` parameters is split below itself: each child holding
+at least ``min_child_numel`` parameters becomes a unit (split again while it is still above
+the cap), and the block keeps a unit of its own for its direct parameters and its small
+children (layer norms). One module's own parameters are never split, so a single
+``nn.Linear`` above the cap is one unit.
+
+The cap is a memory rule, not the prefetch window (``unit_cap``): a quarter of the
+live-parameter budget (``stage3_max_live_parameters``). At backward's peak a rank holds four
+unit-sized buffers: the weights of the unit in use, the next unit's weights prefetched, the
+unit's gradients as autograd fills them, and the previous unit's gradients until their
+reduction completes. Units sized so keep those four within the budget the user set for
+parameters; whole blocks stay whole wherever they fit it (DeepSpeed's default 1e9: blocks of
+up to 250M parameters, a 6.7B GPT's or Llama 3 8B's), and the 18B's 453M-parameter blocks
+split into attention and the MLP's two Linears. How far ahead to gather is the prefetch
+window's business (``stage3_prefetch_bucket_size``, ``zeropp.prefetch``), and it does not
+make units smaller: a smaller unit only means more collectives for the same bytes.
 
 Units may nest (a block's unit around its children's units, the root around everything).
 A unit's parameters are those reachable from its module without passing through another
@@ -26,6 +35,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from torch import nn
+
+# Unit-sized buffers a rank holds at backward's peak ([Note: units]).
+UNIT_BUFFERS_AT_PEAK = 4
+
+
+def unit_cap(max_live_numel: int) -> int:
+    """The largest unit for a live-parameter budget of ``max_live_numel`` ([Note: units])."""
+    return max(1, max_live_numel // UNIT_BUFFERS_AT_PEAK)
 
 
 def _parameter_count(module: nn.Module) -> int:

@@ -16,38 +16,53 @@ DGX-2 descriptions (CLUSTERS["dgx2_400g"], ["dgx2_100g"]) with the V100 calibrat
 (``calibrated``). Traces are cached in ``--traces`` (recording the 138B takes minutes);
 ``--record-only`` fills the cache and stops.
 
+[Note: DeepSpeed's granularity in the replay]
+The published figures are DeepSpeed's, and DeepSpeed reduces gradients in
+``reduce_bucket_size`` pieces: its stage 3 copies them into an IPG bucket of that many
+elements and launches a reduce-scatter (with qgZ, the two-hop all-to-all) each time the bucket
+fills. This engine reduces each unit with one collective per hop ([Note: one reduction per
+unit] in zeropp/unit.py), so its trace holds a few hundred reductions per iteration where
+DeepSpeed's held thousands (the tutorial's 1e7 bucket: about 1,800 for the 18B). The bytes
+are the same; the latency is not: a reduce-scatter over 384 ranks costs 360 intra-node and
+23 inter-node ring steps, about 1.4 ms, and a cross-node collective holds the node's NICs
+(the contention rule of zeropp/step_time.py). So the figures are predicted from the engine's
+trace with each reduction launch replayed as DeepSpeed issues it
+(``as_deepspeed_reduces``): the launch's collectives repeated once per bucket, each carrying
+its share of the bytes. The bucket count is the reduction's elements over the bucket size,
+the elements read from the first collective's input (the exact reduce-scatter's dtype, or
+qgZ's first-hop bits). What this engine itself would take, one reduction per unit, is
+printed beside it; the dry run predicts that.
+
 [Note: the V100 calibration]
 Two constants, zeropp.step_time.V100_GEMM_FRACTION and V100_NETWORK_EFFICIENCY, used by every
 DGX-2 description:
 - ``gemm_fraction``: the fraction of the V100's 125 TFLOP/s fp16 peak the model's kernels
-  reach (0.36);
-- ``network_efficiency``: the fraction of the NICs' line rate a collective gets (0.77).
+  reach (0.37);
+- ``network_efficiency``: the fraction of the NICs' line rate a collective gets (0.95; the
+  bus bandwidth nccl-tests reports on 100 Gbit/s InfiniBand is 90-96% of line rate).
 They were chosen by ``--fit``: a pattern search (steps 0.08 down to 0.01) minimising the mean
 squared log error over all 18 published figures (16 paper cells and the tutorial's two step
-times) at once. Every other DGX-2 figure is a datasheet number (zeropp/step_time.py).
+times) at once, on the traces of 2026-11-27 replayed at DeepSpeed's reduction granularity
+([Note: DeepSpeed's granularity in the replay]); rms log error 0.150. Every other DGX-2
+figure is a datasheet number (zeropp/step_time.py). Before the replay issued reductions as
+DeepSpeed does, the fit gave 0.36 / 0.77 and 25 of 34 cells within 20%: the model's ZeRO-3
+paid no per-bucket latency, so at 400 Gbit/s it ran 28-36% above DeepSpeed's published
+figures, and a lower network efficiency stood in for the latency it lacked at 100 Gbit/s.
 
-What misses 20% (docs/paper_step_time.md), and why:
-- 400 Gbps, 1K tokens, ZeRO-3 (+28% to +36%): since each unit's gradients are one reduction
-  (not a reduce-scatter per ``reduce_bucket_size`` bucket) the model's ZeRO-3 issues a few
-  hundred collectives per iteration instead of thousands, and at 400 Gbps their latency was
-  what held it near the published 23-25. DeepSpeed's ZeRO-3 issues about as many
-  collectives as the old engine did; the model now times this engine, not DeepSpeed's.
-- 400 Gbps, 2K tokens, ZeRO++ (-18% to -24%): compute-bound in the model, whose 0.36 caps a
-  V100 near 40 TFLOPs. The published 50-53 need about 0.45, but the same runs at 1K tokens
+What still misses 20% (docs/paper_step_time.md), and why:
+- 400 Gbps, 2K tokens, ZeRO++, 18B (-22%): compute-bound in the model, whose 0.37 caps a
+  V100 near 42 TFLOPs. The published 50-53 need about 0.45, but the same runs at 1K tokens
   (35-36 published) and the tutorial need less: in the published figures ZeRO++ gains 1.5x
   from 1K to 2K tokens at 400 Gbps, so at 1K something costs about 1.5 s per 18B iteration
   that more compute hides at 2K. Neither the traced iteration nor the datasheet rates hold
   such a cost; one compute efficiency cannot fit both sizes.
-- 100 Gbps, 1K tokens, ZeRO++ at 49B-138B (+30% to +33%): published 22 against 31 at 18B,
+- 100 Gbps, 1K tokens, ZeRO++ at 49B-138B (+43% to +46%): published 22 against 31 at 18B,
   while ZeRO-3 only falls from 14 to 11. In the model every rank's compute and traffic both
   grow linearly with the parameters, so its TFLOPs are flat with size. The published drop
   needs a cost that grows faster than the model; turning hpZ off (the 138B does not fit
   32 GB with it, docs/paper_memory.md) moves the 49B only to 27.4. Not identified.
 The host's issue time ([Note: host in the step-time model], 5 us a kernel or collective)
-is under 0.05 s of these multi-second iterations: no cell is host-bound. ``--fit`` on the
-traces of 2026-11-26 gives gemm_fraction 0.36 and network_efficiency 0.75 (rms log error
-0.166); the constants stay at 0.36 / 0.77, fitted before, which put 25 cells and both of
-the tutorial's figures within 20% (the refit: 23 cells, the tutorial's ZeRO-3 at +22%).
+is under 0.05 s of these multi-second iterations: no cell is host-bound.
 """
 
 from __future__ import annotations
@@ -63,7 +78,7 @@ from megatron_lite.arguments import parse_args
 from megatron_lite.dry_run import baseline_ds_config
 from megatron_lite.ds_config import read_ds_config
 from scripts.bench.paper_memory import GPUS_PER_NODE, program_argv  # the paper's flags
-from zeropp.simulation.trace import IterationTrace
+from zeropp.simulation.trace import IterationTrace, Launch
 from zeropp.step_time import (
     CLUSTERS,
     V100_GEMM_FRACTION,
@@ -116,6 +131,33 @@ def load_or_record(directory: Path, model: str, nodes: int, tokens: int,
     return result.trace
 
 
+def wire_bytes_per_element(model: str, nodes: int, tokens: int, system: str) -> tuple[int, float]:
+    """(reduce_bucket_size, bytes per gradient element on a reduction's first hop) of the
+    setup's DeepSpeed JSON: the exact reduce-scatter's 16-bit elements for ZeRO-3, qgZ's
+    first-hop bits for ZeRO++ ([Note: DeepSpeed's granularity in the replay])."""
+    zero = read_ds_config(parse_args(program_argv(model, nodes, tokens))).zero_optimization
+    if system == "ZeRO-3" or not zero.zero_quantized_gradients:
+        return zero.reduce_bucket_size, 2
+    return zero.reduce_bucket_size, zero.zero_quantized_gradients_bits / 8
+
+
+def as_deepspeed_reduces(trace: IterationTrace, bucket_numel: int,
+                         bytes_per_element: float) -> IterationTrace:
+    """``trace`` with each reduce-lane launch split into ``bucket_numel``-element buckets,
+    one collective sequence per bucket ([Note: DeepSpeed's granularity in the replay])."""
+    events = []
+    for event in trace.events:
+        if isinstance(event, Launch) and event.lane == "reduce" and event.collectives:
+            numel = event.collectives[0].input_bytes / bytes_per_element
+            buckets = max(1, math.ceil(numel / bucket_numel))
+            share = [dataclasses.replace(c, input_bytes=c.input_bytes // buckets,
+                                         output_bytes=c.output_bytes // buckets)
+                     for c in event.collectives]
+            event = dataclasses.replace(event, collectives=tuple(share * buckets))
+        events.append(event)
+    return dataclasses.replace(trace, events=events)
+
+
 def calibrated(cluster: ClusterSpec, gemm_fraction: float,
                network_efficiency: float) -> ClusterSpec:
     return dataclasses.replace(cluster, gemm_fraction=gemm_fraction,
@@ -135,18 +177,24 @@ def setups() -> list[dict]:
     return rows
 
 
-def cell_errors(rows: list[dict], traces: dict, gemm: float, net: float) -> list[dict]:
-    """Every published figure against its prediction on the calibrated DGX-2 cluster."""
+def cell_errors(rows: list[dict], traces: dict, gemm: float, net: float,
+                engine_traces: dict | None = None) -> list[dict]:
+    """Every published figure against its prediction on the calibrated DGX-2 cluster, from
+    ``traces`` (DeepSpeed's granularity); ``engine_traces`` adds this engine's own."""
     results = []
     for row in rows:
         cluster = calibrated(CLUSTERS[f"dgx2_{row['gbps']}g"], gemm, net)
         for system in SYSTEMS:
-            prediction = predict(traces[(row["model"], row["nodes"], row["tokens"], system)],
-                                 cluster)
+            key = (row["model"], row["nodes"], row["tokens"], system)
+            prediction = predict(traces[key], cluster)
             result = {"setup": row["name"], "model": row["model"], "nodes": row["nodes"],
                       "tokens_per_gpu": row["tokens"], "gbps": row["gbps"], "system": system,
                       "predicted_seconds": prediction.seconds,
                       "predicted_tflops": prediction.tflops_per_gpu}
+            if engine_traces is not None:
+                own = predict(engine_traces[key], cluster)
+                result["engine_seconds"] = own.seconds
+                result["engine_tflops"] = own.tflops_per_gpu
             if "published_seconds" in row:
                 result["published_seconds"] = row["published_seconds"][system]
                 result["error"] = prediction.seconds / result["published_seconds"] - 1
@@ -203,12 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     models = options.models.split(",")
     rows = [r for r in setups() if r["model"] in models]
-    traces = {}
+    engine_traces, traces = {}, {}  # this engine's granularity, DeepSpeed's
     for row in rows:
         for system in SYSTEMS:
             key = (row["model"], row["nodes"], row["tokens"], system)
-            if key not in traces:
-                traces[key] = load_or_record(options.traces, *key)
+            if key not in engine_traces:
+                engine_traces[key] = load_or_record(options.traces, *key)
+                traces[key] = as_deepspeed_reduces(engine_traces[key],
+                                                   *wire_bytes_per_element(*key))
     if options.record_only:
         return 0
     gemm, net = V100_GEMM_FRACTION, V100_NETWORK_EFFICIENCY
@@ -216,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         gemm, net, rms = fit(rows, traces)
         print(f"fit on {2 * len(rows)} published figures: gemm_fraction {gemm:.2f}, "
               f"network_efficiency {net:.2f} (rms log error {rms:.3f})")
-    results = cell_errors(rows, traces, gemm, net)
+    results = cell_errors(rows, traces, gemm, net, engine_traces)
     table = render(results, gemm, net)
     print(table)
     if options.out is not None:
@@ -256,15 +306,22 @@ def render(results: list[dict], gemm: float, net: float) -> str:
         f"see [Note: the V100 calibration] in scripts/bench/predict_paper.py): "
         f"gemm_fraction {gemm:.2f}, network_efficiency {net:.2f}.",
         "",
+        "Predicted: the engine's traced iteration with its reductions issued as DeepSpeed, "
+        "which ran the published figures, issues them (one per `reduce_bucket_size` bucket; "
+        "[Note: DeepSpeed's granularity in the replay] in scripts/bench/predict_paper.py). "
+        "This engine: the same trace as the engine issues it, one reduction per unit (what "
+        "the dry run predicts).",
+        "",
         "## The tutorial: 18B on 4 x 16 V100, 100 Gbit/s, ms per iteration",
         "",
-        "| system | published | predicted | error |",
-        "|---|---|---|---|",
+        "| system | published | predicted | error | this engine |",
+        "|---|---|---|---|---|",
     ]
     for r in results:
         if r["setup"] == "tutorial":
             lines.append(f"| {r['system']} | {r['published_seconds'] * 1e3:.0f} | "
-                         f"{r['predicted_seconds'] * 1e3:.0f} | {r['error']:+.0%} |")
+                         f"{r['predicted_seconds'] * 1e3:.0f} | {r['error']:+.0%} | "
+                         f"{r.get('engine_seconds', float('nan')) * 1e3:.0f} |")
     lines += ["", f"## The paper: 384 V100 ({PAPER_NODES} x {GPUS_PER_NODE}), TFLOPs per GPU, "
               "published / predicted (error)", "",
               "| link | tokens/GPU | system | " + " | ".join(m.upper() for m in MODELS) + " |",
@@ -280,6 +337,18 @@ def render(results: list[dict], gemm: float, net: float) -> str:
                    f"({cells[m]['error']:+.0%})" if m in cells else "" for m in MODELS]
             lines.append(f"| {gbps} Gbps | {tokens // 1024}K | {system} | " + " | ".join(row)
                          + " |")
+    lines += ["", "This engine, one reduction per unit (TFLOPs per GPU, same calibration):", "",
+              "| link | tokens/GPU | system | " + " | ".join(m.upper() for m in MODELS) + " |",
+              "|---|---|---|" + "---|" * len(MODELS)]
+    for gbps, tokens in PUBLISHED:
+        for system in SYSTEMS:
+            cells = {r["model"]: r for r in paper if (r["gbps"], r["tokens_per_gpu"],
+                                                     r["system"]) == (gbps, tokens, system)}
+            if cells:
+                lines.append(f"| {gbps} Gbps | {tokens // 1024}K | {system} | " + " | ".join(
+                    f"{cells[m].get('engine_tflops', float('nan')):.1f}" if m in cells else ""
+                    for m in MODELS)
+                    + " |")
     errors = [abs(r["error"]) for r in results]
     lines += ["", f"Largest error: {max(errors):.0%}; cells within 20%: "
               f"{sum(e <= 0.20 for e in errors)} of {len(errors)}.", ""]
