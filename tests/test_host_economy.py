@@ -23,15 +23,16 @@ from zeropp.simulation import OpCounter
 NODES, GPUS = host_ops.NODES, host_ops.GPUS_PER_NODE
 
 
-def tiny_argv(tmp_path, layers: int, **zero) -> list[str]:
+def tiny_argv(tmp_path, layers: int, vocab: list[str] = (), hidden: int = 64,
+              **zero) -> list[str]:
     config = json.loads(host_ops.ZEROPP_CONFIG.read_text())
     config["zero_optimization"].update({"stage3_max_live_parameters": 0,
                                         "stage3_max_reuse_distance": 0, **zero})
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
-    return host_ops.program_argv(["--num-layers", str(layers), "--hidden-size", "64",
+    return host_ops.program_argv(["--num-layers", str(layers), "--hidden-size", str(hidden),
                                   "--num-attention-heads", "4", "--seq-length", "64",
-                                  "--deepspeed_config", str(path)])
+                                  *vocab, "--deepspeed_config", str(path)])
 
 
 def planned_units(argv: list[str]):
@@ -52,14 +53,17 @@ def test_one_reduction_per_unit_whatever_the_reduce_bucket_size(tmp_path):
 
 
 def test_persistent_units_share_one_gather_and_one_reduction(tmp_path):
-    """Blocks split below themselves (a 20K-element cap at hidden 64): each block keeps a
-    unit of its two layer norms (256 elements), below the persistence threshold of 1,000.
-    Those are gathered once after the step, all together, and reduced once after backward,
-    all together; every other unit is gathered in forward, again for its recomputation (the
-    root stays gathered), and reduced once."""
-    argv = tiny_argv(tmp_path, layers=3, stage3_prefetch_bucket_size=20_000,
-                     stage3_param_persistence_threshold=1_000,
-                     stage3_max_live_parameters=10**9)  # a recompute keeps its block gathered
+    """Blocks split below themselves (hidden 256: 787K-element blocks, a 500K cap, a quarter
+    of a 2M live budget): each block keeps a unit of its two layer norms (1,024 elements),
+    below the persistence threshold of 2,000. Those are gathered once after the step, all
+    together, and reduced once after backward, all together; every other unit is gathered
+    in forward, again for its recomputation (the root stays gathered), and reduced once.
+    The budget holds a recomputed block's three units as ZeRO++ pads them (to whole
+    quantization blocks on each of 64 ranks: 393K elements each) and a 64-token vocabulary
+    keeps the root small, so no recomputed unit is released early."""
+    argv = tiny_argv(tmp_path, layers=3, hidden=256, stage3_param_persistence_threshold=2_000,
+                     stage3_max_live_parameters=2_000_000,
+                     vocab=["--tokenizer-type", "NullTokenizer", "--vocab-size", "64"])
     units = planned_units(argv)
     persistent = sum(u.persistent for u in units)
     assert persistent == 3  # one per block
@@ -85,7 +89,7 @@ def _step_kernels(rank: int, world: int, layers: int) -> dict[str, int]:
                           {"params": no_decay, "weight_decay": 0.0}],
         config={"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 500,
+                "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 2000,
                                       "stage3_param_persistence_threshold": 0}})
     tokens = toy_batches(2, 1, 2 * world)[:, 0, rank * 2:(rank + 1) * 2]
     units = len(engine.sharded.units)
@@ -122,7 +126,7 @@ def _persistent_weights_after_steps(rank: int, world: int) -> list[tuple[str, bo
         config={"train_micro_batch_size_per_gpu": 2,
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
                 "zero_optimization": {"stage": 3, "zero_quantized_weights": True,
-                                      "stage3_prefetch_bucket_size": 500,
+                                      "stage3_max_live_parameters": 2000,
                                       "stage3_param_persistence_threshold": 100}})
     tokens = toy_batches(2, 1, 2 * world)[:, 0, rank * 2:(rank + 1) * 2]
     for step in range(2):

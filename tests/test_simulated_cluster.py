@@ -62,7 +62,8 @@ def test_gpt3_xl_width_on_2x8_follows_nccl_rules_and_the_plan(tmp_path, system):
     assert (cluster.first.rank, cluster.last.rank) == (0, 15)
     assert cluster.order_mismatches == []  # training, save and resume: same order
     world = tuple(range(16))
-    assert len(cluster.first.order[world]) == len(cluster.last.order[world]) > 100
+    # 9 units (8 whole 50M-parameter blocks and the root) over 4 iterations and a resume
+    assert len(cluster.first.order[world]) == len(cluster.last.order[world]) > 60
 
     # Every communicator is warmed up at initialize, with one all-reduce, before any other
     # use ([Note: eager communicators]); the exact reductions run on a world communicator of
@@ -131,8 +132,8 @@ def test_llama_style_on_2x8_follows_nccl_rules_and_the_plan(tmp_path):
 
 
 def test_units_below_the_block_follow_nccl_rules(tmp_path):
-    """786K-element blocks split into their Linears (prefetch bucket 200K), recomputed units
-    released beyond a 300K live budget, hpZ's secondary int8 or 16-bit: NCCL's rules, the same
+    """786K-element blocks split into their Linears (a 75K cap: a quarter of the 300K live
+    budget), recomputed units released beyond that budget, hpZ's secondary int8 or 16-bit: NCCL's rules, the same
     order on the first and last rank through training, save and resume, host reads only at
     the log; the int8 secondary takes half the 16-bit one's bytes (and a 4-byte scale per
     256)."""

@@ -71,6 +71,8 @@ def test_the_cap_is_a_quarter_of_the_live_budget_not_the_prefetch_window():
     zero = ZeroConfig(stage=3, stage3_prefetch_bucket_size=0, stage3_max_live_parameters=7)
     assert max_unit_numel(zero) == 1  # a budget below four parameters: every module alone
     assert options_from_config(zero)[0].max_unit_numel == 1
+    # 0 asks to release every unit at once, not for units of one parameter: blocks stay whole.
+    assert max_unit_numel(ZeroConfig(stage=3, stage3_max_live_parameters=0)) is None
     # The planner groups a model as the engine will for that config (18B: 453M-element
     # blocks, split at the default budget).
     model = gpt(layers=3)

@@ -229,7 +229,7 @@ def make_loss_scaler(fp16_enabled: bool, fp16_config=None) -> LossScaler:
     )
 
 
-def max_unit_numel(zero) -> int:
+def max_unit_numel(zero) -> int | None:
     """The largest unit of sharding: a quarter of ``stage3_max_live_parameters``
     ([Note: units]); the prefetch window does not size units."""
     return unit_cap(zero.stage3_max_live_parameters)

@@ -21,7 +21,8 @@ parameters; whole blocks stay whole wherever they fit it (DeepSpeed's default 1e
 up to 250M parameters, a 6.7B GPT's or Llama 3 8B's), and the 18B's 453M-parameter blocks
 split into attention and the MLP's two Linears. How far ahead to gather is the prefetch
 window's business (``stage3_prefetch_bucket_size``, ``zeropp.prefetch``), and it does not
-make units smaller: a smaller unit only means more collectives for the same bytes.
+make units smaller: a smaller unit only means more collectives for the same bytes. A budget
+of 0 (release every unit as soon as it is used) leaves blocks whole.
 
 Units may nest (a block's unit around its children's units, the root around everything).
 A unit's parameters are those reachable from its module without passing through another
@@ -40,8 +41,12 @@ from torch import nn
 UNIT_BUFFERS_AT_PEAK = 4
 
 
-def unit_cap(max_live_numel: int) -> int:
-    """The largest unit for a live-parameter budget of ``max_live_numel`` ([Note: units])."""
+def unit_cap(max_live_numel: int) -> int | None:
+    """The largest unit for a live-parameter budget of ``max_live_numel`` ([Note: units]);
+    None (whole blocks) for 0, which asks to release every unit as soon as it is used, not
+    for units of one parameter."""
+    if max_live_numel <= 0:
+        return None
     return max(1, max_live_numel // UNIT_BUFFERS_AT_PEAK)
 
 
