@@ -11,12 +11,12 @@ from tests.toy_models import toy_batches, toy_loss, toy_model
 LR = 3e-3
 
 
-def _engine(stage: int, accumulation: int = 2, scheduler: bool = False):
+def _engine(stage: int, accumulation: int = 2, scheduler: bool = False, **extra):
     import zeropp
 
     config = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": accumulation,
               "zero_optimization": {"stage": stage},
-              "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+              "optimizer": {"type": "AdamW", "params": {"lr": LR}}, **extra}
     if scheduler:
         config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 4,
                                                               "warmup_max_lr": LR}}
@@ -230,3 +230,35 @@ def test_tput_timer_counts_epochs_and_steps_and_rates_the_timed_ones():
         assert (steps, micro, batch) == (5, 6, 12)  # 3 per micro-batch x 2 ranks x 2
         assert elapsed > 0
         assert rate == pytest.approx(batch / (elapsed / 3))
+
+
+def disabled_throughput(rank, world):
+    engine = _engine(stage=3, accumulation=1,
+                     timers={"throughput": {"enabled": False, "synchronized": True}})
+    data = toy_batches(4, 1, 3 * world)[:, :, rank * 3:(rank + 1) * 3]
+    for step in range(4):
+        _micro(engine, data[step, 0])
+    timer = engine.tput_timer
+    engine.close()
+    # CPU: "synchronized" has no device to synchronize
+    return timer.global_step_count, timer.avg_samples_per_sec(), timer.synchronize
+
+
+def test_the_timers_block_turns_the_throughput_timer_off():
+    """DeepSpeed's ``"timers": {"throughput": {"enabled": false}}``: the timer never counts."""
+    for steps, rate, synchronize in run_ranks(disabled_throughput, 2):
+        assert (steps, rate, synchronize) == (0, float("-inf"), None)
+
+
+def test_a_synchronized_throughput_timer_synchronizes_at_each_timed_span():
+    """``synchronized`` (CUDA): the device is synchronized where DeepSpeed does, at the start
+    and end of each span after the warm-up steps, never before."""
+    from zeropp.reports import ThroughputTimer
+
+    calls = []
+    timer = ThroughputTimer(4, None, rank=1, synchronize=lambda: calls.append(timer.global_step_count))
+    for _ in range(4):
+        timer.start()
+        timer.stop(global_step=True)
+    assert calls == [2, 3, 3, 4]  # two warm-up steps untimed, then start and end of each
+    assert timer.avg_samples_per_sec() > 0

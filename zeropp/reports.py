@@ -23,6 +23,7 @@ import csv
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -136,10 +137,17 @@ class ThroughputTimer:
     the rate is the whole job's; ``epoch_count`` counts the calls to ``update_epoch_count``,
     which also restarts ``micro_step_count``. Every ``steps_per_output`` optimizer steps rank
     0 prints the running and current rates, as DeepSpeed's engine logs them.
+
+    The config's ``timers.throughput`` block: ``enabled`` false leaves the timer idle (its
+    rate stays -inf); ``synchronize``, given where ``synchronized`` is true on CUDA, runs at a
+    timed span's start and end, as DeepSpeed synchronizes the accelerator there.
     """
 
     def __init__(self, batch_size: int | None, steps_per_output: int | None, rank: int,
-                 start_step: int = 2) -> None:
+                 start_step: int = 2, enabled: bool = True,
+                 synchronize: Callable[[], None] | None = None) -> None:
+        self.enabled = enabled
+        self.synchronize = synchronize
         self.batch_size = 1 if batch_size is None else batch_size
         self.steps_per_output = steps_per_output
         self.rank = rank
@@ -157,8 +165,12 @@ class ThroughputTimer:
         self.micro_step_count = 0
 
     def start(self) -> None:
+        if not self.enabled:
+            return
         self.started = True
         if self.global_step_count >= self.start_step:
+            if self.synchronize is not None:
+                self.synchronize()
             self.start_time = time.time()
 
     def stop(self, global_step: bool) -> None:
@@ -170,6 +182,8 @@ class ThroughputTimer:
             self.global_step_count += 1
         if self.start_time <= 0:
             return  # still warming up
+        if self.synchronize is not None:
+            self.synchronize()
         duration = time.time() - self.start_time
         self.total_elapsed_time += duration
         self.step_elapsed_time += duration

@@ -28,6 +28,7 @@ from zeropp.config.sections import (
     CSVMonitorConfig,
     FP16Config,
     TensorBoardConfig,
+    TimersConfig,
     WandbConfig,
     ZeroConfig,
     _field,
@@ -67,6 +68,8 @@ class EngineConfig(_Section):
     csv_monitor: CSVMonitorConfig = _field(
         CSVMonitorConfig, "CSV monitor", _section(CSVMonitorConfig), factory=True)
     wandb: WandbConfig = _field(WandbConfig, "W&B monitor", _section(WandbConfig), factory=True)
+    timers: TimersConfig = _field(TimersConfig, "engine.tput_timer", _section(TimersConfig),
+                                  factory=True)
     communication_data_type: str | None = _field(
         None, "dtype of unquantized gradient reductions; None = compute dtype",
         _optional(_one_of("fp32", "fp16", "bf16")))

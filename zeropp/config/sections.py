@@ -308,6 +308,30 @@ class CSVMonitorConfig(TensorBoardConfig):
 
 
 @dataclass(frozen=True)
+class ThroughputTimerConfig(_Section):
+    """DeepSpeed's ``timers.throughput``: ``engine.tput_timer`` (zeropp.reports.ThroughputTimer)."""
+
+    SECTION: ClassVar[str] = "timers.throughput"
+    enabled: bool = _field(True, "time the steps (samples per second); false: the timer stays "
+                           "at -inf and prints nothing", _boolean)
+    synchronized: bool = _field(
+        False, "synchronize the device at each timed span's start and end (CUDA). DeepSpeed "
+        "defaults to true; here false, since a synchronize per step is the host sync the "
+        "engine avoids ([Note: step outcome on the device]); the rate is then the host's, "
+        "which the GPU's bounds over many steps", _boolean)
+
+
+@dataclass(frozen=True)
+class TimersConfig(_Section):
+    """DeepSpeed's ``timers`` block."""
+
+    SECTION: ClassVar[str] = "timers"
+    throughput: ThroughputTimerConfig = _field(
+        ThroughputTimerConfig, "the throughput timer", _section(ThroughputTimerConfig),
+        factory=True)
+
+
+@dataclass(frozen=True)
 class WandbConfig(_Section):
     """DeepSpeed's W&B monitor (offline when WANDB_MODE=offline or no API key)."""
 
