@@ -77,5 +77,5 @@ def test_reductions_replay_as_deepspeed_issues_them():
 
 
 def test_the_bucket_and_wire_format_come_from_the_tutorial_json():
-    assert predict_paper.wire_bytes_per_element("18b", 4, 512, "ZeRO-3") == (10**7, 2)
-    assert predict_paper.wire_bytes_per_element("18b", 4, 512, "ZeRO++") == (10**7, 0.5)
+    assert predict_paper.reduce_bucket_and_wire_bytes("18b", 4, 512, "ZeRO-3") == (10**7, 2)
+    assert predict_paper.reduce_bucket_and_wire_bytes("18b", 4, 512, "ZeRO++") == (10**7, 0.5)

@@ -394,16 +394,18 @@ class _OldShards:
         copied as they are; else None."""
         if rank >= self.world_size:
             return None
-        record = next((r for r in self.rank_state(rank)["units"] if r["name"] == unit.name),
-                      None)
+        try:
+            record = self.unit(rank, unit.name)
+        except CheckpointError:  # saved under another grouping: rebuilt by parameter name
+            return None
         layout = unit.layout
-        if (record is None or record["shard_start"] != unit.shard_start
+        if (record["shard_start"] != unit.shard_start
                 or record["shard_end"] != unit.shard_end
                 or record["padded_numel"] != layout.padded_numel
                 or record["slots"] != [[s.name, list(s.shape), s.offset] for s in layout.slots]
                 or any(field not in record for field in fields)):
             return None
-        real = min(max(layout.numel - unit.shard_start, 0), layout.shard_numel)
+        real = layout.filled_in_shard(unit.shard_start)
         values = {field: record[field] for field in fields}
         for value in values.values():
             if (value.dtype != torch.float32 or value.numel() != layout.shard_numel
@@ -548,7 +550,7 @@ def _rebuilt_shard(old: _OldShards, unit, fields, buffers: dict[str, torch.Tenso
     shard_numel = unit.layout.shard_numel
     values = {f: buffers[f][:shard_numel] for f in fields}
     # The slots fill [0, numel) of the flat layout; the padding after them reads as 0.
-    real = min(max(unit.layout.numel - unit.shard_start, 0), shard_numel)
+    real = unit.layout.filled_in_shard(unit.shard_start)
     for field in fields:
         values[field][real:].zero_()
     for slot in unit.layout.slots:

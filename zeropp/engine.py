@@ -67,15 +67,8 @@ class ZeroEngine:
         self.reports = None
         if config is not None:
             self.reports = EngineReports(config, sharded.topology.rank, sharded.device)
-        throughput = getattr(config, "timers", None)
-        throughput = throughput.throughput if throughput is not None else None
-        synchronize = (torch.cuda.synchronize if throughput is not None and throughput.synchronized
-                       and sharded.device.type == "cuda" else None)
-        self.tput_timer = ThroughputTimer(
-            getattr(config, "train_batch_size", None),
-            getattr(config, "steps_per_print", None), sharded.topology.rank,
-            enabled=throughput.enabled if throughput is not None else True,
-            synchronize=synchronize)
+        self.tput_timer = ThroughputTimer.for_engine(config, sharded.topology.rank,
+                                                     sharded.device)
 
     # ---- model ---------------------------------------------------------------------------
     @property

@@ -63,6 +63,11 @@ class FlatLayout:
         start = shard_index * self.shard_numel
         return start, start + self.shard_numel
 
+    def filled_in_shard(self, start: int) -> int:
+        """Elements of the shard starting at flat offset ``start`` that hold parameters; the
+        rest of it is padding."""
+        return min(max(self.numel - start, 0), self.shard_numel)
+
     def overlap(self, slot: ParamSlot, start: int, end: int) -> tuple[int, int] | None:
         """The part of ``slot`` inside flat range [start, end), as offsets into the slot."""
         lo, hi = max(slot.offset, start), min(slot.end, end)

@@ -160,6 +160,19 @@ class ThroughputTimer:
         self.started = False
         self.start_time = 0.0
 
+    @classmethod
+    def for_engine(cls, config: EngineConfig | None, rank: int,
+                   device: torch.device) -> ThroughputTimer:
+        """The engine's timer: the config's global batch, print interval and ``timers``
+        block (an engine built without a config: DeepSpeed's defaults, never synchronized)."""
+        if config is None:
+            return cls(None, None, rank)
+        timer = config.timers.throughput
+        synchronize = torch.cuda.synchronize if timer.synchronized and device.type == "cuda" \
+            else None
+        return cls(config.train_batch_size, config.steps_per_print, rank,
+                   enabled=timer.enabled, synchronize=synchronize)
+
     def update_epoch_count(self) -> None:
         self.epoch_count += 1
         self.micro_step_count = 0

@@ -131,7 +131,8 @@ def load_or_record(directory: Path, model: str, nodes: int, tokens: int,
     return result.trace
 
 
-def wire_bytes_per_element(model: str, nodes: int, tokens: int, system: str) -> tuple[int, float]:
+def reduce_bucket_and_wire_bytes(model: str, nodes: int, tokens: int,
+                                 system: str) -> tuple[int, float]:
     """(reduce_bucket_size, bytes per gradient element on a reduction's first hop) of the
     setup's DeepSpeed JSON: the exact reduce-scatter's 16-bit elements for ZeRO-3, qgZ's
     first-hop bits for ZeRO++ ([Note: DeepSpeed's granularity in the replay])."""
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             if key not in engine_traces:
                 engine_traces[key] = load_or_record(options.traces, *key)
                 traces[key] = as_deepspeed_reduces(engine_traces[key],
-                                                   *wire_bytes_per_element(*key))
+                                                   *reduce_bucket_and_wire_bytes(*key))
     if options.record_only:
         return 0
     gemm, net = V100_GEMM_FRACTION, V100_NETWORK_EFFICIENCY
