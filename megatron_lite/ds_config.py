@@ -68,6 +68,9 @@ def reconcile_with_ds_config(args: argparse.Namespace, config: EngineConfig) -> 
     _take_or_compare(args, config, "zero_stage", "zero_optimization.stage", source)
     _reconcile_optimizer(args, config, source)
     _reconcile_communication(args, config, source)
+    _take_or_compare(args, config, "cuda_graph", "cuda_graph.enabled", source)
+    _take_or_compare(args, config, "cuda_graph_warmup_steps", "cuda_graph.warmup_iterations",
+                     source)
     if getattr(args, "world_size", None) is not None:
         validate_args(args, args.world_size)
 
@@ -192,6 +195,8 @@ def engine_config(args: argparse.Namespace, ds_config: EngineConfig) -> EngineCo
         zero_optimization=dataclasses.replace(ds_config.zero_optimization, stage=args.zero_stage),
         fp16=dataclasses.replace(ds_config.fp16, **fp16_block(args)),
         bf16=dataclasses.replace(ds_config.bf16, enabled=bool(args.bf16)),
+        cuda_graph=dataclasses.replace(ds_config.cuda_graph, enabled=bool(args.cuda_graph),
+                                       warmup_iterations=args.cuda_graph_warmup_steps),
     )
 
 

@@ -54,6 +54,8 @@ LossFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 LoaderFactory = Callable[[int], Iterable[torch.Tensor]]
 
 _STEP_TIMERS = ["batch-generator", "forward", "backward", "optimizer"]
+# With --cuda-graph forward, backward and step are one launch, timed as one.
+_GRAPHED_STEP_TIMERS = ["batch-generator", "forward-backward-step"]
 
 
 class TrainingEngine(Protocol):
@@ -269,6 +271,12 @@ class Trainer:
         self._applied_on_device: torch.Tensor | None = None
         self.last_evaluation: tuple[int, float] | None = None
         self._interval = IntervalTotals()
+        # The iteration captured as one CUDA graph where the engine's config asks for it and
+        # it can be (the engine's ``iteration_runner`` says why not otherwise); None: eager.
+        self._graphed_iteration = None
+        runner = getattr(engine, "iteration_runner", None)
+        if runner is not None:
+            self._graphed_iteration = runner(self._device_iteration, log=self.log)
 
     # ---- training ------------------------------------------------------------------------
 
@@ -310,6 +318,8 @@ class Trainer:
                                                                    bool | torch.Tensor]:
         """One global batch; returns this rank's mean micro-batch loss and whether the
         engine applied the update (a device flag where the device decided)."""
+        if self._graphed_iteration is not None:
+            return self._graphed_train_step(batches)
         micro_losses = []
         for _ in range(self.config.gradient_accumulation_steps):
             self.timers("batch-generator").start()
@@ -325,6 +335,35 @@ class Trainer:
             self.engine.step()
             self.timers("optimizer").stop()
             micro_losses.append(loss.detach())
+        return self._count_iteration(torch.stack(micro_losses).mean())
+
+    def _device_iteration(self, *texts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One global batch from its micro-batches' token ids already on the device, with no
+        host read and no timer: what ``--cuda-graph`` captures. Returns (mean micro-batch
+        loss, the device's applied flag)."""
+        micro_losses = []
+        for text in texts:
+            tokens, labels, loss_mask, _ = get_batch(text)
+            loss = self.loss_fn(self.engine(tokens), labels, loss_mask)
+            self.engine.backward(loss)
+            self.engine.step()
+            micro_losses.append(loss.detach())
+        return torch.stack(micro_losses).mean(), self.engine.step_applied_flag()
+
+    def _graphed_train_step(self, batches: Iterator[torch.Tensor]) -> tuple[torch.Tensor,
+                                                                           torch.Tensor]:
+        # Only the batch generator is timed: forward, backward and step are one launch.
+        self.timers("batch-generator").start()
+        texts = [self._next_micro_text(batches, "training")
+                 for _ in range(self.config.gradient_accumulation_steps)]
+        self.timers("batch-generator").stop()
+        self.timers("forward-backward-step").start()
+        loss, _ = self._graphed_iteration(*texts)
+        self.timers("forward-backward-step").stop()
+        return self._count_iteration(loss)
+
+    def _count_iteration(self, loss: torch.Tensor) -> tuple[torch.Tensor, bool | torch.Tensor]:
+        """The loop's records after an iteration's micro-batches: returns (loss, applied)."""
         self.iteration += 1
         self.consumed_samples += self.config.global_batch_size
         if getattr(self.engine, "defers_step_outcome", False):
@@ -337,17 +376,22 @@ class Trainer:
             self._applied_on_device = self._applied_on_device + applied
             self.applied_updates += 1
             self.lr_scheduler.step_on_device(self._applied_on_device)
-            return torch.stack(micro_losses).mean(), applied
+            return loss, applied
         applied = not self.engine.last_step_overflowed
         if applied:
             self.applied_updates += 1
             self.lr_scheduler.step(self.applied_updates)
         else:
             self.skipped_iterations += 1
-        return torch.stack(micro_losses).mean(), applied
+        return loss, applied
 
     def _next_micro_batch(self, batches: Iterator[torch.Tensor],
                           split: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens, labels, loss_mask, _ = get_batch(self._next_micro_text(batches, split))
+        return tokens, labels, loss_mask
+
+    def _next_micro_text(self, batches: Iterator[torch.Tensor], split: str) -> torch.Tensor:
+        """The next micro-batch's token ids [b, s + 1], checked, on the device."""
         try:
             text = next(batches)
         except StopIteration:
@@ -361,8 +405,7 @@ class Trainer:
                 f"the {split} data holds token id {largest}, but the tokenizer's vocabulary "
                 f"has {self.vocab_size} ids: the data was tokenized with another tokenizer"
             )
-        tokens, labels, loss_mask, _ = get_batch(text.to(self.device, non_blocking=True))
-        return tokens, labels, loss_mask
+        return text.to(self.device, non_blocking=True)
 
     # ---- evaluation ----------------------------------------------------------------------
 
@@ -429,7 +472,9 @@ class Trainer:
             self.run_control.check_nonfinite_streak(self, int(read["streak"]))
         mean_loss = math.nan if read["loss"] is None else read["loss"]
         seconds = self.timers("interval-time").elapsed(reset=True)
-        step_times = self.timers.log_string(_STEP_TIMERS, normalizer=iterations)
+        step_times = self.timers.log_string(
+            _STEP_TIMERS if self._graphed_iteration is None else _GRAPHED_STEP_TIMERS,
+            normalizer=iterations)
         metrics = self._interval_metrics(interval, mean_loss, seconds, read)
         if self.is_logging_rank:
             print(self._log_line(metrics), flush=True)

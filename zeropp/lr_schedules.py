@@ -179,7 +179,13 @@ class AnnealingLR(ParamGroupSchedule):
             table = self._lr_table(group.get("max_lr"), group.get("min_lr"), iteration.device)
             # index_select, not table[i]: indexing with a 0-dim tensor reads it on the host
             position = iteration.clamp(max=table.numel() - 1).reshape(1)
-            group["lr"] = table.index_select(0, position).reshape(())
+            lr = table.index_select(0, position).reshape(())
+            held = group["lr"]
+            if (isinstance(held, torch.Tensor) and held.device == lr.device
+                    and held.dtype == lr.dtype and held.dim() == 0):
+                held.copy_(lr)  # in place: a captured iteration reads this tensor
+            else:
+                group["lr"] = lr
 
     def _lr_table(self, max_lr: float | None, min_lr: float | None,
                   device: torch.device) -> torch.Tensor:

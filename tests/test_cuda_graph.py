@@ -1,0 +1,198 @@
+"""The iteration graph ([Note: iteration graphs] in zeropp/cuda_graph.py) without a GPU.
+
+A CUDA graph cannot run here, so its two effects are stood in for: a capture that runs the
+iteration once (as the engine's Python runs once during a real capture) and a replay that
+reruns the captured function on the static inputs, writing into the static outputs, with
+every host-side record put back as it was (a real replay runs no Python). What the tests
+check is the graph's bookkeeping: inputs copied into the static ones, outputs copied out,
+step counts and byte counters advanced by the capture's amount, and the trained weights,
+losses and records equal to eager training (2 ranks, gloo, the device-decided step of
+torch's fused AdamW). And where capture cannot work, the engine says why in one line and
+trains eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+from tests.toy_models import toy_batches, toy_loss, toy_model
+
+LR = 3e-3
+
+
+def _engine(overlap: bool = True):
+    import zeropp
+
+    model = toy_model(checkpoint=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, fused=True)
+    config = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
+              "gradient_clipping": 0.05,
+              "zero_optimization": {"stage": 3, "overlap_comm": overlap}}
+    engine, _, _, _ = zeropp.initialize(model, optimizer=optimizer, config=config)
+    return engine
+
+
+class RerunGraph:
+    """Stands in for ``torch.cuda.CUDAGraph``: ``replay`` reruns the captured iteration
+    with the host's records restored afterwards. The first replay, right after the capture,
+    does nothing: the stand-in capture already ran the iteration."""
+
+    def __init__(self) -> None:
+        self.owner = None  # the IterationGraph, set once it exists
+        self._first = True
+
+    def replay(self) -> None:
+        if self._first:
+            self._first = False
+            return
+        owner = self.owner
+        engine = owner.engine
+        records = (engine.micro_steps, engine.global_steps,
+                   copy.deepcopy(engine.comm_stats.snapshot()))
+        outputs = owner.fn(*owner._static_inputs)
+        for static, fresh in zip(owner._static_outputs, outputs, strict=True):
+            static.copy_(fresh)
+        engine.micro_steps, engine.global_steps = records[0], records[1]
+        engine.comm_stats.reset()
+        for phase, sent in records[2].items():
+            for where, nbytes in sent.items():
+                engine.comm_stats.record(phase, where == "inter_node", nbytes)
+
+
+def _iteration(engine):
+    def run(*micro_batches):
+        losses = []
+        for tokens in micro_batches:
+            loss = toy_loss(engine(tokens), tokens)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach())
+        return torch.stack(losses).mean(), engine.step_applied_flag()
+    return run
+
+
+def graphed_against_eager(rank, world):
+    from zeropp.cuda_graph import CudaGraphOptions, IterationGraph
+
+    data = toy_batches(6, 2, 3 * world)[:, :, rank * 3:(rank + 1) * 3]
+    eager, graphed = _engine(), _engine()
+    stand_in = RerunGraph()
+    runner = IterationGraph(graphed, _iteration(graphed), CudaGraphOptions(True, 2),
+                            graph_factory=lambda: stand_in,
+                            capture=lambda graph: contextlib.nullcontext())
+    stand_in.owner = runner
+    eager_run = _iteration(eager)
+    out = {"eager": [], "graphed": []}
+    eager.comm_bytes(reset=True)
+    graphed.comm_bytes(reset=True)
+    for step in data:
+        out["eager"].append(float(eager_run(*step)[0]))
+        loss, applied = runner(*step)
+        out["graphed"].append(float(loss))
+        assert bool(applied)
+    out["captured"], out["replays"] = runner.captured, runner.replays
+    out["steps"] = (eager.global_steps, graphed.global_steps)
+    out["micro_steps"] = (eager.micro_steps, graphed.micro_steps)
+    out["bytes"] = (eager.comm_bytes(), graphed.comm_bytes())
+    a, b = eager.full_state_dict(), graphed.full_state_dict()
+    out["largest_difference"] = max(float((a[k] - b[k]).abs().max()) for k in a)
+    out["lr_is_tensor"] = isinstance(graphed.optimizer.inner.param_groups[0]["lr"], torch.Tensor)
+    eager.close()
+    graphed.close()
+    return out
+
+
+def test_a_replayed_iteration_trains_and_counts_as_an_eager_one():
+    for out in run_ranks(graphed_against_eager, 2):
+        assert out["captured"] and out["replays"] == 6 - 2  # 2 eager, then capture + 3 replays
+        assert out["graphed"] == out["eager"]
+        assert len(set(out["graphed"])) == len(out["graphed"])  # outputs copied, not aliased
+        assert out["largest_difference"] == 0.0
+        assert out["steps"] == (6, 6) and out["micro_steps"] == (12, 12)
+        assert out["bytes"][0] == out["bytes"][1]
+        assert out["lr_is_tensor"]
+
+
+def blockers_on_cpu(rank, world):
+    from zeropp.cuda_graph import IterationGraph, capture_blockers
+
+    engine = _engine()
+    lines = []
+    runner = IterationGraph(engine, _iteration(engine), log=lines.append)
+    data = toy_batches(2, 2, 3)
+    losses = [float(runner(*step)[0]) for step in data]
+    engine.close()
+    return {"blockers": capture_blockers(engine), "lines": lines, "losses": losses,
+            "captured": runner.captured}
+
+
+def test_on_the_cpu_the_engine_says_why_and_trains_eagerly():
+    (out,) = run_ranks(blockers_on_cpu, 1)
+    assert out["blockers"] == ["the engine runs on cpu, not CUDA"]
+    assert out["lines"] == ["cuda_graph: running eagerly, the iteration cannot be captured: "
+                            "the engine runs on cpu, not CUDA"]
+    assert not out["captured"] and all(loss > 0 for loss in out["losses"])
+
+
+def test_changed_input_shapes_after_the_capture_are_refused_in_one_line():
+    from zeropp.cuda_graph import _check_same_inputs
+
+    with pytest.raises(ValueError, match=r"changed shape or dtype after the capture"):
+        _check_same_inputs((torch.zeros(2, 5),), (torch.zeros(3, 5),))
+    _check_same_inputs((torch.zeros(2, 5),), (torch.ones(2, 5),))
+
+
+def test_the_cuda_graph_block_and_its_flags():
+    from megatron_lite.arguments import ArgumentError, parse_args, validate_args
+    from megatron_lite.ds_config import engine_config, reconcile_with_ds_config
+    from zeropp.config import ConfigError, EngineConfig
+    from zeropp.cuda_graph import CudaGraphOptions
+
+    assert EngineConfig.from_json({"cuda_graph": {"enabled": True}}).cuda_graph.enabled
+    assert EngineConfig().cuda_graph.enabled is False
+    with pytest.raises(ConfigError, match="cuda_graph.enabled"):
+        EngineConfig.from_json({"cuda_graph": {"enabled": "yes"}})
+    with pytest.raises(ConfigError, match="cuda_graph.warmup_iterations"):
+        EngineConfig.from_json({"cuda_graph": {"warmup_iterations": 0}})
+    with pytest.raises(ConfigError, match="cuda_graph.capture_scope"):
+        EngineConfig.from_json({"cuda_graph": {"capture_scope": "full"}})
+    with pytest.raises(ValueError, match="warmup_iterations must be at least 1"):
+        CudaGraphOptions(True, 0)
+
+    shape = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3"]
+    args = validate_args(parse_args([*shape, "--cuda-graph", "--cuda-graph-warmup-steps", "5"]), 1)
+    config = engine_config(args, EngineConfig())
+    assert config.cuda_graph.enabled and config.cuda_graph.warmup_iterations == 5
+    with pytest.raises(ArgumentError, match="cuda-graph-warmup-steps"):
+        validate_args(parse_args([*shape, "--cuda-graph-warmup-steps", "0"]), 1)
+    # The JSON's block switches it on for the Megatron command line too, and a flag that
+    # disagrees with it is an error naming both.
+    args = validate_args(parse_args(shape), 1)
+    from_file = EngineConfig.from_json({"cuda_graph": {"enabled": True}})
+    reconcile_with_ds_config(args, from_file)
+    assert engine_config(args, from_file).cuda_graph.enabled
+
+
+def test_the_device_schedule_writes_a_held_lr_tensor_in_place():
+    """A captured step reads the lr tensor it was captured with: the schedule must write the
+    next lr into that tensor, not bind a new one."""
+    from zeropp.lr_schedules import AnnealingLR
+
+    held = torch.tensor(0.0, dtype=torch.float64)
+    groups = [{"lr": held}]
+
+    class Optimizer:
+        param_groups = groups
+
+    schedule = AnnealingLR(Optimizer(), 3e-4, 3e-5, warmup_iters=3, decay_iters=11,
+                           decay_style="cosine")
+    for count in (1, 5, 12):
+        schedule.step_on_device(torch.tensor(count))
+        assert groups[0]["lr"] is held
+        assert float(held) == schedule.get_lr(count)
