@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Everything a lent GPU should measure, in one call, each part under its own time limit, so
+# one that fails or overruns leaves the others their results:
+#
+#   OUT=DIR bash scripts/bench/gpu_session.sh [PARTS]      (PARTS default: check graph train side)
+#
+#   check  the GPU check's sections a (kernels bit-exact), b (kernel bandwidth at 1, 8 and
+#          64 MiB, host us per launch) and e (host against GPU at the 18B's block shape)
+#   graph  the iteration as one CUDA graph against eager (scripts.bench.gpu_graph_check)
+#   train  the application with --cuda-graph against without (torchrun, bf16 ZeRO++, mock data)
+#   side   one GPU side by side: this engine, FSDP2, DeepSpeed (scripts.bench.gpu_side_by_side;
+#          DeepSpeed's wheels carried in .whl_ds/, see that script's docstring)
+#   profile  the host's Python profile of one iteration (scripts.bench.host_profile)
+#
+# Writes at most 8 files into OUT (what the device machine sends back): the JSON of each part
+# and one log per part. No network there; python3 is the machine's own (torch with CUDA).
+set -u
+OUTDIR=${OUT:?set OUT to the directory for the results}
+PARTS=${*:-check graph train side}
+export PYTHONUNBUFFERED=1
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT"
+mkdir -p "$OUTDIR"
+WORK=$(mktemp -d)
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$OUTDIR/session.log" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+  >> "$OUTDIR/session.log" 2>&1
+
+part() {  # part NAME SECONDS COMMAND...: run with a limit, log to WORK/NAME.log
+  local name=$1 limit=$2; shift 2
+  local began=$SECONDS
+  timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
+  local status=$?
+  echo "$name: exit $status after $((SECONDS - began)) s" | tee -a "$OUTDIR/session.log"
+  tail -n 25 "$WORK/$name.log"
+}
+
+for p in $PARTS; do
+  case $p in
+    check)
+      part check 200 env PYTHON=python3 bash scripts/gpu_check.sh --sections abe --budget-s 190 \
+        --out "$WORK/gc"
+      cp "$WORK/gc/gpu_check.json" "$OUTDIR/gpu_check.json" 2>/dev/null ;;
+    graph)
+      part graph 150 python3 -m scripts.bench.gpu_graph_check --out "$WORK/graph" --iterations 20
+      cp "$WORK/graph/gpu_graph_check.json" "$OUTDIR/" 2>/dev/null ;;
+    train)
+      ARGS=(--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
+            --max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 8
+            --lr 3e-4 --lr-warmup-iters 5 --train-iters 30 --log-interval 5 --eval-iters 0
+            --eval-interval 1000 --mock-data --tokenizer-type NullTokenizer --vocab-size 50257
+            --bf16 --zero-stage 3 --attention-dropout 0 --hidden-dropout 0)
+      part train_eager 120 torchrun --standalone --nproc_per_node 1 pretrain_zeropp_gpt.py \
+        "${ARGS[@]}" --metrics-file "$WORK/train_eager.jsonl"
+      part train_graph 120 torchrun --standalone --nproc_per_node 1 pretrain_zeropp_gpt.py \
+        "${ARGS[@]}" --cuda-graph --metrics-file "$WORK/train_graph.jsonl"
+      python3 - "$WORK" > "$OUTDIR/train_graph_vs_eager.json" <<'EOF'
+import json, sys
+from pathlib import Path
+work = Path(sys.argv[1])
+rows = {}
+for mode in ("eager", "graph"):
+    path = work / f"train_{mode}.jsonl"
+    rows[mode] = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+print(json.dumps(rows, indent=1))
+EOF
+      ;;
+    side)
+      part side 420 python3 -m scripts.bench.gpu_side_by_side --out "$WORK/side"
+      cp "$WORK/side/"*.json "$OUTDIR/" 2>/dev/null ;;
+    profile)
+      part profile 90 python3 -m scripts.bench.host_profile --out "$WORK/profile" --layers 2 \
+        --micro-batch 2 ;;
+    *) echo "unknown part $p" | tee -a "$OUTDIR/session.log" ;;
+  esac
+done
+tar czf "$OUTDIR/logs.tgz" -C "$WORK" . 2>/dev/null
+ls -la "$OUTDIR"
