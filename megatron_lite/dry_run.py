@@ -195,6 +195,10 @@ def predicted_clusters(args: argparse.Namespace, ranks_per_node: int,
                 else [c for c in CLUSTERS.values() if c.ranks_per_node == ranks_per_node])
     if kernel_rates is not None:
         clusters = [with_kernel_rates(c, kernel_rates) for c in clusters]
+    if getattr(args, "cuda_graph", False):
+        # One graph launch per iteration ([Note: iteration graphs] in zeropp/cuda_graph.py):
+        # the host no longer issues each kernel and collective.
+        clusters = [dataclasses.replace(c, host_seconds_per_op=0.0) for c in clusters]
     return clusters
 
 
@@ -605,4 +609,7 @@ def run_dry_run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print("", flush=True)
         print("\n".join(predicted_lines(report, measurements, clusters, kernel_rates)),
               flush=True)
+        if getattr(args, "cuda_graph", False):
+            print("  --cuda-graph: the iteration is replayed as one CUDA graph, so the host's "
+                  "cost per kernel and collective is taken as 0", flush=True)
     return 0
