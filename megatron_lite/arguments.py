@@ -141,6 +141,10 @@ def _add_training_args(group: argparse._ArgumentGroup) -> None:
                        help="Accepted, no effect: Python's garbage collector runs on its own.")
     group.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
                        help="Accepted, no effect: the CUDA caching allocator keeps its blocks.")
+    group.add_argument("--compile", action="store_true",
+                       help="torch.compile each transformer block's computation (inductor); "
+                       "the engine's gathers and reductions stay outside it. The first "
+                       "iteration's compile time is printed (DeepSpeed JSON: compile.enabled).")
     group.add_argument("--exit-on-nan", type=int, default=10, metavar="N",
                        help="Stop with an error after N consecutive iterations whose loss is "
                        "not finite (default: 10; 0 disables the guard).")

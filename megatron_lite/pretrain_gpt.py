@@ -18,6 +18,7 @@ so that the dry run, which simulates, and this module do not import each other.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -250,6 +251,9 @@ def build_loader_factories(
 def build_engine(args: argparse.Namespace, model: GPTModel,
                  ds_config: EngineConfig) -> zeropp.ZeroEngine:
     config = engine_config(args, ds_config)
+    if args.compile:  # the JSON's compile.enabled ([Note: compiled blocks])
+        config = dataclasses.replace(config, compile=dataclasses.replace(config.compile,
+                                                                         enabled=True))
     return zeropp.engine_from_config(
         model,
         config,

@@ -69,6 +69,21 @@ class ZeroEngine:
             self.reports = EngineReports(config, sharded.topology.rank, sharded.device)
         self.tput_timer = ThroughputTimer.for_engine(config, sharded.topology.rank,
                                                      sharded.device)
+        # [Note: compiled blocks] (zeropp/compiled_blocks.py): the config's compile block.
+        self.compiled_blocks = None
+        if config is not None and config.compile.enabled:
+            self.compile(config.compile.backend, config.compile.kwargs)
+
+    def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None) -> None:
+        """DeepSpeed's ``engine.compile``: each block's forward compiled, hooks left eager."""
+        from zeropp.compiled_blocks import compile_blocks
+
+        if self.compiled_blocks is None:
+            self.compiled_blocks = compile_blocks(self.sharded, backend, compile_kwargs)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.compiled_blocks is not None
 
     # ---- model ---------------------------------------------------------------------------
     @property
@@ -196,6 +211,8 @@ class ZeroEngine:
         """Update at the accumulation boundary; returns True when an update was applied."""
         with self._timed("step"):
             applied = self._step()
+        if self.compiled_blocks is not None and self.is_gradient_accumulation_boundary():
+            self.compiled_blocks.after_step()  # says the first iteration's compile time once
         self.tput_timer.stop(global_step=self.is_gradient_accumulation_boundary())
         if self.reports is not None:
             self.reports.after_micro_step(self, self.is_gradient_accumulation_boundary())

@@ -25,6 +25,7 @@ from zeropp.config.keys import ALIASES
 from zeropp.config.optimizer import OptimizerConfig, SchedulerConfig
 from zeropp.config.sections import (
     BF16Config,
+    CompileConfig,
     CSVMonitorConfig,
     FP16Config,
     TensorBoardConfig,
@@ -80,6 +81,8 @@ class EngineConfig(_Section):
         None, "divide by this before summing over ranks, the rest after; None = the "
         "data-parallel size (DeepSpeed's stage-3 pre-division), 1.0 = sum first",
         _optional(_positive_float))
+    compile: CompileConfig = _field(
+        CompileConfig, "compiled blocks (torch.compile)", _section(CompileConfig), factory=True)
     dump_state: bool = _field(False, "print the engine's state when it starts (rank 0)", _boolean)
     # Not a JSON key (no check): what the parse saw, so that a caller with settings of its own
     # (the application's command line) can tell a value the file chose from a default.

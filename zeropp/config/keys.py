@@ -71,6 +71,8 @@ _BYTE_ACCOUNTING = "no effect: the engine's own byte accounting reports communic
 # pin_memory.
 _OFFLOAD_TUNING = ("no effect: tunes NVMe offload or DeepSpeed's offload buffers; CPU offload "
                    "here reads only device and pin_memory")
+_DEEPCOMPILE_TUNING = "no effect: tunes DeepCompile, which is refused (compile.deepcompile)"
+_DEEPCOMPILE_PASS = "a DeepCompile pass; compile.enabled compiles the blocks without DeepCompile"
 _NVME_IO = 'no effect: NVMe I/O for offload, which is refused (devices: "none", "cpu")'
 
 ACCEPTED: dict[str, Accepted] = {
@@ -122,6 +124,13 @@ ACCEPTED: dict[str, Accepted] = {
         "AdamW, a missing weight_decay is torch's 0.01)"),
     "optimizer.params.adam_w_mode": Accepted(
         _boolean, "type Adam: true = AdamW, false = Adam with L2 decay; type AdamW ignores it"),
+    **_under("compile", _same_meaning(
+        _DEEPCOMPILE_TUNING, free_activation=_boolean, free_activation_threshold=_non_negative_int,
+        offload_activation_pin_memory=_boolean, double_buffer=_boolean,
+        symmetric_memory=_boolean, debug_log=_boolean, dump_graphs=_boolean,
+        sync_before_reduce=_boolean, sync_after_reduce=_boolean, sync_before_allgather=_boolean,
+        sync_after_allgather=_boolean, keep_int_input_tensors=_boolean,
+        keep_all_input_tensors=_boolean)),
     "checkpoint.tag_validation": Accepted(_one_of("Ignore", "Warn", "Fail"),
                                           "no effect: the application checks checkpoint tags"),
     "bf16.immediate_grad_update": Accepted(_boolean, "no effect: a stage 0-2 bf16 optimizer detail"),
@@ -168,7 +177,15 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "eigenvalue": Unsupported("Hessian eigenvalue estimation", _OFF),
     "autotuning": Unsupported("the DeepSpeed autotuner", _OFF),
     "hybrid_engine": Unsupported("the RLHF hybrid engine", _OFF),
-    "compile": Unsupported("DeepCompile", ({},)),
+    **_under("compile", {
+        "deepcompile": Unsupported(
+            "DeepCompile, which moves ZeRO-3's gathers into the compiled graph; compile.enabled "
+            "compiles the blocks with the gathers outside", (False,)),
+        **{key: Unsupported(_DEEPCOMPILE_PASS, (False,))
+           for key in ("offload_activation", "offload_opt_states", "offload_parameters",
+                       "autoep_non_moe")},
+        "passes": Unsupported(_DEEPCOMPILE_PASS, (None,)),
+    }),
     "comet": Unsupported("the Comet monitor; use the W&B or TensorBoard writers", _OFF),
     "gradient_allreduce_op": Unsupported("gradients are always averaged", ("mean",)),
     "fp16.auto_cast": Unsupported("input autocasting; the model casts its own activations", (False,)),

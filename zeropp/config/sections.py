@@ -331,6 +331,41 @@ class TimersConfig(_Section):
         factory=True)
 
 
+# torch.compile's keyword arguments a ``compile.kwargs`` object may set.
+COMPILE_KWARGS = ("fullgraph", "dynamic", "mode", "options")
+
+
+def _compile_kwargs(path: str, value: Any) -> dict[str, Any]:
+    kwargs = _object(path, value)
+    for key in kwargs:
+        if key not in COMPILE_KWARGS:
+            _unknown_key(f"{path}.{key}", set(COMPILE_KWARGS))
+    return kwargs
+
+
+@dataclass(frozen=True)
+class CompileConfig(_Section):
+    """torch.compile of each block's computation, the engine's gathers and reductions left
+    outside ([Note: compiled blocks] in zeropp/compiled_blocks.py). The keys of DeepSpeed's
+    earlier ``compile`` block (0.14-0.16: enabled, backend, kwargs; 0.13: disable), whose
+    meaning this is; DeepSpeed 0.19's DeepCompile keys are in ``zeropp.config.keys``."""
+
+    SECTION: ClassVar[str] = "compile"
+    enabled: bool = _field(False, "compile each block's forward (and so its backward)", _boolean)
+    backend: str = _field("inductor", "torch.compile's backend", _string)
+    kwargs: dict[str, Any] = _field(dict, "torch.compile's keyword arguments: fullgraph, "
+                                    "dynamic, mode, options", _compile_kwargs, factory=True)
+    disable: bool | None = _field(None, "DeepSpeed 0.13's switch: false compiles, true does "
+                                  "not; None leaves it to enabled", _optional(_boolean))
+
+    def _check_combination(self) -> None:
+        if self.disable is None:
+            return
+        if self.disable and self.enabled:
+            raise ConfigError("compile.enabled is true and compile.disable is true; keep one")
+        object.__setattr__(self, "enabled", not self.disable)
+
+
 @dataclass(frozen=True)
 class WandbConfig(_Section):
     """DeepSpeed's W&B monitor (offline when WANDB_MODE=offline or no API key)."""

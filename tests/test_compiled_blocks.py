@@ -1,0 +1,130 @@
+"""Compiled blocks ([Note: compiled blocks] in zeropp/compiled_blocks.py) against the eager
+engine they replace: the same losses on 2 x 2 gloo ranks with qwZ + hpZ + qgZ, one graph
+for all blocks and no recompiles; the config's ``compile`` block and its refusals.
+
+Inductor's C++ backend compiles slowly on two cores, so each test makes as few distinct
+graphs as it can: one model shape per test, all blocks of one class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_lite.model import GPTConfig, GPTModel, lm_loss
+from tests.distributed import run_ranks
+from zeropp.config import ConfigError, EngineConfig
+
+VOCAB, SEQ = 203, 12
+LLAMA_STYLE = dict(
+    num_layers=3, hidden_size=40, num_attention_heads=5, vocab_size=VOCAB,
+    max_position_embeddings=SEQ, ffn_hidden_size=72, make_vocab_size_divisible_by=16,
+    hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-6, seed=7,
+    position_embedding_type="rope", rotary_base=500000.0, normalization="RMSNorm",
+    swiglu=True, num_query_groups=1, untie_embeddings_and_output_weights=True,
+    add_bias_linear=False,
+)
+ZEROPP = {"quantized_weights": True, "hpz_size": 2, "quantized_gradients": True}
+
+
+def train_eager_then_compiled(rank, world, config_fields, steps, micro, batch, dtype_name):
+    """The same run twice on these ranks, eager then with compiled blocks: both loss curves,
+    and what dynamo did for the compiled one."""
+    from torch._dynamo.utils import counters
+
+    from zeropp.initialize import QuantizationOptions, build_engine, make_loss_scaler
+    from zeropp.sharded_model import ShardingOptions
+
+    dtype = getattr(torch, dtype_name)
+    generator = torch.Generator().manual_seed(3)
+    data = torch.randint(0, VOCAB, (steps, micro, batch, SEQ + 1), generator=generator)
+    per_rank = batch // world
+    curves, dynamo = [], {}
+    for compiled in (False, True):
+        with torch.device("meta"):
+            model = GPTModel(GPTConfig(**config_fields))
+        engine = build_engine(
+            model, lr=1e-3, eps=1e-6, weight_decay=0.1, gradient_accumulation_steps=micro,
+            gradient_clipping=0.5, dtype=dtype, loss_scaler=make_loss_scaler(dtype == torch.float16),
+            ranks_per_node=2, quantization=QuantizationOptions(**ZEROPP),
+            sharding=ShardingOptions(persistence_threshold=0, prefetch_bucket_numel=3000))
+        if compiled:
+            graphs_before = counters["stats"]["unique_graphs"]
+            recompiles_before = sum(counters["recompiles"].values())
+            engine.compile()  # DeepSpeed's engine.compile(): inductor
+        losses = []
+        for step in range(steps):
+            total = torch.zeros(())
+            for m in range(micro):
+                tokens = data[step, m, rank * per_rank:(rank + 1) * per_rank]
+                labels = tokens[:, 1:]
+                loss = lm_loss(engine(tokens[:, :-1]), labels, torch.ones_like(labels))
+                engine.backward(loss)
+                engine.step()
+                total += loss.detach().float() / micro
+            torch.distributed.all_reduce(total)
+            losses.append(total.item() / world)
+        curves.append(losses)
+        if compiled:
+            dynamo = {"graphs": counters["stats"]["unique_graphs"] - graphs_before,
+                      "recompiles": sum(counters["recompiles"].values()) - recompiles_before,
+                      "modules": len(engine.compiled_blocks.modules),
+                      "compile_seconds": engine.compiled_blocks.first_compile_seconds}
+        engine.close()
+    return curves, dynamo
+
+
+def test_compiled_blocks_match_eager_on_2x2_zeropp():
+    """qwZ + hpZ + qgZ on 2 nodes of 2 ranks, the Llama-style model with full activation
+    checkpointing and selective recomputation inside it, 2 micro-batches per step: 10 steps
+    compiled give the eager losses to 1e-4, with one forward graph shared by the 3 blocks
+    and no recompiles (the parameters' storage changes at every gather, their metadata
+    never does)."""
+    config = GPTConfig(**LLAMA_STYLE, checkpoint_activations=True, recompute_attention=True)
+    results = run_ranks(train_eager_then_compiled, 4, dataclasses.asdict(config), 10, 2, 8,
+                        "float32", timeout=600)
+    for (eager, compiled), dynamo in results:
+        worst = max(abs(c - e) / abs(e) for c, e in zip(compiled, eager, strict=True))
+        assert worst <= 1e-4, (worst, eager, compiled)
+        assert eager[-1] < eager[0]  # it trains
+        assert dynamo["modules"] == 3 and dynamo["recompiles"] == 0, dynamo
+        assert dynamo["graphs"] == 1, dynamo  # one frame for all blocks (its backward rides on it)
+        assert dynamo["compile_seconds"] > 0, dynamo
+
+
+def test_compile_block_reads_deepspeeds_keys():
+    assert not EngineConfig().compile.enabled
+    on = EngineConfig.from_mapping({"compile": {"enabled": True, "backend": "aot_eager",
+                                                "kwargs": {"fullgraph": True}}}).compile
+    assert (on.enabled, on.backend, on.kwargs) == (True, "aot_eager", {"fullgraph": True})
+    # DeepSpeed 0.13's spelling (axolotl's file): disable false compiles
+    assert EngineConfig.from_mapping({"compile": {"disable": False}}).compile.enabled
+    assert not EngineConfig.from_mapping({"compile": {"disable": True}}).compile.enabled
+    # DeepCompile's tuning keys change nothing while DeepCompile is off
+    assert not EngineConfig.from_mapping(
+        {"compile": {"deepcompile": False, "free_activation": True}}).compile.enabled
+
+
+@pytest.mark.parametrize("block,named", [
+    ({"deepcompile": True}, "compile.deepcompile=true is not supported by this engine (DeepCompile"),
+    ({"offload_opt_states": True}, "compile.offload_opt_states=true is not supported"),
+    ({"kwargs": {"fullgrah": True}}, "compile.kwargs.fullgrah: unknown key (did you mean 'fullgraph'?)"),
+    ({"enabled": True, "disable": True}, "compile.enabled is true and compile.disable is true"),
+    ({"enable": True}, "compile.enable: unknown key (did you mean 'enabled'?)"),
+])
+def test_compile_block_refuses_in_one_line(block, named):
+    with pytest.raises(ConfigError) as error:
+        EngineConfig.from_mapping({"compile": block})
+    assert str(error.value).startswith(named) and "\n" not in str(error.value)
+
+
+def test_cuda_graphs_and_unknown_backends_are_refused():
+    from zeropp.compiled_blocks import CompileRefused, check_compile_settings
+
+    with pytest.raises(CompileRefused, match="CUDA graphs"):
+        check_compile_settings("inductor", {"mode": "reduce-overhead"})
+    with pytest.raises(CompileRefused, match="not a torch.compile backend"):
+        check_compile_settings("no-such-backend", {})
+    assert check_compile_settings("inductor", {"fullgraph": True}) == {"fullgraph": True}
