@@ -53,7 +53,8 @@ _POSITIVE_IF_SET = (
     "seq_length", "ffn_hidden_size", "max_position_embeddings", "make_vocab_size_divisible_by",
     "checkpoint_num_layers", "train_iters", "lr_decay_iters", "log_interval", "eval_interval",
     "save_interval", "exit_interval", "ranks_per_node", "tensor_model_parallel_size",
-    "pipeline_model_parallel_size", "adam_eps", "init_method_std", "layernorm_epsilon",
+    "cuda_graph_warmup_steps", "pipeline_model_parallel_size", "adam_eps", "init_method_std",
+    "layernorm_epsilon",
     "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis",
     "dry_run_nodes", "dry_run_gpus_per_node", "dry_run_gpu_memory_gb", "train_samples",
     "lr_decay_samples", "kv_channels", "recompute_num_layers", "rotary_base", "rotary_percent",
@@ -272,6 +273,14 @@ def _add_checkpointing_args(group: argparse._ArgumentGroup) -> None:
 
 
 def _add_distributed_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--cuda-graph", "--enable-cuda-graph", dest="cuda_graph",
+                       action="store_true",
+                       help="Capture the whole iteration (forward, backward, step) as one CUDA "
+                       "graph after the warm-up and replay it: one launch per iteration. bf16 "
+                       "or fp32 on CUDA; where it cannot apply the run says why and stays "
+                       "eager (DeepSpeed JSON: cuda_graph.enabled).")
+    group.add_argument("--cuda-graph-warmup-steps", dest="cuda_graph_warmup_steps", type=int,
+                       default=3, help="Eager iterations before the capture (default: 3).")
     group.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                        help="Bound on every collective: a rank that dies ends the job after "
                        "at most this long instead of hanging it (default: 10).")

@@ -276,7 +276,14 @@ class Trainer:
         self._graphed_iteration = None
         runner = getattr(engine, "iteration_runner", None)
         if runner is not None:
-            self._graphed_iteration = runner(self._device_iteration, log=self.log)
+            model_blockers = []
+            if model_config.uses_dropout and (model_config.checkpoint_activations
+                                              or model_config.recompute_attention):
+                model_blockers.append("dropout under activation recomputation replays the "
+                                      "random state, which a capture cannot read (set "
+                                      "--hidden-dropout 0 --attention-dropout 0)")
+            self._graphed_iteration = runner(self._device_iteration, log=self.log,
+                                             extra_blockers=model_blockers)
 
     # ---- training ------------------------------------------------------------------------
 

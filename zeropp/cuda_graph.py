@@ -128,18 +128,20 @@ class IterationGraph:
     captured once and replayed ([Note: iteration graphs]).
 
     ``inputs`` are device tensors of the same shapes and dtypes at every call (one per
-    micro-batch, say). ``graph_factory`` and ``capture`` are for tests: the CUDA graph and
-    its capture context by default."""
+    micro-batch, say). ``extra_blockers``: reasons the caller knows of why ``fn`` cannot be
+    captured (said with the engine's). ``graph_factory`` and ``capture`` are for tests: the
+    CUDA graph and its capture context by default."""
 
     def __init__(self, engine, fn: Callable, options: CudaGraphOptions | None = None,
                  log: Callable[[str], None] | None = None,
                  graph_factory: Callable[[], object] | None = None,
-                 capture: Callable | None = None) -> None:
+                 capture: Callable | None = None, extra_blockers: Sequence[str] = ()) -> None:
         self.engine = engine
         self.fn = fn
         self.options = options or CudaGraphOptions(enabled=True)
         # A test's stand-in graph runs on the CPU, which the blockers would refuse.
-        self.blockers = capture_blockers(engine) if graph_factory is None else []
+        self.blockers = [*(capture_blockers(engine) if graph_factory is None else []),
+                         *extra_blockers]
         self._log = log or (lambda message: None)
         self._graph_factory = graph_factory or torch.cuda.CUDAGraph
         self._capture = capture or _cuda_capture
@@ -214,7 +216,7 @@ def _prepare_optimizer_for_capture(engine) -> None:
 
 def _check_same_inputs(static: tuple[torch.Tensor, ...], given: Sequence[torch.Tensor]) -> None:
     if len(static) != len(given) or any(
-            s.shape != g.shape or s.dtype != g.dtype for s, g in zip(static, given)):
+            s.shape != g.shape or s.dtype != g.dtype for s, g in zip(static, given, strict=True)):
         shapes = [tuple(g.shape) for g in given]
         raise ValueError(f"cuda_graph: the iteration's inputs changed shape or dtype after the "
                          f"capture ({[tuple(s.shape) for s in static]} captured, {shapes} "

@@ -197,6 +197,21 @@ class ZeroEngine:
             self.sharded.run_backward(loss.float() * factor, boundary)
         self.micro_steps += 1
 
+    def iteration_runner(self, fn, log=None, extra_blockers=()):
+        """How a training loop should call ``fn``, one whole iteration (forward, backward and
+        step of each micro-batch, on inputs already on the device, no host read): as an
+        ``IterationGraph`` that captures it once where the config's ``cuda_graph`` block asks
+        for it ([Note: iteration graphs] in zeropp/cuda_graph.py), else None: call ``fn``.
+        ``extra_blockers``: what the caller knows stops a capture (its model's randomness)."""
+        options = None if self.config is None else self.config.cuda_graph
+        if options is None or not options.enabled:
+            return None
+        from zeropp.cuda_graph import CudaGraphOptions, IterationGraph
+
+        graph = IterationGraph(self, fn, CudaGraphOptions(True, options.warmup_iterations),
+                               log=log, extra_blockers=extra_blockers)
+        return None if graph.blockers else graph  # it has said why
+
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._forced_boundary is not None:
             return self._forced_boundary
@@ -232,9 +247,11 @@ class ZeroEngine:
             norm, skipped = self._average_clip_and_update_on_device(divisor)
             self.loss_scaler.update(skipped)
             self._last_grad_norm, self._last_overflow = norm, skipped
-            counted = skipped.to(torch.int64)
-            self._skipped_on_device = (counted if self._skipped_on_device is None
-                                       else self._skipped_on_device + counted)
+            # Added in place: a captured iteration ([Note: iteration graphs]) adds to the
+            # same tensor at every replay.
+            if self._skipped_on_device is None:
+                self._skipped_on_device = torch.zeros((), dtype=torch.int64, device=skipped.device)
+            self._skipped_on_device.add_(skipped)
             # The host does not know whether the device skipped, so a schedule owned by the
             # engine advances on every step (bf16 and fp32 only: DeepSpeed's bf16 path, which
             # never skips, does the same; fp16 with such a schedule decides on the host).

@@ -157,6 +157,11 @@ class GPTConfig:
         return -(-self.vocab_size // multiple) * multiple
 
     @property
+    def uses_dropout(self) -> bool:
+        """Whether training draws random numbers (a recompute must then replay them)."""
+        return self.hidden_dropout > 0 or self.attention_dropout > 0
+
+    @property
     def head_dim(self) -> int:
         """Channels per attention head (d)."""
         return self.kv_channels or self.hidden_size // self.num_attention_heads

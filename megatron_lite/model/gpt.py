@@ -145,7 +145,10 @@ class SelfAttention(nn.Module):
         if self.recompute_core and self.training and torch.is_grad_enabled():
             # Selective recomputation: the s x s scores, softmax and dropout mask are the
             # largest activations of a layer and the cheapest to redo (Korthikanti et al.).
-            y = checkpoint(self._core_attention, q, k, v, use_reentrant=False)
+            # The random state is kept for the recompute only where dropout draws from it:
+            # reading it is a host op, and one a CUDA graph capture refuses.
+            y = checkpoint(self._core_attention, q, k, v, use_reentrant=False,
+                           preserve_rng_state=self.dropout_p > 0)
         else:
             y = self._core_attention(q, k, v)  # (B, nh, T, d)
         y = y.transpose(1, 2).reshape(B, T, nh * d)  # (B, T, nh*d)
@@ -289,8 +292,11 @@ class GPTModel(nn.Module):
             # early_stop=False: the recompute must run every layer of the chunk to its end so
             # that each layer's forward hooks fire again (the sharding engine re-gathers and
             # releases weights from them); early stopping would cut the last layer short.
+            # The random state is kept for the recompute only where dropout draws from it
+            # (reading it is a host op, and one a CUDA graph capture refuses).
             x = checkpoint(functools.partial(_forward_layers, chunk), x, rotary,
-                           use_reentrant=False, early_stop=False)
+                           use_reentrant=False, early_stop=False,
+                           preserve_rng_state=self.config.uses_dropout)
         return _forward_layers(self.layers[checkpointed:], x, rotary)
 
     # ----------------------------------------------------------------------------------

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "graphed":
             results["blockers"] = capture_blockers(engine)
 
-            def runner(fn, engine=engine):
+            def runner(fn, engine=engine, graph_holder=graph_holder):
                 graph = IterationGraph(engine, fn, CudaGraphOptions(True, args.warmup),
                                        log=lambda line: print(line, flush=True))
                 graph_holder["graph"] = graph

@@ -43,6 +43,7 @@ from zeropp.config.optimizer import OptimizerConfig, SchedulerConfig
 from zeropp.config.sections import (
     BF16Config,
     CSVMonitorConfig,
+    CudaGraphConfig,
     FP16Config,
     SectionT,
     TensorBoardConfig,
@@ -63,6 +64,7 @@ __all__ = [
     "SectionT",
     "FP16Config",
     "BF16Config",
+    "CudaGraphConfig",
     "OptimizerConfig",
     "SchedulerConfig",
     "ZeroConfig",

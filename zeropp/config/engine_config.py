@@ -27,6 +27,7 @@ from zeropp.config.sections import (
     BF16Config,
     CompileConfig,
     CSVMonitorConfig,
+    CudaGraphConfig,
     FP16Config,
     TensorBoardConfig,
     TimersConfig,
@@ -71,6 +72,9 @@ class EngineConfig(_Section):
     wandb: WandbConfig = _field(WandbConfig, "W&B monitor", _section(WandbConfig), factory=True)
     timers: TimersConfig = _field(TimersConfig, "engine.tput_timer", _section(TimersConfig),
                                   factory=True)
+    cuda_graph: CudaGraphConfig = _field(
+        CudaGraphConfig, "the iteration as one CUDA graph", _section(CudaGraphConfig),
+        factory=True)
     communication_data_type: str | None = _field(
         None, "dtype of unquantized gradient reductions; None = compute dtype",
         _optional(_one_of("fp32", "fp16", "bf16")))

@@ -117,6 +117,17 @@ class BF16Config(_Section):
     enabled: bool = _field(False, "train in bf16 with fp32 master weights", _boolean)
 
 
+@dataclass(frozen=True)
+class CudaGraphConfig(_Section):
+    """The whole iteration as one CUDA graph ([Note: iteration graphs] in zeropp/cuda_graph.py)."""
+
+    SECTION: ClassVar[str] = "cuda_graph"
+    enabled: bool = _field(False, "capture forward, backward and step once, then replay them "
+                           "(bf16/fp32 steps decided on the device; else said and run eager)",
+                           _boolean)
+    warmup_iterations: int = _field(3, "eager iterations before the capture", _positive_int)
+
+
 def _fraction_below_one(path: str, value: Any) -> float:
     if not (_is_number(value) and 0.0 <= value < 1.0):
         _fail(path, "a number in [0, 1)", value)
