@@ -50,9 +50,9 @@ for p in $PARTS; do
             --lr 3e-4 --lr-warmup-iters 5 --train-iters 30 --log-interval 5 --eval-iters 0
             --eval-interval 1000 --mock-data --tokenizer-type NullTokenizer --vocab-size 50257
             --bf16 --zero-stage 3 --attention-dropout 0 --hidden-dropout 0)
-      part train_eager 120 torchrun --standalone --nproc_per_node 1 pretrain_zeropp_gpt.py \
+      part train_eager 120 python3 -m torch.distributed.run --standalone --nproc_per_node 1 pretrain_zeropp_gpt.py \
         "${ARGS[@]}" --metrics-file "$WORK/train_eager.jsonl"
-      part train_graph 120 torchrun --standalone --nproc_per_node 1 pretrain_zeropp_gpt.py \
+      part train_graph 120 python3 -m torch.distributed.run --standalone --nproc_per_node 1 pretrain_zeropp_gpt.py \
         "${ARGS[@]}" --cuda-graph --metrics-file "$WORK/train_graph.jsonl"
       python3 - "$WORK" > "$OUTDIR/train_graph_vs_eager.json" <<'EOF'
 import json, sys
