@@ -383,10 +383,15 @@ def _device_peak() -> tuple[str, float | None, str]:
     if not torch.cuda.is_available():
         return "cpu", None, "no peak for the CPU: MFU not computed"
     name = torch.cuda.get_device_name(0)
+    return (name, *peak_for(name))
+
+
+def peak_for(device_name: str) -> tuple[float | None, str]:
+    """(dense bf16 peak TFLOP/s or None, where it came from) for a CUDA device name."""
     for key, tflops in PEAK_BF16_TFLOPS:
-        if key in name:
-            return name, tflops, f"table: {key} dense bf16 {tflops:g} TFLOP/s"
-    return name, None, f"{name} is not in the peak table: MFU not computed"
+        if key in device_name:
+            return tflops, f"table: {key} dense bf16 {tflops:g} TFLOP/s"
+    return None, f"{device_name} is not in the peak table: MFU not computed"
 
 
 def _run_in_subprocess(name: str, shape: RunShape, timeout: float, smoke: bool) -> dict:

@@ -1,0 +1,58 @@
+"""scripts/bench/gpu_side_by_side.py's --cpu-smoke: every system of the GPU comparison
+(this engine eager and compiled, FSDP2 eager and compiled, DeepSpeed ZeRO-3) trains the same
+tiny GPT on the CPU in its own subprocess, and they agree on the loss, so the script runs
+as it is when a GPU session calls it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from scripts.bench import gpu_side_by_side as bench
+
+
+def test_cpu_smoke_runs_every_system_and_the_losses_agree(tmp_path, capsys):
+    out = tmp_path / "side_by_side.json"
+    assert bench.main(["--cpu-smoke", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    systems = report["systems"]
+    assert list(systems) == list(bench.SYSTEMS)
+    expected_ok = list(bench.SYSTEMS)
+    if importlib.util.find_spec("deepspeed") is None:  # reported, not fatal
+        expected_ok.remove("deepspeed_zero3")
+        assert "ModuleNotFoundError" in systems["deepspeed_zero3"]["status"]
+    for name in expected_ok:
+        result = systems[name]
+        assert result["status"] == "ok", (name, result.get("status"), result.get("traceback"))
+        assert len(result["losses"]) == bench.CPU_SMOKE["loss_steps"]
+        assert result["tokens_per_second"] > 0 and result["first_step_seconds"] > 0
+    reference = systems["zeropp_eager"]["losses"]
+    assert reference[-1] < reference[0]  # the alternated batches are learned
+    for name in expected_ok:  # bf16 compute, the same initial values and data everywhere
+        assert systems[name]["losses"] == pytest.approx(reference, rel=2e-3), name
+    for name in ("zeropp_compiled", "fsdp2_compiled"):
+        assert systems[name]["compile_seconds"] > 0, name
+    # the table comes last, one row per system
+    table = capsys.readouterr().out.strip().splitlines()[-len(bench.SYSTEMS) - 2:]
+    assert table[1].split()[:2] == ["system", "status"]
+    assert [row.split()[0] for row in table[2:]] == list(bench.SYSTEMS)
+
+
+def test_peak_table_names_its_source():
+    assert bench.peak_for("NVIDIA H100 80GB HBM3") == (989.0, "table: H100 dense bf16 989 TFLOP/s")
+    assert bench.peak_for("NVIDIA H100 PCIe")[0] == 756.0
+    assert bench.peak_for("NVIDIA H200")[0] == 989.0
+    assert bench.peak_for("NVIDIA A100-SXM4-80GB")[0] == 312.0
+    peak, why = bench.peak_for("Some Future GPU")
+    assert peak is None and "not in the peak table" in why
+
+
+def test_default_run_fits_its_budget():
+    """The default run's shape is GPT-3 XL's and its steps are the ones the docstring argues."""
+    shape = bench.RunShape()
+    config = shape.gpt_config()
+    assert (config.num_layers, config.hidden_size, config.num_attention_heads,
+            shape.seq_length) == (24, 2048, 16, 2048)
+    assert (shape.warmup_steps, shape.timed_steps, shape.total_steps) == (3, 10, 20)
