@@ -198,3 +198,35 @@ def test_weight_deltas_config_adds_both_keys(tmp_path):
     baseline = host_ops.engine_ds_config(argv, "zero3")["zero_optimization"]
     assert baseline["zero_quantized_weights"] is False
     assert baseline["zero_hpz_partition_size"] == 1
+
+
+# ---- the host's Python time (scripts/bench/host_python.py) ---------------------------------
+def test_python_time_owners_follow_the_file():
+    from scripts.bench import host_python
+
+    assert host_python.owner_of("/x/zeropp/sharded_model.py") == "engine"
+    assert host_python.owner_of("/x/zeropp/kernels/reference.py") == "reference kernels"
+    assert host_python.owner_of("/x/torch/distributed/fsdp/_fully_shard/x.py") == \
+        "torch.distributed"
+    assert host_python.owner_of("/x/megatron_lite/model/gpt.py") == "model"
+    assert host_python.owner_of("/x/torch/nn/modules/module.py") == "torch"
+    assert host_python.owner_of("~") == "builtins"
+
+
+def test_python_time_is_measured_for_fsdp2_and_the_engine_in_one_run():
+    """Two layers, short sequences, one run: every figure is measured (not timing limits)."""
+    from scripts.bench import host_python
+
+    results = host_python.measure(runs=1, warmup=1, profiled=1,
+                                  overrides=["--num-layers", "2", "--seq-length", "32"])
+    assert [r.system for r in results] == ["fsdp2", "zero3", "zeropp"]
+    for result in results:
+        (run,) = result.runs
+        assert run["engine"] > 0 and run["calls"] > 0 and run["model"] > 0
+        assert run["engine"] >= run["torch.distributed"] > 0  # engine includes c10d's Python
+    by_system = {r.system: r.runs[0] for r in results}
+    # Only ZeRO++ quantizes: its CPU reference kernels are timed apart from the engine.
+    assert by_system["zeropp"]["reference kernels"] > 0
+    assert by_system["zero3"]["reference kernels"] == by_system["fsdp2"]["reference kernels"] == 0
+    table = host_python.render(results)
+    assert "| ZeRO++ |" in table and "x |" in table  # the ratio to FSDP2

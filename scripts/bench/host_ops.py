@@ -2,6 +2,10 @@
 
     python -m scripts.bench.host_ops [--systems model,fsdp2,zero3,zeropp,deltas2] \\
         [--json FILE.json] [--top N] [-- MEGATRON FLAGS]
+    python -m scripts.bench.host_ops --python-time [--runs 3] [--json FILE.json]
+
+``--python-time`` measures instead the host's Python time per iteration on the CPU, FSDP2,
+ZeRO-3 and ZeRO++ in one run, at hidden 64 (``scripts/bench/host_python.py`` says how).
 
 The setting is the DeepSpeed ZeRO++ tutorial's 18B (``--num-layers 40 --hidden-size 6144
 --num-attention-heads 32 --seq-length 512 --micro-batch-size 1 --global-batch-size 64 --fp16
@@ -403,7 +407,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the raw counts here")
     parser.add_argument("--top", type=int, default=0, metavar="N",
                         help="also print each system's N most frequent ops")
+    parser.add_argument("--python-time", action="store_true",
+                        help="measure the host's Python time per iteration on the CPU "
+                        "(FSDP2, ZeRO-3, ZeRO++ at hidden 64) instead of counting ops")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="with --python-time: runs per system (the median is shown)")
     options, megatron_flags = parser.parse_known_args(own)
+    if options.python_time:
+        return python_time(options, megatron_flags + program)
     systems = options.systems.split(",")
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
@@ -429,6 +440,19 @@ def main(argv: list[str] | None = None) -> int:
             "rank": RANK, "checks": checks,
             "systems": {r.system: dataclasses.asdict(r) for r in results},
         }, indent=1) + "\n")
+        print(f"wrote {options.json}")
+    return 0
+
+
+def python_time(options, megatron_flags: list[str]) -> int:
+    from scripts.bench import host_python
+
+    results = host_python.measure(runs=options.runs, overrides=megatron_flags)
+    print(host_python.render(results))
+    if options.json is not None:
+        options.json.write_text(json.dumps({
+            "argv": host_python.probe_argv(megatron_flags),
+            "systems": {r.system: dataclasses.asdict(r) for r in results}}, indent=1) + "\n")
         print(f"wrote {options.json}")
     return 0
 
