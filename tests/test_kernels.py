@@ -50,7 +50,11 @@ def _numpy_quantize(x: torch.Tensor, bits: int, block_size: int) -> bytes:
         scales = (absmax / np.float32(qmax)).astype(np.float32)
         scales[~np.isfinite(absmax)] = np.nan
         usable = scales > 0
-        codes = np.rint(blocks / np.where(usable, scales, np.float32(1))[:, None])
+        # Values times the reciprocal; scales under 2**-64 through exact power-of-two
+        # prescaling, so the reciprocal stays finite (the reference's module doc).
+        prescale = np.where(scales < np.float32(2.0**-64), np.float32(2.0**64), np.float32(1))
+        reciprocal = np.float32(1) / np.where(usable, scales * prescale, np.float32(1))
+        codes = np.rint((blocks * prescale[:, None]) * reciprocal[:, None])
         codes = np.clip(codes, -qmax, qmax)
         codes[~usable] = 0
     codes = codes.astype(np.int8).ravel()

@@ -23,8 +23,12 @@ Payload layout (one flat uint8 tensor, so that a single collective moves it):
   multiple of 4 (block size 3, say), so readers must not assume alignment.
 
 Quantization is symmetric and computed in fp32: scale = absmax(block) / qmax,
-q = round_half_to_even(x / scale) clamped to [-qmax, qmax], qmax = 127 (int8), 7 (int4) or
-1 (int2).
+q = round_half_to_even(x * (1 / scale)) clamped to [-qmax, qmax], qmax = 127 (int8), 7 (int4)
+or 1 (int2). Multiplying by the block's reciprocal (one division a block, not one a value)
+is what the GPU kernels do at memory speed; it moves a value that lies within an ulp of a
+rounding boundary to the other code now and then, which leaves the error bound (half a
+scale) and the measured error unchanged. A scale under 2**-64, whose reciprocal could
+overflow, is applied as (x * 2**64) * (1 / (scale * 2**64)): the same products, exact.
 
 Non-finite input (decision): a block holding any inf or NaN gets a NaN scale and all-zero
 codes, so every value of that block dequantizes to NaN. The overflow stays visible to the
@@ -45,6 +49,10 @@ from torch import Tensor
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 SUPPORTED_BITS: tuple[int, ...] = (2, 4, 8)
 SCALE_NBYTES = 4  # one fp32 scale per block
+# Scales below PRESCALE_BELOW are applied through values and scales both multiplied by
+# PRESCALE (powers of two: exact), so that 1 / scale stays finite (see the module doc).
+PRESCALE_BELOW = 2.0**-64
+PRESCALE = 2.0**64
 
 
 def qmax_for_bits(bits: int) -> int:
@@ -230,16 +238,24 @@ def _block_scales(blocks: Tensor, qmax: int) -> Tensor:
 
 
 def _block_codes(blocks: Tensor, scales: Tensor, qmax: int, overwrite: bool) -> Tensor:
-    """Signed codes (flat int8) of each row under its scale; zero codes where scale is 0/NaN.
+    """Signed codes (flat int8) of each row under its scale: the values times the scale's
+    reciprocal, rounded half to even, clamped; zero codes where scale is 0/NaN.
 
     With `overwrite`, `blocks` is consumed to hold the codes (saves one allocation).
     """
-    # An infinite divisor (scale 0 or NaN: NaN > 0 is false) sends every finite value of the
-    # row to code 0 without a masking pass; what is left, the inf and NaN values of a
-    # NaN-scale row, divide to NaN and become 0 in one cheap pass (a broadcast mask of the
-    # NaN rows cost more than dividing; testing for them first would sync a GPU's host).
-    divisor = torch.where(scales > 0, scales, torch.full_like(scales, float("inf")))[:, None]
-    codes = blocks.div_(divisor) if overwrite else blocks / divisor
+    usable = scales > 0  # NaN > 0 is false
+    prescale = torch.where(scales < PRESCALE_BELOW, PRESCALE, 1.0)
+    # A zero reciprocal (scale 0 or NaN) sends every finite value of the row to code 0
+    # without a masking pass; what is left, the inf and NaN values of a NaN-scale row,
+    # multiply to NaN and become 0 in one cheap pass (testing for them first would sync a
+    # GPU's host).
+    reciprocal = torch.where(usable, 1.0 / torch.where(usable, scales * prescale, 1.0), 0.0)
+    codes = blocks if overwrite else blocks.clone()
+    # x * 1.0 is x: the prescaling pass runs only where a tiny scale needs it (on the CPU,
+    # where asking costs no host sync).
+    if codes.device.type != "cpu" or bool((prescale != 1.0).any()):
+        codes.mul_(prescale[:, None])
+    codes.mul_(reciprocal[:, None])
     codes.round_().clamp_(-qmax, qmax).nan_to_num_(nan=0.0)
     return codes.to(torch.int8).view(-1)
 

@@ -4,26 +4,31 @@ Same contracts and payload layout as `zeropp.kernels.reference` (read its module
 and bit-identical results: the reference is the specification, the tests compare the two.
 
 Kernel shape ([Note: kernel tiles], in `zeropp.kernels.launch_specs`, which also says how
-the host launches each kernel variant): one program owns ROWS whole quantization blocks and
-walks them in [ROWS, COLS] register tiles of 1024 values (8 per thread; 512 for the qgZ
-reductions). A block that fits a tile is one tile, so absmax, scale, rounding and int4/int2
-packing happen in one pass and the scale never round-trips through memory; a larger block is
-read twice (absmax, then quantize). Reductions loop over the k payloads inside the program
-and quantize the fp32 sum in the same tile, so qgZ's dequantize-sum-requantize reads each
-payload byte once (twice for blocks larger than a tile) and writes the result once. Element
-offsets inside a program are int32 from an int64 base: half the registers of int64 offsets.
+the host launches each kernel variant): the block size, the tile and the payload count K
+are compile-time constants. One program owns ROWS whole quantization blocks; each thread
+moves 16 bytes of every packed-code stream (16 int8 codes, 32 int4 codes) and unpacks
+or packs sub-byte codes in registers (a join or split of nibbles, no per-value byte
+gathers). A block that fits a tile is one tile, so absmax, scale, rounding and packing
+happen in one pass and the scale never round-trips through memory; a larger block is read
+twice (absmax, then quantize). Reductions read the K payloads in one unrolled loop (all
+loads in flight together) and quantize the fp32 sum in the same tile, so qgZ's
+dequantize-sum-requantize reads each payload byte once (twice for blocks larger than a
+tile) and writes the result once. Programs whose tile lies wholly inside the tensor are
+compiled without masks when the whole launch is such (`EVEN`). Scales are read and written
+as fp32 words where the payload keeps them 4-byte aligned (`SCALES_F32*`), else as bytes.
 
 Bit-exactness with torch, and why each choice is needed:
-- x / scale and absmax / qmax use `tl.div_rn` (IEEE division); plain `/` may be approximate.
-- Rounding is half-to-even built from floor and compares (exact for |v| < 2**23), which
-  matches `torch.round` on every backend, the interpreter included.
-- `tl.max` ignores NaN on CUDA, so non-finite blocks are detected explicitly.
+- absmax / qmax and the reciprocal 1 / scale use `tl.div_rn` (IEEE division, once per
+  block); values are multiplied by the reciprocal, as the reference does.
+- Rounding is half-to-even by adding and subtracting 1.5 * 2**23 (exact for |v| < 2**22,
+  and codes are at most 127 in magnitude), which matches `torch.round` on every backend,
+  the interpreter included (libdevice's rint has no interpreter implementation).
+- The absmax propagates NaN (a max that keeps NaN), so non-finite blocks are found by one
+  reduction: a NaN or inf absmax.
 - Kernels are launched with `enable_fp_fusion=False`: acc + q * scale fused into an FMA
   would round differently from torch's separate multiply and add.
 - fp32 -> bf16 is rounded by hand: Triton's interpreter truncates where compiled code
   rounds to nearest-even, and one explicit rule keeps both equal to torch.
-- Scales are written and read as four bytes each, because their offset in the payload is
-  not 4-byte aligned for every block size.
 
 qgZ's sends are pieces ([Note: payload pieces] in the reference): `quantize_swizzled` and
 `dequantize_reduce_quantize(parts=...)` launch the same two kernels with extra grid
@@ -32,7 +37,11 @@ place in its piece, so the pieces cost no pass of their own.
 
 Int4 with an odd block size (int2: one not a multiple of 4) lets a byte straddle two blocks,
 which a per-block tile cannot pack; that rare configuration writes one code per byte to
-scratch, packs with torch and, for pieces, shuffles the bytes with torch too.
+scratch, packs with torch and, for pieces, shuffles the bytes with torch too (and reads
+such payloads a code at a time).
+
+Launches go through `zeropp.kernels.launcher` (a cached compiled kernel's launcher with the
+raw stream); each call's layout and launch plan are computed once per shape and cached.
 
 Triton is imported at module import, and this module is only imported by
 `zeropp.kernels` when a CUDA tensor (or ZEROPP_KERNELS=triton) asks for it; without Triton
@@ -43,21 +52,27 @@ import, the kernels run on CPU tensors through Triton's interpreter (used by the
 from __future__ import annotations
 
 import os
+from functools import cache
 
 import torch
 from torch import Tensor
 
 from zeropp.kernels import reference
 from zeropp.kernels.launch_specs import (  # noqa: F401 (launch_specs: callers list variants here)
+    MAX_UNROLLED_PAYLOADS,
     LaunchSpec,
     _packs_in_kernel,
     _spec_dequantize,
     _spec_dequantize_reduce,
     _spec_dequantize_reduce_quantize,
     _spec_quantize,
+    is_even,
     launch_specs,
+    scales_are_words,
+    tile_config,
 )
-from zeropp.kernels.reference import PayloadLayout, code_offset
+from zeropp.kernels.launcher import LAUNCHER
+from zeropp.kernels.reference import PRESCALE, PRESCALE_BELOW, PayloadLayout, code_offset
 
 try:
     import triton
@@ -78,182 +93,221 @@ def _jit(fn):
     return triton.jit(fn) if triton is not None else fn
 
 
+def _constexpr(value):
+    return tl.constexpr(value) if triton is not None else value
+
+
 # Kernels may only read module globals that are constexpr.
-_NIBBLE_BIAS = tl.constexpr(code_offset(4)) if triton is not None else code_offset(4)
-_CRUMB_BIAS = tl.constexpr(code_offset(2)) if triton is not None else code_offset(2)
+_NIBBLE_BIAS = _constexpr(code_offset(4))
+_CRUMB_BIAS = _constexpr(code_offset(2))
+_ROUNDING_MAGIC = _constexpr(1.5 * 2.0**23)  # adding it leaves no fraction bits below 2**22
+_PRESCALE = _constexpr(PRESCALE)
+_PRESCALE_BELOW = _constexpr(PRESCALE_BELOW)
 
 
 # ---------------------------------------------------------------------------------------------
-# Device functions.
+# Device functions. MASKED arguments are compile-time: False drops the mask (and with it
+# the mask's arithmetic) from a load or store.
 # ---------------------------------------------------------------------------------------------
+
+
+@_jit
+def _load(pointers, mask, other, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(pointers, mask=mask, other=other)
+    else:
+        return tl.load(pointers)
+
+
+@_jit
+def _store(pointers, values, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(pointers, values, mask=mask)
+    else:
+        tl.store(pointers, values)
 
 
 @_jit
 def _round_half_even(v):
-    floor_v = tl.floor(v)
-    frac = v - floor_v
-    floor_is_odd = (floor_v - 2.0 * tl.floor(floor_v * 0.5)) == 1.0
-    round_up = (frac > 0.5) | ((frac == 0.5) & floor_is_odd)
-    return floor_v + round_up.to(tl.float32)
+    return (v + _ROUNDING_MAGIC) - _ROUNDING_MAGIC
 
 
 @_jit
-def _program_blocks(nblocks, ROWS: tl.constexpr):
-    """This program's first block (int64) and its [ROWS] row indices and row mask."""
-    first = tl.program_id(0).to(tl.int64) * ROWS
-    rows = tl.arange(0, ROWS)
-    return first, rows, first + rows < nblocks
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @_jit
-def _elements_left(numel, first, block_size, ROWS: tl.constexpr):
-    """Elements from this program's first one to the end, capped at its tile (int32)."""
-    return tl.minimum(numel - first * block_size, ROWS * block_size).to(tl.int32)
+def _absmax(values):
+    """Per row: the largest magnitude, NaN if the row holds a NaN (inf if an inf)."""
+    return tl.reduce(tl.abs(values), 1, _max_keeping_nan)
 
 
 @_jit
-def _chunk(rows, c0, block_size, elements_left, row_valid, COLS: tl.constexpr):
-    """Offsets (int32, from the program's first element) of columns c0..c0+COLS of every
-    row, which lie in a block, and which lie in the tensor."""
-    cols = c0 + tl.arange(0, COLS)
-    local = rows[:, None] * block_size + cols[None, :]
-    in_block = row_valid[:, None] & (cols[None, :] < block_size)
-    return local, in_block, in_block & (local < elements_left)
-
-
-@_jit
-def _tile_stats(values):
-    """Per row: absmax (NaN ignored, as tl.max does on CUDA) and whether any is non-finite."""
-    is_nonfinite = (values != values) | (tl.abs(values) == float("inf"))
-    return tl.max(tl.abs(values), axis=1), tl.max(is_nonfinite.to(tl.int32), axis=1)
-
-
-@_jit
-def _block_scales(absmax, nonfinite, QMAX: tl.constexpr):
+def _block_scales(absmax, QMAX: tl.constexpr):
+    """absmax / qmax, NaN for a row holding inf or NaN."""
     scales = tl.div_rn(absmax, tl.zeros_like(absmax) + QMAX)
-    return tl.where(nonfinite > 0, float("nan"), scales)
+    return tl.where((absmax == absmax) & (absmax != float("inf")), scales, float("nan"))
 
 
 @_jit
 def _codes(values, scales, QMAX: tl.constexpr):
-    """Signed codes (fp32) of a [ROWS, COLS] tile under its rows' scales."""
+    """Signed codes (fp32) of a [ROWS, COLS] tile under its rows' scales: values times the
+    reciprocal of the scale, rounded half to even, clamped; 0 where the scale is 0 or NaN.
+    A scale so small that its reciprocal would overflow is prescaled (as the reference)."""
     usable = scales > 0.0
-    numerator, divisor = tl.broadcast(values, tl.where(usable, scales, 1.0)[:, None])
-    codes = _round_half_even(tl.div_rn(numerator, divisor))
+    prescale = tl.where(scales < _PRESCALE_BELOW, _PRESCALE, 1.0)
+    divisor = tl.where(usable, scales * prescale, 1.0)
+    inverse = tl.div_rn(tl.zeros_like(divisor) + 1.0, divisor)
+    codes = _round_half_even((values * prescale[:, None]) * inverse[:, None])
     codes = tl.minimum(tl.maximum(codes, -QMAX), QMAX)
     return tl.where(usable[:, None], codes, 0.0)
 
 
 @_jit
-def _store_codes(
-    codes_ptr,
-    codes,
-    first,
-    rows,
-    c0,
-    local,
-    in_block,
-    row_valid,
-    block_size,
-    BITS: tl.constexpr,
-    PACK_NIBBLES: tl.constexpr,
-    COLS: tl.constexpr,
-):
+def _store_codes(codes_ptr, codes, first, rows, c0, local, in_block, row_valid,
+                 BLOCK: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr,
+                 ROWS: tl.constexpr, COLS: tl.constexpr, MASK_VALUES: tl.constexpr):
     if BITS == 8:
-        tl.store(codes_ptr + first * block_size + local,
-                 codes.to(tl.int8).to(tl.uint8, bitcast=True), mask=in_block)
-    elif PACK_NIBBLES and BITS == 4:
+        _store(codes_ptr + first * BLOCK + local, codes.to(tl.int8).to(tl.uint8, bitcast=True),
+               in_block, MASK_VALUES)
+    elif PACK and BITS == 4:
         nibbles = (codes + _NIBBLE_BIAS).to(tl.uint8)
-        low, high = tl.split(tl.reshape(nibbles, [nibbles.shape[0], COLS // 2, 2]))
-        pairs_per_block = block_size // 2
+        low, high = tl.split(tl.reshape(nibbles, [ROWS, COLS // 2, 2]))
         pair_cols = c0 // 2 + tl.arange(0, COLS // 2)
-        byte_local = rows[:, None] * pairs_per_block + pair_cols[None, :]
-        pair_mask = row_valid[:, None] & (pair_cols[None, :] < pairs_per_block)
-        tl.store(codes_ptr + first * pairs_per_block + byte_local, low | (high << 4),
-                 mask=pair_mask)
-    elif PACK_NIBBLES:  # int2, blocks of whole bytes: four codes a byte, as for int4's two
+        byte_local = rows[:, None] * (BLOCK // 2) + pair_cols[None, :]
+        pair_mask = row_valid[:, None] & (pair_cols[None, :] < BLOCK // 2)
+        _store(codes_ptr + first * (BLOCK // 2) + byte_local, low | (high << 4), pair_mask,
+               MASK_VALUES)
+    elif PACK:  # int2, blocks of whole bytes: four codes a byte, as for int4's two
         crumbs = (codes + _CRUMB_BIAS).to(tl.uint8)
         # Column 4g + 2i + j of the tile lands at [g, i, j]: split j, then i.
-        even, odd = tl.split(tl.reshape(crumbs, [crumbs.shape[0], COLS // 4, 2, 2]))
+        even, odd = tl.split(tl.reshape(crumbs, [ROWS, COLS // 4, 2, 2]))
         c0_codes, c2_codes = tl.split(even)
         c1_codes, c3_codes = tl.split(odd)
         packed = c0_codes | (c1_codes << 2) | (c2_codes << 4) | (c3_codes << 6)
-        quads_per_block = block_size // 4
         quad_cols = c0 // 4 + tl.arange(0, COLS // 4)
-        byte_local = rows[:, None] * quads_per_block + quad_cols[None, :]
-        quad_mask = row_valid[:, None] & (quad_cols[None, :] < quads_per_block)
-        tl.store(codes_ptr + first * quads_per_block + byte_local, packed, mask=quad_mask)
+        byte_local = rows[:, None] * (BLOCK // 4) + quad_cols[None, :]
+        quad_mask = row_valid[:, None] & (quad_cols[None, :] < BLOCK // 4)
+        _store(codes_ptr + first * (BLOCK // 4) + byte_local, packed, quad_mask, MASK_VALUES)
     else:  # blocks not of whole bytes: one code per byte into scratch, packed by the host
         bias = _NIBBLE_BIAS if BITS == 4 else _CRUMB_BIAS
-        tl.store(codes_ptr + first * block_size + local, (codes + bias).to(tl.uint8),
-                 mask=in_block)
+        _store(codes_ptr + first * BLOCK + local, (codes + bias).to(tl.uint8), in_block,
+               MASK_VALUES)
 
 
 @_jit
-def _store_scales(scale_bytes_ptr, first, rows, scales, row_valid):
-    bits = scales.to(tl.uint32, bitcast=True)
-    base = scale_bytes_ptr + (first + rows) * 4
-    tl.store(base, (bits & 0xFF).to(tl.uint8), mask=row_valid)
-    tl.store(base + 1, ((bits >> 8) & 0xFF).to(tl.uint8), mask=row_valid)
-    tl.store(base + 2, ((bits >> 16) & 0xFF).to(tl.uint8), mask=row_valid)
-    tl.store(base + 3, ((bits >> 24) & 0xFF).to(tl.uint8), mask=row_valid)
+def _store_scales(scales_ptr, block_index, scales, row_valid, SCALES_F32: tl.constexpr,
+                  MASK_ROWS: tl.constexpr):
+    """Scales of blocks `block_index` into the scale region at `scales_ptr` (a byte pointer):
+    as fp32 words when the region is 4-byte aligned, else byte by byte."""
+    if SCALES_F32:
+        _store(scales_ptr.to(tl.pointer_type(tl.float32)) + block_index, scales, row_valid,
+               MASK_ROWS)
+    else:
+        bits = scales.to(tl.uint32, bitcast=True)
+        base = scales_ptr + block_index * 4
+        _store(base, (bits & 0xFF).to(tl.uint8), row_valid, MASK_ROWS)
+        _store(base + 1, ((bits >> 8) & 0xFF).to(tl.uint8), row_valid, MASK_ROWS)
+        _store(base + 2, ((bits >> 16) & 0xFF).to(tl.uint8), row_valid, MASK_ROWS)
+        _store(base + 3, ((bits >> 24) & 0xFF).to(tl.uint8), row_valid, MASK_ROWS)
 
 
 @_jit
-def _load_scales(scale_bytes_ptr, first, rows, row_valid):
-    base = scale_bytes_ptr + (first + rows) * 4
-    b0 = tl.load(base, mask=row_valid, other=0).to(tl.uint32)
-    b1 = tl.load(base + 1, mask=row_valid, other=0).to(tl.uint32)
-    b2 = tl.load(base + 2, mask=row_valid, other=0).to(tl.uint32)
-    b3 = tl.load(base + 3, mask=row_valid, other=0).to(tl.uint32)
-    return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
+def _load_scales(scales_ptr, block_index, row_valid, SCALES_F32: tl.constexpr,
+                 MASK_ROWS: tl.constexpr):
+    if SCALES_F32:
+        return _load(scales_ptr.to(tl.pointer_type(tl.float32)) + block_index, row_valid, 0.0,
+                     MASK_ROWS)
+    else:
+        base = scales_ptr + block_index * 4
+        b0 = _load(base, row_valid, 0, MASK_ROWS).to(tl.uint32)
+        b1 = _load(base + 1, row_valid, 0, MASK_ROWS).to(tl.uint32)
+        b2 = _load(base + 2, row_valid, 0, MASK_ROWS).to(tl.uint32)
+        b3 = _load(base + 3, row_valid, 0, MASK_ROWS).to(tl.uint32)
+        return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
 
 
 @_jit
-def _load_chunk(payload_ptr, scales, first, local, in_block, block_size, BITS: tl.constexpr):
-    """fp32 dequantized values of one payload over a chunk (padding included)."""
-    base = first * block_size
+def _load_codes(payload_ptr, first, rows, c0, local, in_block, row_valid,
+                BLOCK: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr,
+                ROWS: tl.constexpr, COLS: tl.constexpr, MASK_VALUES: tl.constexpr):
+    """Signed codes (fp32) of one payload over a [ROWS, COLS] chunk of blocks from block
+    `first` (padding included; masked-off columns read the code of zero)."""
     if BITS == 8:
-        raw = tl.load(payload_ptr + base + local, mask=in_block, other=0)
+        raw = _load(payload_ptr + first * BLOCK + local, in_block, 0, MASK_VALUES)
         codes = raw.to(tl.int8, bitcast=True).to(tl.float32)
+    elif UNPACK and BITS == 4:
+        # 16 bytes a thread, split into their two nibbles in registers: even values low.
+        pair_cols = c0 // 2 + tl.arange(0, COLS // 2)
+        byte_local = rows[:, None] * (BLOCK // 2) + pair_cols[None, :]
+        pair_mask = row_valid[:, None] & (pair_cols[None, :] < BLOCK // 2)
+        packed = _load(payload_ptr + first * (BLOCK // 2) + byte_local, pair_mask,
+                       _NIBBLE_BIAS, MASK_VALUES).to(tl.int32)
+        nibbles = tl.reshape(tl.join(packed & 0xF, packed >> 4), [ROWS, COLS])
+        codes = (nibbles - _NIBBLE_BIAS).to(tl.float32)
+    elif UNPACK:  # int2, blocks of whole bytes: code i of a byte in bits 2i..2i+1
+        quad_cols = c0 // 4 + tl.arange(0, COLS // 4)
+        byte_local = rows[:, None] * (BLOCK // 4) + quad_cols[None, :]
+        quad_mask = row_valid[:, None] & (quad_cols[None, :] < BLOCK // 4)
+        packed = _load(payload_ptr + first * (BLOCK // 4) + byte_local, quad_mask,
+                       _CRUMB_BIAS, MASK_VALUES).to(tl.int32)
+        # The inverse of _store_codes' splits: [g, i, j] is column 4g + 2i + j.
+        even = tl.join(packed & 0x3, (packed >> 4) & 0x3)
+        odd = tl.join((packed >> 2) & 0x3, packed >> 6)
+        crumbs = tl.reshape(tl.join(even, odd), [ROWS, COLS])
+        codes = (crumbs - _CRUMB_BIAS).to(tl.float32)
     elif BITS == 4:
-        # Two neighbours read the same byte; the nibble is picked by the global index's
-        # parity, so any block size works.
+        # Blocks not of whole bytes: neighbours read the same byte and pick their nibble by
+        # the global index's parity.
+        base = first * BLOCK
         index = local + (base & 1).to(tl.int32)
-        packed = tl.load(payload_ptr + base // 2 + index // 2, mask=in_block, other=_NIBBLE_BIAS)
+        packed = tl.load(payload_ptr + base // 2 + index // 2, mask=in_block,
+                         other=_NIBBLE_BIAS)
         nibble = (packed.to(tl.int32) >> ((index & 1) * 4)) & 0xF
         codes = (nibble - _NIBBLE_BIAS).to(tl.float32)
-    else:  # int2: four neighbours share a byte, picked by the global index modulo 4
+    else:  # int2 blocks not of whole bytes: four neighbours share a byte
+        base = first * BLOCK
         index = local + (base & 3).to(tl.int32)
-        packed = tl.load(payload_ptr + base // 4 + index // 4, mask=in_block, other=_CRUMB_BIAS)
+        packed = tl.load(payload_ptr + base // 4 + index // 4, mask=in_block,
+                         other=_CRUMB_BIAS)
         crumb = (packed.to(tl.int32) >> ((index & 3) * 2)) & 0x3
         codes = (crumb - _CRUMB_BIAS).to(tl.float32)
-    return codes * scales[:, None]
+    return codes
 
 
 @_jit
-def _sum_chunk(
-    payload_ptr,
-    payload_stride,
-    k,
-    data_nbytes,
-    first,
-    rows,
-    local,
-    in_block,
-    row_valid,
-    block_size,
-    BITS: tl.constexpr,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-):
-    """fp32 sum over k payloads of one chunk; each payload's scales are read here, since k
-    is only known at run time."""
+def _add_payload(total, payload, data_nbytes, first, rows, c0, local, in_block, row_valid,
+                 BLOCK: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr,
+                 ROWS: tl.constexpr, COLS: tl.constexpr, MASK_VALUES: tl.constexpr,
+                 MASK_ROWS: tl.constexpr, SCALES_F32: tl.constexpr):
+    scales = _load_scales(payload + data_nbytes, first + rows, row_valid, SCALES_F32,
+                          MASK_ROWS)
+    codes = _load_codes(payload, first, rows, c0, local, in_block, row_valid, BLOCK, BITS,
+                        UNPACK, ROWS, COLS, MASK_VALUES)
+    return total + codes * scales[:, None]
+
+
+@_jit
+def _sum_chunk(payload_ptr, payload_stride, data_nbytes, first, rows, c0, local, in_block,
+               row_valid, BLOCK: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr,
+               K: tl.constexpr, UNROLL: tl.constexpr, ROWS: tl.constexpr,
+               COLS: tl.constexpr, MASK_VALUES: tl.constexpr, MASK_ROWS: tl.constexpr,
+               SCALES_F32: tl.constexpr):
+    """fp32 sum over the K payloads of one chunk, from zero, in payload order. UNROLL
+    payloads at a time are unrolled, so their loads are in flight together."""
     total = tl.zeros([ROWS, COLS], dtype=tl.float32)
-    for i in range(0, k):
-        payload = payload_ptr + i * payload_stride
-        scales = _load_scales(payload + data_nbytes, first, rows, row_valid)
-        total += _load_chunk(payload, scales, first, local, in_block, block_size, BITS)
+    for group in range(K // UNROLL):
+        for i in tl.static_range(UNROLL):
+            payload = payload_ptr + (group * UNROLL + i) * payload_stride
+            total = _add_payload(total, payload, data_nbytes, first, rows, c0, local,
+                                 in_block, row_valid, BLOCK, BITS, UNPACK, ROWS, COLS,
+                                 MASK_VALUES, MASK_ROWS, SCALES_F32)
+    for i in tl.static_range(K % UNROLL):
+        payload = payload_ptr + ((K // UNROLL) * UNROLL + i) * payload_stride
+        total = _add_payload(total, payload, data_nbytes, first, rows, c0, local, in_block,
+                             row_valid, BLOCK, BITS, UNPACK, ROWS, COLS, MASK_VALUES,
+                             MASK_ROWS, SCALES_F32)
     return total
 
 
@@ -267,19 +321,34 @@ def _to_bfloat16_rtne(values):
 
 
 @_jit
-def _store_values(out_ptr, values, local, in_range):
+def _store_values(out_ptr, values, mask, MASKED: tl.constexpr):
     if out_ptr.dtype.element_ty == tl.bfloat16:
-        tl.store(out_ptr + local, _to_bfloat16_rtne(values), mask=in_range)
+        _store(out_ptr, _to_bfloat16_rtne(values), mask, MASKED)
     else:
-        tl.store(out_ptr + local, values.to(out_ptr.dtype.element_ty), mask=in_range)
+        _store(out_ptr, values.to(out_ptr.dtype.element_ty), mask, MASKED)
+
+
+@_jit
+def _tile(first, c0, nblocks, numel, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+          COLS: tl.constexpr):
+    """Rows and offsets (int32, from the program's first value) of columns c0..c0+COLS of
+    the program's blocks; which rows are blocks, which columns lie in a block and which
+    values lie in the tensor."""
+    rows = tl.arange(0, ROWS)
+    cols = c0 + tl.arange(0, COLS)
+    local = rows[:, None] * BLOCK + cols[None, :]
+    row_valid = first + rows < nblocks
+    in_block = row_valid[:, None] & (cols[None, :] < BLOCK)
+    left = tl.minimum(numel - first * BLOCK, ROWS * BLOCK).to(tl.int32)
+    return rows, local, row_valid, in_block, in_block & (local < left)
 
 
 # ---------------------------------------------------------------------------------------------
 # Kernels. [Note: kernel tiles] A program owns ROWS whole blocks and walks them COLS columns
-# at a time (ROWS x COLS = 8 values a thread, 4 in the reductions). When a block fits one
-# chunk (SINGLE_PASS) its values stay in registers from absmax to store; a larger block is
-# read twice, once for its absmax and once to quantize (the second read mostly hits L2),
-# instead of holding up to 16384 values per program in registers, which spilled.
+# at a time. When a block fits one chunk (SINGLE_PASS) its values stay in registers from
+# absmax to store; a larger block is read twice, once for its absmax and once to quantize
+# (the second read mostly hits L2), instead of holding up to 16384 values per program in
+# registers, which spilled.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -287,53 +356,58 @@ def _store_values(out_ptr, values, local, in_range):
 def quantize_kernel(
     x_ptr,
     codes_ptr,
-    scale_bytes_ptr,
+    payload_ptr,
+    scale_offset,
     numel,
     nblocks,
-    block_size,
     piece_nbytes,
+    BLOCK: tl.constexpr,
     QMAX: tl.constexpr,
     BITS: tl.constexpr,
-    PACK_NIBBLES: tl.constexpr,
+    PACK: tl.constexpr,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
+    MASK_VALUES: tl.constexpr,
+    SCALES_F32: tl.constexpr,
 ):
     # [Note: payload pieces] Program (b, l, m) quantizes blocks b * ROWS.. of the slice of
     # rank m * per_node + l (numel values, nblocks blocks) into piece l, whose slices are
     # whole bytes in node order: there they are blocks m * nblocks.. of the piece's payload.
-    # A plain quantization is one slice in one piece.
-    first, rows, row_valid = _program_blocks(nblocks, ROWS)
-    left = _elements_left(numel, first, block_size, ROWS)
+    # A plain quantization is one slice in one piece. Codes go to `codes_ptr` (the payload,
+    # or scratch for blocks not of whole bytes), scales to the payload at `scale_offset`.
+    first = tl.program_id(0).to(tl.int64) * ROWS
     rank = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
-    x = x_ptr + rank.to(tl.int64) * numel + first * block_size
+    x = x_ptr + rank.to(tl.int64) * numel + first * BLOCK
     first_out = tl.program_id(2).to(tl.int64) * nblocks + first
     piece = tl.program_id(1).to(tl.int64) * piece_nbytes
     codes_ptr += piece
-    scale_bytes_ptr += piece
+    scales_ptr = payload_ptr + piece + scale_offset
     if SINGLE_PASS:
-        local, in_block, in_range = _chunk(rows, 0, block_size, left, row_valid, COLS)
-        values = tl.load(x + local, mask=in_range, other=0.0).to(tl.float32)
-        absmax, nonfinite = _tile_stats(values)
-        scales = _block_scales(absmax, nonfinite, QMAX)
+        rows, local, row_valid, in_block, in_range = _tile(first, 0, nblocks, numel, BLOCK,
+                                                           ROWS, COLS)
+        values = _load(x + local, in_range, 0.0, MASK_VALUES).to(tl.float32)
+        scales = _block_scales(_absmax(values), QMAX)
         _store_codes(codes_ptr, _codes(values, scales, QMAX), first_out, rows, 0, local,
-                     in_block, row_valid, block_size, BITS, PACK_NIBBLES, COLS)
+                     in_block, row_valid, BLOCK, BITS, PACK, ROWS, COLS, MASK_VALUES)
     else:
+        rows, local, row_valid, in_block, in_range = _tile(first, 0, nblocks, numel, BLOCK,
+                                                           ROWS, COLS)
         absmax = tl.zeros([ROWS], dtype=tl.float32)
-        nonfinite = tl.zeros([ROWS], dtype=tl.int32)
-        for c0 in range(0, block_size, COLS):
-            local, in_block, in_range = _chunk(rows, c0, block_size, left, row_valid, COLS)
-            chunk_max, chunk_nonfinite = _tile_stats(
-                tl.load(x + local, mask=in_range, other=0.0).to(tl.float32))
-            absmax = tl.maximum(absmax, chunk_max)
-            nonfinite = tl.maximum(nonfinite, chunk_nonfinite)
-        scales = _block_scales(absmax, nonfinite, QMAX)
-        for c0 in range(0, block_size, COLS):
-            local, in_block, in_range = _chunk(rows, c0, block_size, left, row_valid, COLS)
-            values = tl.load(x + local, mask=in_range, other=0.0).to(tl.float32)
+        for c0 in range(0, BLOCK, COLS):
+            rows, local, row_valid, in_block, in_range = _tile(first, c0, nblocks, numel,
+                                                               BLOCK, ROWS, COLS)
+            values = _load(x + local, in_range, 0.0, MASK_VALUES).to(tl.float32)
+            absmax = _max_keeping_nan(absmax, _absmax(values))
+        scales = _block_scales(absmax, QMAX)
+        for c0 in range(0, BLOCK, COLS):
+            rows, local, row_valid, in_block, in_range = _tile(first, c0, nblocks, numel,
+                                                               BLOCK, ROWS, COLS)
+            values = _load(x + local, in_range, 0.0, MASK_VALUES).to(tl.float32)
             _store_codes(codes_ptr, _codes(values, scales, QMAX), first_out, rows, c0, local,
-                         in_block, row_valid, block_size, BITS, PACK_NIBBLES, COLS)
-    _store_scales(scale_bytes_ptr, first_out, rows, scales, row_valid)
+                         in_block, row_valid, BLOCK, BITS, PACK, ROWS, COLS, MASK_VALUES)
+    _store_scales(scales_ptr, first_out + rows, scales, row_valid, SCALES_F32, MASK_ROWS)
 
 
 @_jit
@@ -344,22 +418,30 @@ def dequantize_kernel(
     out_stride,
     numel,
     nblocks,
-    block_size,
     data_nbytes,
+    BLOCK: tl.constexpr,
     BITS: tl.constexpr,
+    UNPACK: tl.constexpr,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
+    MASK_VALUES: tl.constexpr,
+    SCALES_F32: tl.constexpr,
 ):
-    first, rows, row_valid = _program_blocks(nblocks, ROWS)
-    left = _elements_left(numel, first, block_size, ROWS)
+    first = tl.program_id(0).to(tl.int64) * ROWS
     payload_row = tl.program_id(1).to(tl.int64)
     payload = payload_ptr + payload_row * payload_stride
-    out = out_ptr + payload_row * out_stride + first * block_size
-    scales = _load_scales(payload + data_nbytes, first, rows, row_valid)
-    for c0 in range(0, block_size, COLS):
-        local, in_block, in_range = _chunk(rows, c0, block_size, left, row_valid, COLS)
-        values = _load_chunk(payload, scales, first, local, in_block, block_size, BITS)
-        _store_values(out, values, local, in_range)
+    out = out_ptr + payload_row * out_stride + first * BLOCK
+    rows, local, row_valid, in_block, in_range = _tile(first, 0, nblocks, numel, BLOCK, ROWS,
+                                                       COLS)
+    scales = _load_scales(payload + data_nbytes, first + rows, row_valid, SCALES_F32,
+                          MASK_ROWS)
+    for c0 in range(0, BLOCK, COLS):
+        rows, local, row_valid, in_block, in_range = _tile(first, c0, nblocks, numel, BLOCK,
+                                                           ROWS, COLS)
+        codes = _load_codes(payload, first, rows, c0, local, in_block, row_valid, BLOCK, BITS,
+                            UNPACK, ROWS, COLS, MASK_VALUES)
+        _store_values(out + local, codes * scales[:, None], in_range, MASK_VALUES)
 
 
 @_jit
@@ -367,91 +449,113 @@ def _dequantize_reduce_kernel(
     payload_ptr,
     out_ptr,
     payload_stride,
-    k,
     numel,
     nblocks,
-    block_size,
     data_nbytes,
+    BLOCK: tl.constexpr,
     BITS: tl.constexpr,
+    UNPACK: tl.constexpr,
+    K: tl.constexpr,
+    UNROLL: tl.constexpr,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
+    MASK_VALUES: tl.constexpr,
+    SCALES_F32: tl.constexpr,
 ):
-    first, rows, row_valid = _program_blocks(nblocks, ROWS)
-    left = _elements_left(numel, first, block_size, ROWS)
-    out = out_ptr + first * block_size
-    for c0 in range(0, block_size, COLS):
-        local, in_block, in_range = _chunk(rows, c0, block_size, left, row_valid, COLS)
-        total = _sum_chunk(payload_ptr, payload_stride, k, data_nbytes, first, rows, local,
-                           in_block, row_valid, block_size, BITS, ROWS, COLS)
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    out = out_ptr + first * BLOCK
+    for c0 in range(0, BLOCK, COLS):
+        rows, local, row_valid, in_block, in_range = _tile(first, c0, nblocks, numel, BLOCK,
+                                                           ROWS, COLS)
+        total = _sum_chunk(payload_ptr, payload_stride, data_nbytes, first, rows, c0, local,
+                           in_block, row_valid, BLOCK, BITS, UNPACK, K, UNROLL, ROWS, COLS,
+                           MASK_VALUES, MASK_ROWS, SCALES_F32)
         # The fp32 sum rounded once to the output's dtype (a 16-bit gradient shard).
-        _store_values(out, total, local, in_range)
+        _store_values(out + local, total, in_range, MASK_VALUES)
 
 
 @_jit
 def dequantize_reduce_quantize_kernel(
     payload_ptr,
     codes_ptr,
-    scale_bytes_ptr,
+    out_ptr,
+    scale_offset,
     payload_stride,
-    k,
     numel,
     nblocks,
-    block_size,
     data_nbytes_in,
     piece_nbytes,
+    BLOCK: tl.constexpr,
     BITS_IN: tl.constexpr,
+    UNPACK: tl.constexpr,
     QMAX_OUT: tl.constexpr,
     BITS_OUT: tl.constexpr,
-    PACK_NIBBLES: tl.constexpr,
+    PACK: tl.constexpr,
+    K: tl.constexpr,
+    UNROLL: tl.constexpr,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
+    MASK_VALUES: tl.constexpr,
+    SCALES_F32_IN: tl.constexpr,
+    SCALES_F32_OUT: tl.constexpr,
 ):
     # [Note: payload pieces] Program (b, j) sums blocks b * ROWS.. of slice j (numel values,
     # nblocks blocks) and writes them into piece j of the output. The inputs are addressed
     # by their global block, `first_in`, since their slices need not start on a whole byte.
-    first, rows, row_valid = _program_blocks(nblocks, ROWS)
-    left = _elements_left(numel, first, block_size, ROWS)
+    first = tl.program_id(0).to(tl.int64) * ROWS
     part = tl.program_id(1).to(tl.int64)
     first_in = part * nblocks + first
     codes_ptr += part * piece_nbytes
-    scale_bytes_ptr += part * piece_nbytes
+    scales_ptr = out_ptr + part * piece_nbytes + scale_offset
     # The reference requantizes a zero-padded sum; NaN scales would leak into the padding,
-    # hence the where() on every sum.
+    # hence the where() on every masked sum.
     if SINGLE_PASS:
-        local, in_block, in_range = _chunk(rows, 0, block_size, left, row_valid, COLS)
-        total = _sum_chunk(payload_ptr, payload_stride, k, data_nbytes_in, first_in, rows,
-                           local, in_block, row_valid, block_size, BITS_IN, ROWS, COLS)
-        total = tl.where(in_range, total, 0.0)
-        absmax, nonfinite = _tile_stats(total)
-        scales = _block_scales(absmax, nonfinite, QMAX_OUT)
-        _store_codes(codes_ptr, _codes(total, scales, QMAX_OUT), first, rows, 0, local,
-                     in_block, row_valid, block_size, BITS_OUT, PACK_NIBBLES, COLS)
-    else:
-        # Two passes over the k payloads (see [Note: kernel tiles]): the sums are recomputed,
-        # in the same order, so both passes see the same fp32 values.
-        absmax = tl.zeros([ROWS], dtype=tl.float32)
-        nonfinite = tl.zeros([ROWS], dtype=tl.int32)
-        for c0 in range(0, block_size, COLS):
-            local, in_block, in_range = _chunk(rows, c0, block_size, left, row_valid, COLS)
-            total = _sum_chunk(payload_ptr, payload_stride, k, data_nbytes_in, first_in, rows,
-                               local, in_block, row_valid, block_size, BITS_IN, ROWS, COLS)
-            chunk_max, chunk_nonfinite = _tile_stats(tl.where(in_range, total, 0.0))
-            absmax = tl.maximum(absmax, chunk_max)
-            nonfinite = tl.maximum(nonfinite, chunk_nonfinite)
-        scales = _block_scales(absmax, nonfinite, QMAX_OUT)
-        for c0 in range(0, block_size, COLS):
-            local, in_block, in_range = _chunk(rows, c0, block_size, left, row_valid, COLS)
-            total = _sum_chunk(payload_ptr, payload_stride, k, data_nbytes_in, first_in, rows,
-                               local, in_block, row_valid, block_size, BITS_IN, ROWS, COLS)
+        rows, local, row_valid, in_block, in_range = _tile(first, 0, nblocks, numel, BLOCK,
+                                                           ROWS, COLS)
+        total = _sum_chunk(payload_ptr, payload_stride, data_nbytes_in, first_in, rows, 0,
+                           local, in_block, row_valid, BLOCK, BITS_IN, UNPACK, K, UNROLL,
+                           ROWS, COLS, MASK_VALUES, MASK_ROWS, SCALES_F32_IN)
+        if MASK_VALUES:
             total = tl.where(in_range, total, 0.0)
+        scales = _block_scales(_absmax(total), QMAX_OUT)
+        _store_codes(codes_ptr, _codes(total, scales, QMAX_OUT), first, rows, 0, local,
+                     in_block, row_valid, BLOCK, BITS_OUT, PACK, ROWS, COLS, MASK_VALUES)
+    else:
+        # Two passes over the K payloads (see [Note: kernel tiles]): the sums are recomputed,
+        # in the same order, so both passes see the same fp32 values.
+        rows, local, row_valid, in_block, in_range = _tile(first, 0, nblocks, numel, BLOCK,
+                                                           ROWS, COLS)
+        absmax = tl.zeros([ROWS], dtype=tl.float32)
+        for c0 in range(0, BLOCK, COLS):
+            rows, local, row_valid, in_block, in_range = _tile(first, c0, nblocks, numel,
+                                                               BLOCK, ROWS, COLS)
+            total = _sum_chunk(payload_ptr, payload_stride, data_nbytes_in, first_in, rows,
+                               c0, local, in_block, row_valid, BLOCK, BITS_IN, UNPACK, K,
+                               UNROLL, ROWS, COLS, MASK_VALUES, MASK_ROWS, SCALES_F32_IN)
+            if MASK_VALUES:
+                total = tl.where(in_range, total, 0.0)
+            absmax = _max_keeping_nan(absmax, _absmax(total))
+        scales = _block_scales(absmax, QMAX_OUT)
+        for c0 in range(0, BLOCK, COLS):
+            rows, local, row_valid, in_block, in_range = _tile(first, c0, nblocks, numel,
+                                                               BLOCK, ROWS, COLS)
+            total = _sum_chunk(payload_ptr, payload_stride, data_nbytes_in, first_in, rows,
+                               c0, local, in_block, row_valid, BLOCK, BITS_IN, UNPACK, K,
+                               UNROLL, ROWS, COLS, MASK_VALUES, MASK_ROWS, SCALES_F32_IN)
+            if MASK_VALUES:
+                total = tl.where(in_range, total, 0.0)
             _store_codes(codes_ptr, _codes(total, scales, QMAX_OUT), first, rows, c0, local,
-                         in_block, row_valid, block_size, BITS_OUT, PACK_NIBBLES, COLS)
-    _store_scales(scale_bytes_ptr, first, rows, scales, row_valid)
+                         in_block, row_valid, BLOCK, BITS_OUT, PACK, ROWS, COLS, MASK_VALUES)
+    _store_scales(scales_ptr, first + rows, scales, row_valid, SCALES_F32_OUT, MASK_ROWS)
 
 
 # ---------------------------------------------------------------------------------------------
-# Host side.
+# Host side. Everything a call derives from its sizes (layouts, launch specs, grids) is
+# computed once per shape and cached; per call the host checks its tensors, allocates its
+# output and launches.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -479,14 +583,69 @@ def kernel_function(spec: LaunchSpec):
     return globals()[spec.kernel]
 
 
+class _Variant:
+    """A spec as the launcher takes it, checked against its kernel once."""
+
+    __slots__ = ("kernel", "key", "constants", "num_warps", "rows", "arity")
+
+    def __init__(self, spec: LaunchSpec) -> None:
+        self.kernel = kernel_function(spec)
+        names = list(self.kernel.arg_names)
+        if names != [*spec.signature, *spec.constants]:
+            raise TypeError(f"{spec.kernel}: the spec's arguments {[*spec.signature]} + "
+                            f"{[*spec.constants]} are not the kernel's {names}")
+        self.key = (spec.kernel, tuple(spec.signature.values()),
+                    tuple(spec.constants.values()), spec.num_warps)
+        self.constants = dict(spec.constants)
+        self.num_warps = spec.num_warps
+        self.rows = spec.constants["ROWS"]
+        self.arity = len(spec.signature)
+
+
+_variants: dict[LaunchSpec, _Variant] = {}
+
+
+def _variant(spec: LaunchSpec) -> _Variant:
+    # Specs are cached by their builders, so the same spec object comes back: look up by id
+    # first (hashing a spec hashes its dicts' items).
+    variant = _variants.get(id(spec))
+    if variant is None:
+        variant = _variants[id(spec)] = _Variant(spec)
+        _keep_alive.append(spec)  # ids stay unique while the spec lives
+    return variant
+
+
+_keep_alive: list[LaunchSpec] = []
+
+
+def _grid(variant: _Variant, nblocks: int, grid: tuple[int, ...]) -> tuple[int, ...]:
+    return (-(-nblocks // variant.rows), *grid)
+
+
 def _launch(spec: LaunchSpec, nblocks: int, *args, grid: tuple[int, ...] = ()) -> None:
     """Launch ``spec`` over ``nblocks`` blocks, ROWS a program, times the extra ``grid``
     dimensions (payload rows, pieces, slices)."""
-    if len(args) != len(spec.signature):
+    variant = _variant(spec)
+    if len(args) != variant.arity:
         raise TypeError(f"{spec.kernel}: {len(args)} arguments for {list(spec.signature)}")
-    grid = (triton.cdiv(nblocks, spec.constants["ROWS"]), *grid)
-    kernel_function(spec)[grid](*args, **spec.constants, num_warps=spec.num_warps,
-                        enable_fp_fusion=False)
+    LAUNCHER.launch(variant.kernel, variant.key, variant.constants, variant.num_warps,
+                    _grid(variant, nblocks, grid), args)
+
+
+def _prepare(spec: LaunchSpec, nblocks: int, *args, grid: tuple[int, ...] = ()) -> bool:
+    """Compile what `_launch` with these arguments would launch, without launching it."""
+    variant = _variant(spec)
+    return LAUNCHER.prepare(variant.kernel, variant.key, variant.constants, variant.num_warps,
+                            _grid(variant, nblocks, grid), args)
+
+
+_layout = cache(reference.payload_layout)
+
+
+def _scales_readable_as_words(payloads: Tensor, layout: PayloadLayout) -> bool:
+    """Whether every row's scale region of `payloads` (rows of `layout`) is 4-byte aligned."""
+    return (scales_are_words(layout) and payloads.data_ptr() % 4 == 0
+            and (payloads.dim() == 1 or payloads.stride(0) % 4 == 0))
 
 
 def _codes_target(payload: Tensor, layout: PayloadLayout) -> Tensor:
@@ -503,6 +662,7 @@ def _finish_codes(payload: Tensor, codes_target: Tensor, layout: PayloadLayout) 
         payload[: layout.data_nbytes] = reference.pack_stored_codes(codes_target, layout.bits)
 
 
+@cache
 def _check_pieces(parts: int, numel: int, bits: int, block_size: int) -> PayloadLayout:
     """The layout of one of ``parts`` slices of ``numel`` values, which must be whole blocks
     of whole code bytes ([Note: payload pieces]); the reference's error otherwise."""
@@ -516,6 +676,23 @@ def _check_pieces(parts: int, numel: int, bits: int, block_size: int) -> Payload
     return piece
 
 
+def _even(numel: int, layout: PayloadLayout, bits: int | None = None) -> bool:
+    return is_even(numel, layout.block_size,
+                   tile_config(layout.block_size, bits if bits is not None else layout.bits))
+
+
+# ---- quantize ------------------------------------------------------------------------------
+
+
+def _quantize_launch(x: Tensor, payload: Tensor, codes_target: Tensor, layout: PayloadLayout,
+                     prepare: bool = False) -> bool:
+    # One slice in one piece: the piece strides are never multiplied by a nonzero index.
+    spec = _spec_quantize(layout, x.dtype, _even(layout.numel, layout))
+    run = _prepare if prepare else _launch
+    return run(spec, layout.nblocks, x, codes_target, payload, layout.data_nbytes,
+               layout.numel, layout.nblocks, layout.nbytes, grid=(1, 1))
+
+
 def quantize_blockwise(x: Tensor, bits: int, block_size: int) -> Tensor:
     """Triton version of `reference.quantize_blockwise`."""
     layout = reference.check_quantize_input(x, bits, block_size)
@@ -524,78 +701,18 @@ def quantize_blockwise(x: Tensor, bits: int, block_size: int) -> Tensor:
     if layout.numel == 0:
         return payload
     codes_target = _codes_target(payload, layout)
-    # One slice in one piece: the piece strides are never multiplied by a nonzero index.
-    _launch(_spec_quantize(layout, x.dtype), layout.nblocks, x, codes_target,
-            payload[layout.data_nbytes :], layout.numel, layout.nblocks, layout.block_size,
-            layout.nbytes, grid=(1, 1))
+    _quantize_launch(x, payload, codes_target, layout)
     _finish_codes(payload, codes_target, layout)
     return payload
 
 
-def _dequantize_rows(payloads: Tensor, out: Tensor, layout: PayloadLayout) -> None:
-    """Dequantize each row of `payloads` (k, nbytes) into the row of `out` (k, numel)."""
-    _launch(_spec_dequantize(layout, out.dtype), layout.nblocks, payloads, out,
-            payloads.stride(0), out.stride(0), layout.numel, layout.nblocks, layout.block_size,
-            layout.data_nbytes, grid=(payloads.shape[0],))
-
-
-def dequantize_blockwise(
-    payload: Tensor,
-    numel: int,
-    bits: int,
-    block_size: int,
-    dtype: torch.dtype,
-    out: Tensor | None = None,
-) -> Tensor:
-    """Triton version of `reference.dequantize_blockwise`."""
-    layout = reference.payload_layout(numel, bits, block_size)
-    reference.check_payloads(payload, layout, ndim=1)
-    reference.check_float_dtype(dtype, "dtype")
-    _check_runnable(payload, layout)
-    if out is None:
-        out = torch.empty(numel, dtype=dtype, device=payload.device)
-    else:
-        reference.check_out(out, numel, dtype, payload.device)
-    if numel:
-        _dequantize_rows(payload.view(1, -1), out.view(1, -1), layout)
-    return out
-
-
-def dequantize_blockwise_many(
-    payloads: Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype,
-    out: Tensor | None = None,
-) -> Tensor:
-    """Triton version of `reference.dequantize_blockwise_many`."""
-    layout = reference.payload_layout(numel, bits, block_size)
-    reference.check_payloads(payloads, layout, ndim=2)
-    reference.check_float_dtype(dtype, "dtype")
-    _check_runnable(payloads, layout)
-    if out is None:
-        out = torch.empty(payloads.shape[0], numel, dtype=dtype, device=payloads.device)
-    else:
-        reference.check_out(out, payloads.shape[0] * numel, dtype, payloads.device)
-    if numel and payloads.shape[0]:
-        _dequantize_rows(payloads, out.view(payloads.shape[0], numel), layout)
-    return out
-
-
-def dequantize_reduce(payloads: Tensor, numel: int, bits: int, block_size: int,
-                      out: Tensor | None = None) -> Tensor:
-    """Triton version of `reference.dequantize_reduce`."""
-    layout = reference.payload_layout(numel, bits, block_size)
-    reference.check_payloads(payloads, layout, ndim=2)
-    _check_runnable(payloads, layout)
-    if out is None:
-        total = torch.empty(numel, dtype=torch.float32, device=payloads.device)
-    else:
-        reference.check_float_dtype(out.dtype, "out.dtype")
-        reference.check_out(out, numel, out.dtype, payloads.device)
-        total = out
-    if numel == 0:
-        return total
-    _launch(_spec_dequantize_reduce(layout, total.dtype), layout.nblocks, payloads, total, payloads.stride(0),
-            payloads.shape[0], numel, layout.nblocks, block_size, layout.data_nbytes)
-    return total
+def _swizzled_launch(x: Tensor, pieces: Tensor, nodes: int, per_node: int,
+                     one_slice: PayloadLayout, prepare: bool = False) -> bool:
+    spec = _spec_quantize(one_slice, x.dtype, _even(one_slice.numel, one_slice))
+    run = _prepare if prepare else _launch
+    return run(spec, one_slice.nblocks, x, pieces, pieces, nodes * one_slice.data_nbytes,
+               one_slice.numel, one_slice.nblocks, nodes * one_slice.nbytes,
+               grid=(per_node, nodes))
 
 
 def quantize_swizzled(x: Tensor, nodes: int, per_node: int, bits: int,
@@ -614,10 +731,107 @@ def quantize_swizzled(x: Tensor, nodes: int, per_node: int, bits: int,
     pieces = torch.empty(layout.nbytes, dtype=torch.uint8, device=x.device)
     if slice_numel == 0:
         return pieces
-    _launch(_spec_quantize(layout, x.dtype), one_slice.nblocks, x, pieces,
-            pieces[nodes * one_slice.data_nbytes :], slice_numel, one_slice.nblocks,
-            block_size, nodes * one_slice.nbytes, grid=(per_node, nodes))
+    _swizzled_launch(x, pieces, nodes, per_node, one_slice)
     return pieces
+
+
+# ---- dequantize ----------------------------------------------------------------------------
+
+
+def _dequantize_rows(payloads: Tensor, out: Tensor, layout: PayloadLayout,
+                     prepare: bool = False) -> bool:
+    """Dequantize each row of `payloads` (k, nbytes) into the row of `out` (k, numel)."""
+    spec = _spec_dequantize(layout, out.dtype, _even(layout.numel, layout),
+                            _scales_readable_as_words(payloads, layout))
+    run = _prepare if prepare else _launch
+    return run(spec, layout.nblocks, payloads, out, payloads.stride(0), out.stride(0),
+               layout.numel, layout.nblocks, layout.data_nbytes, grid=(payloads.shape[0],))
+
+
+def dequantize_blockwise(
+    payload: Tensor,
+    numel: int,
+    bits: int,
+    block_size: int,
+    dtype: torch.dtype,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Triton version of `reference.dequantize_blockwise`."""
+    layout = _layout(numel, bits, block_size)
+    reference.check_payloads(payload, layout, ndim=1)
+    reference.check_float_dtype(dtype, "dtype")
+    _check_runnable(payload, layout)
+    if out is None:
+        out = torch.empty(numel, dtype=dtype, device=payload.device)
+    else:
+        reference.check_out(out, numel, dtype, payload.device)
+    if numel:
+        _dequantize_rows(payload.view(1, -1), out.view(1, -1), layout)
+    return out
+
+
+def dequantize_blockwise_many(
+    payloads: Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Triton version of `reference.dequantize_blockwise_many`."""
+    layout = _layout(numel, bits, block_size)
+    reference.check_payloads(payloads, layout, ndim=2)
+    reference.check_float_dtype(dtype, "dtype")
+    _check_runnable(payloads, layout)
+    if out is None:
+        out = torch.empty(payloads.shape[0], numel, dtype=dtype, device=payloads.device)
+    else:
+        reference.check_out(out, payloads.shape[0] * numel, dtype, payloads.device)
+    if numel and payloads.shape[0]:
+        _dequantize_rows(payloads, out.view(payloads.shape[0], numel), layout)
+    return out
+
+
+# ---- reductions ----------------------------------------------------------------------------
+
+
+def _reduce_launch(payloads: Tensor, total: Tensor, layout: PayloadLayout,
+                   prepare: bool = False) -> bool:
+    spec = _spec_dequantize_reduce(layout, total.dtype, payloads.shape[0],
+                                   _even(layout.numel, layout),
+                                   _scales_readable_as_words(payloads, layout))
+    run = _prepare if prepare else _launch
+    return run(spec, layout.nblocks, payloads, total, payloads.stride(0), layout.numel,
+               layout.nblocks, layout.data_nbytes)
+
+
+def dequantize_reduce(payloads: Tensor, numel: int, bits: int, block_size: int,
+                      out: Tensor | None = None) -> Tensor:
+    """Triton version of `reference.dequantize_reduce`."""
+    layout = _layout(numel, bits, block_size)
+    reference.check_payloads(payloads, layout, ndim=2)
+    _check_runnable(payloads, layout)
+    if out is None:
+        total = torch.empty(numel, dtype=torch.float32, device=payloads.device)
+    else:
+        reference.check_float_dtype(out.dtype, "out.dtype")
+        reference.check_out(out, numel, out.dtype, payloads.device)
+        total = out
+    if numel == 0:
+        return total
+    _reduce_launch(payloads, total, layout)
+    return total
+
+
+def _requantize_launch(payloads: Tensor, codes_target: Tensor, payload: Tensor,
+                       layout_in: PayloadLayout, layout_out: PayloadLayout,
+                       piece: PayloadLayout, parts: int, prepare: bool = False) -> bool:
+    """Launch the fused requantization of `parts` slices, each a `piece` of the output
+    (one slice of the whole output when its codes are packed on the host)."""
+    spec = _spec_dequantize_reduce_quantize(
+        layout_in, layout_out, payloads.shape[0],
+        _even(piece.numel, layout_in, min(layout_in.bits, layout_out.bits)),
+        _scales_readable_as_words(payloads, layout_in))
+    run = _prepare if prepare else _launch
+    return run(spec, piece.nblocks, payloads, codes_target, payload, piece.data_nbytes,
+               payloads.stride(0), piece.numel, piece.nblocks, layout_in.data_nbytes,
+               piece.nbytes, grid=(parts,))
 
 
 def dequantize_reduce_quantize(
@@ -626,8 +840,8 @@ def dequantize_reduce_quantize(
 ) -> Tensor:
     """Triton version of `reference.dequantize_reduce_quantize`: one fused kernel, which
     also writes the `parts` payloads in place ([Note: payload pieces])."""
-    layout_in = reference.payload_layout(numel, bits_in, block_size)
-    layout_out = reference.payload_layout(numel, bits_out, block_size)
+    layout_in = _layout(numel, bits_in, block_size)
+    layout_out = _layout(numel, bits_out, block_size)
     reference.check_payloads(payloads, layout_in, ndim=2)
     _check_runnable(payloads, layout_in)
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1 or numel % parts:
@@ -637,17 +851,11 @@ def dequantize_reduce_quantize(
     payload = torch.empty(layout_out.nbytes, dtype=torch.uint8, device=payloads.device)
     if numel == 0:
         return payload
-    spec = _spec_dequantize_reduce_quantize(layout_in, layout_out)
     if _packs_in_kernel(layout_out):
-        _launch(spec, piece.nblocks, payloads, payload, payload[piece.data_nbytes :],
-                payloads.stride(0), payloads.shape[0], piece.numel, piece.nblocks, block_size,
-                layout_in.data_nbytes, piece.nbytes, grid=(parts,))
+        _requantize_launch(payloads, payload, payload, layout_in, layout_out, piece, parts)
         return payload
     codes_target = _codes_target(payload, layout_out)
-    _launch(spec, layout_out.nblocks, payloads, codes_target,
-            payload[layout_out.data_nbytes :], payloads.stride(0), payloads.shape[0], numel,
-            layout_out.nblocks, block_size, layout_in.data_nbytes, layout_out.nbytes,
-            grid=(1,))
+    _requantize_launch(payloads, codes_target, payload, layout_in, layout_out, layout_out, 1)
     _finish_codes(payload, codes_target, layout_out)
     if parts == 1:
         return payload
