@@ -196,3 +196,40 @@ def test_the_device_schedule_writes_a_held_lr_tensor_in_place():
         schedule.step_on_device(torch.tensor(count))
         assert groups[0]["lr"] is held
         assert float(held) == schedule.get_lr(count)
+
+
+def persistent_buffers_across_iterations(rank, world):
+    from zeropp.unit import ShardedUnit
+
+    engine = _engine()
+    freed = []
+    original = ShardedUnit._free_full
+
+    def recording_free(unit):
+        freed.append(unit.name)
+        original(unit)
+
+    ShardedUnit._free_full = recording_free
+    try:
+        data = toy_batches(3, 2, 3 * world)[:, :, rank * 3:(rank + 1) * 3]
+        run = _iteration(engine)
+        run(*data[0])
+        persistent = engine.sharded.persistent_units.units
+        before = [unit.full.data_ptr() for unit in persistent]
+        freed.clear()
+        run(*data[1])
+        after = [unit.full.data_ptr() for unit in persistent]
+    finally:
+        ShardedUnit._free_full = original
+    names = {unit.name for unit in persistent}
+    engine.close()
+    return {"persistent": sorted(names), "freed": sorted(set(freed) & names),
+            "same_memory": before == after}
+
+
+def test_persistent_units_keep_their_memory_from_one_iteration_to_the_next():
+    """A replayed forward reads the persistent units' weights where the captured one did:
+    the step's regather writes into the same memory instead of freeing and allocating."""
+    for out in run_ranks(persistent_buffers_across_iterations, 2):
+        assert out["persistent"], "the toy model has persistent units (its norms)"
+        assert out["freed"] == [] and out["same_memory"]

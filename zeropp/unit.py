@@ -176,6 +176,9 @@ class ShardedUnit:
         # ``zeropp.zero.GatheredParameters`` contexts holding the whole weights: the user reads
         # or writes them until the context exits, so the engine's own releases leave them.
         self.holds = 0
+        # Whole weights handed to a user, who may keep tensors of them: freed by rebinding
+        # ``full`` ([Note: storage lent to the user] in zeropp/zero.py).
+        self.lent_to_user = False
 
         self.params: list[nn.Parameter] = []
         # [Note: released parameters] While ``full`` is freed each parameter's ``.data`` is
@@ -210,7 +213,13 @@ class ShardedUnit:
 
     # ---- storage -------------------------------------------------------------------------
     def _free_full(self) -> None:
-        self.full.untyped_storage().resize_(0)
+        if self.lent_to_user:  # the user's tensors keep the gathered storage alive
+            self.full = torch.empty_like(self.full)  # views made while it has memory
+            self._views = list(self.layout.views(self.full))
+            self.full.untyped_storage().resize_(0)
+            self.lent_to_user = False
+        else:
+            self.full.untyped_storage().resize_(0)
         # [Note: released parameters] read as DeepSpeed's partitioned ones: empty.
         if not self._data_released:
             for param in self.params:
@@ -331,6 +340,7 @@ class ShardedUnit:
         ``refresh`` gathers again a unit already gathered, whose ``full`` may hold qwZ's
         dequantized values or local changes; the shards are what counts.
         """
+        self.lent_to_user = True
         if self.gathering:
             self.wait_gather()
         if self.state is ShardState.GATHERED and not refresh:
@@ -388,7 +398,10 @@ class ShardedUnit:
             return
         if self.state is ShardState.GATHERED:
             self.state = ShardState.SHARDED
-            if not self.replicated:
+            # A persistent unit is gathered again at once into the same memory: an
+            # iteration then ends with its weights where it began ([Note: iteration graphs]
+            # in zeropp/cuda_graph.py: a replayed forward reads them there).
+            if not (self.replicated or self.persistent):
                 self._free_full()
         if self.persistent and regather:
             self.gather_now("forward_all_gather")
