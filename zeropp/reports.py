@@ -257,7 +257,12 @@ class EngineReports:
 
     # ---- per step ------------------------------------------------------------------------
     def after_micro_step(self, engine, boundary: bool) -> None:
-        """After ``engine.step()``: every micro-step, and the optimizer step at a boundary."""
+        """After ``engine.step()``: every micro-step, and the optimizer step at a boundary.
+        Nothing while a CUDA graph captures the iteration ([Note: iteration graphs] in
+        zeropp/cuda_graph.py): these lines read the host's clock and the device's values,
+        which a replay would neither update nor allow."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
         if self.timing:
             micro = self._times(MICRO_TIMERS)
             if self.rank == 0:
@@ -270,7 +275,8 @@ class EngineReports:
         step = engine.global_steps
         groups = engine.optimizer.param_groups
         if step % self.config.steps_per_print == 0:
-            lr = [group["lr"] for group in groups]
+            # As DeepSpeed prints them: numbers, also where the lr is a device tensor.
+            lr = [float(group["lr"]) for group in groups]
             mom = [tuple(group["betas"]) for group in groups]
             print(f"[Rank 0] step={step}, skipped={engine.skipped_steps}, lr={lr}, mom={mom}",
                   flush=True)
