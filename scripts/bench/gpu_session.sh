@@ -66,7 +66,16 @@ print(json.dumps(rows, indent=1))
 EOF
       ;;
     side)
-      part side 420 python3 -m scripts.bench.gpu_side_by_side --out "$WORK/side"
+      # DeepSpeed and what it needs travel as wheels (WHEELS, default .whl_ds/: see
+      # scripts/bench/gpu_side_by_side.py); only the side-by-side run sees them.
+      WHEELS=${WHEELS:-$ROOT/.whl_ds}
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ds_site \
+        "$WHEELS"/*.whl >> "$OUTDIR/session.log" 2>&1 || echo "side: wheels did not install" \
+        | tee -a "$OUTDIR/session.log"
+      mkdir -p "$WORK/side"
+      part side 330 env PYTHONPATH="/tmp/ds_site${PYTHONPATH:+:$PYTHONPATH}" \
+        python3 -m scripts.bench.gpu_side_by_side --out "$WORK/side/side_by_side.json" \
+        --budget 300 --system-timeout 150
       cp "$WORK/side/"*.json "$OUTDIR/" 2>/dev/null ;;
     profile)
       part profile 90 python3 -m scripts.bench.host_profile --out "$WORK/profile" --layers 2 \
