@@ -9,12 +9,18 @@ graphs as it can: one model shape per test, all blocks of one class.
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
+from pydoc_data.topics import topics
 
 import pytest
 import torch
 
+from data.preprocess import preprocess
+from data.tokenizers import build_tokenizer
 from megatron_lite.model import GPTConfig, GPTModel, lm_loss
 from tests.distributed import run_ranks
+from tests.test_pretrain_cli import ENTRY_POINT, TINY_RUN, read_metrics, run
 from zeropp.config import ConfigError, EngineConfig
 
 VOCAB, SEQ = 203, 12
@@ -128,3 +134,92 @@ def test_cuda_graphs_and_unknown_backends_are_refused():
     with pytest.raises(CompileRefused, match="not a torch.compile backend"):
         check_compile_settings("no-such-backend", {})
     assert check_compile_settings("inductor", {"fullgraph": True}) == {"fullgraph": True}
+
+
+def compiled_resume(rank, world, config_fields, dtype_name, root):
+    """Compiled blocks in ``dtype`` on one node of 2 ranks with ZeRO++: 4 steps straight,
+    then 2 steps, a checkpoint, a new engine that loads it and 2 more steps."""
+    from zeropp.initialize import QuantizationOptions, build_engine, make_loss_scaler
+    from zeropp.sharded_model import ShardingOptions
+
+    dtype = getattr(torch, dtype_name)
+    generator = torch.Generator().manual_seed(5)
+    data = torch.randint(0, VOCAB, (4, 4, SEQ + 1), generator=generator)
+
+    def engine():
+        with torch.device("meta"):
+            model = GPTModel(GPTConfig(**config_fields))
+        built = build_engine(
+            model, lr=1e-3, eps=1e-6, gradient_clipping=0.5, dtype=dtype,
+            loss_scaler=make_loss_scaler(dtype == torch.float16), ranks_per_node=2,
+            quantization=QuantizationOptions(**ZEROPP),
+            sharding=ShardingOptions(persistence_threshold=0))
+        built.compile()
+        return built
+
+    def train(built, steps):
+        losses = []
+        for step in steps:
+            tokens = data[step, rank * 2:(rank + 1) * 2]
+            labels = tokens[:, 1:]
+            loss = lm_loss(built(tokens[:, :-1]), labels, torch.ones_like(labels))
+            built.backward(loss)
+            built.step()
+            losses.append(loss.item())
+        return losses
+
+    straight = engine()
+    straight_losses = train(straight, range(4))
+    straight.close()
+    first = engine()
+    resumed_losses = train(first, range(2))
+    first.save_checkpoint(root)
+    first.close()
+    second = engine()
+    second.load_checkpoint(root)
+    resumed_losses += train(second, range(2, 4))
+    compiled = second.is_compiled
+    second.close()
+    return straight_losses, resumed_losses, compiled
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_compiled_blocks_resume_from_a_checkpoint(dtype, tmp_path):
+    """A checkpoint saved and loaded by compiled engines continues the run exactly, in bf16
+    and fp16 (its loss scale in the checkpoint), qwZ + hpZ + qgZ on one node of 2 ranks;
+    no recompile for the loaded engine (its parameters keep their metadata)."""
+    config = GPTConfig(**LLAMA_STYLE)
+    for straight, resumed, compiled in run_ranks(compiled_resume, 2, dataclasses.asdict(config),
+                                                 dtype, str(tmp_path), timeout=600):
+        assert compiled
+        assert resumed == straight
+
+
+@pytest.fixture(scope="module")
+def data_prefix(tmp_path_factory) -> str:
+    """A tiny tokenized corpus, as tests/test_pretrain_cli.py makes it."""
+    directory = tmp_path_factory.mktemp("compile-corpus")
+    jsonl = directory / "docs.jsonl"
+    with jsonl.open("w", encoding="utf-8") as out:
+        for name in sorted(topics)[:40]:
+            out.write(json.dumps({"text": topics[name][:2000]}) + "\n")
+    return preprocess(str(jsonl), str(directory / "pydoc"),
+                      build_tokenizer("GPT2BPETokenizer"))["text"]
+
+
+def test_compile_flag_trains_as_the_eager_command_line(data_prefix, tmp_path):
+    """``pretrain_zeropp_gpt.py --compile`` (ZeRO-3, activation checkpointing, 2 micro-batches,
+    evaluation): the eager run's losses, and the compile time said once."""
+    metrics = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        metrics[name] = tmp_path / f"{name}.jsonl"
+        result = run([sys.executable, ENTRY_POINT, *TINY_RUN, "--data-path", data_prefix,
+                      "--checkpoint-activations", "--metrics-file", str(metrics[name]),
+                      "--data-cache-dir", str(tmp_path / "cache"), *extra], timeout=400)
+        assert result.returncode == 0, result.stderr[-3000:]
+        said = [line for line in result.stdout.splitlines() if line.startswith("compiled blocks:")]
+        assert len(said) == (name == "compiled"), said
+    eager, _ = read_metrics(metrics["eager"])
+    compiled, _ = read_metrics(metrics["compiled"])
+    assert [r["lm_loss"] for r in compiled] == pytest.approx([r["lm_loss"] for r in eager],
+                                                             rel=1e-4)
