@@ -3,9 +3,10 @@
 DeepSpeedExamples' ``applications/DeepSpeed-Chat/training/step1_supervised_finetuning/main.py``
 and the ``dschat`` files it imports (tests/material/deepspeed_chat, unmodified on disk; see
 SOURCES.md there) run on 2 gloo ranks on CPU, under DeepSpeed 0.19.8 itself and with
-``import deepspeed`` replaced by ``import zeropp as deepspeed`` in main.py. Two dschat lines
-are ported for both systems alike (transformers 5 moved an import; on the CPU ``.cpu()`` is
-no copy): ``DSCHAT_PORT`` in run_chat.py. The script is a new
+``import deepspeed`` replaced by ``import zeropp as deepspeed`` in main.py. One dschat line
+is ported for both systems alike (transformers 5 moved an import): ``DSCHAT_PORT`` in
+run_chat.py. ``save_zero_three_model`` runs unchanged: on the CPU the ``v.data.cpu()`` it
+keeps is the gathered tensor itself, which must outlive the gather. The script is a new
 user's whole job: a Hugging Face OPT model built inside DeepSpeed's ``zero.Init``
 (``HfDeepSpeedConfig``), its own FusedAdam and Hugging Face cosine schedule with warm-up handed
 to ``initialize``, ZeRO stage 3 in bf16 with gradient clipping, gradient accumulation 2,
@@ -170,7 +171,7 @@ def test_the_saved_model_loads_and_matches_deepspeeds(runs):
     files = {}
     for system in ("deepspeed", "zeropp"):
         output = material / f"run_{system}" / "output"
-        saved = torch.load(output / "pytorch_model.bin", map_location="cpu")
+        saved = torch.load(output / "pytorch_model.bin", map_location="cpu", weights_only=True)
         loaded = OPTForCausalLM.from_pretrained(output).state_dict()
         for name, value in saved.items():
             assert value.numel() > 0 and value.shape == loaded[name].shape, (system, name)

@@ -155,3 +155,89 @@ def test_deepspeeds_own_gathered_parameters_reads_and_writes_this_engines_parame
         assert result["discarded"]
         assert result["written"] == (True, True)
         assert result["stepped_from_written"]
+
+
+# ---- [Note: storage lent to the user] in zeropp/zero.py ------------------------------------
+DSCHAT = __import__("pathlib").Path(__file__).parent / "material" / "deepspeed_chat"
+
+
+def _stage3_engine(rank, world):
+    import zeropp
+
+    model = toy_model()
+    config = {"train_micro_batch_size_per_gpu": 3, "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, _, _, _ = zeropp.initialize(model, optimizer=torch.optim.AdamW(
+        model.parameters(), lr=1e-2), config=config)
+    tokens = toy_batches(1, 1, 3 * world)[0, 0, rank * 3:(rank + 1) * 3]
+    engine.backward(toy_loss(engine(tokens), tokens))
+    engine.step()
+    return engine, tokens
+
+
+def user_references_outlive_the_gather(rank, world):
+    """Tensors taken inside ``GatheredParameters`` (``.data``, a view, ``.cpu()``: the same
+    tensor on a CPU job) keep the gathered values after the context releases the unit, and
+    the engine's own gathers in forward and backward still free their storage at once."""
+    import zeropp
+
+    engine, tokens = _stage3_engine(rank, world)
+    full = engine.full_state_dict()
+    params = dict(engine.module.named_parameters())
+    kept = {}
+    for name, v in params.items():
+        with zeropp.zero.GatheredParameters([v]):
+            data = v.data
+            kept[name] = (data, v.data.cpu(), data.view(-1)[: data.numel() // 2])
+    out = {"cpu_is_alias": all(c is d or c.data_ptr() == d.data_ptr() for d, c, _ in
+                               kept.values()),
+           "released": all(p.numel() == 0 for p in params.values()),
+           "kept_whole": all(torch.equal(d, full[n]) and torch.equal(c, full[n]) and
+                             torch.equal(view, full[n].view(-1)[: view.numel()])
+                             for n, (d, c, view) in kept.items())}
+    # A training iteration after the lending: the engine's own gathers are released by
+    # resizing the same buffers to 0 bytes again (freed at once, not rebound).
+    sharded = engine.sharded
+    buffers = [u.full for u in sharded.units]
+    engine.backward(toy_loss(engine(tokens), tokens))
+    engine.step()
+    out["same_buffers"] = all(u.full is b for u, b in zip(sharded.units, buffers, strict=True))
+    out["freed_after_step"] = [u.full.untyped_storage().nbytes() for u in sharded.units]
+    out["kept_after_training"] = all(torch.equal(d, full[n]) for n, (d, _, _) in kept.items())
+    engine.close()
+    return out
+
+
+def test_tensors_taken_inside_gathered_parameters_outlive_its_release():
+    for result in run_ranks(user_references_outlive_the_gather, 2):
+        assert result["cpu_is_alias"] and result["released"]
+        assert result["kept_whole"] and result["kept_after_training"]
+        assert result["same_buffers"]
+        assert result["freed_after_step"] == [0] * len(result["freed_after_step"])
+
+
+def save_with_dschats_helper(rank, world, output_dir):
+    """DeepSpeed-Chat's own ``save_zero_three_model`` (unmodified, from tests/material), which
+    keeps ``v.data.cpu()`` of each parameter gathered by DeepSpeed's ``GatheredParameters``."""
+    import sys
+
+    import deepspeed.comm
+
+    deepspeed.comm.init_distributed(dist_backend="gloo")
+    sys.path.insert(0, str(DSCHAT))
+    from dschat.utils.utils import save_zero_three_model
+
+    engine, _ = _stage3_engine(rank, world)
+    full = engine.full_state_dict()
+    save_zero_three_model(engine, rank, output_dir, zero_stage=3)
+    engine.close()
+    return {name: tuple(value.shape) for name, value in full.items()}, full
+
+
+def test_dschats_save_zero_three_model_writes_a_file_that_loads_at_full_shapes(tmp_path):
+    (shapes, full), _ = run_ranks(save_with_dschats_helper, 2, str(tmp_path))
+    saved = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    assert sorted(saved) == sorted(full)
+    for name, value in saved.items():
+        assert tuple(value.shape) == shapes[name] and value.numel() > 0, name
+        assert torch.equal(value, full[name]), name

@@ -105,8 +105,9 @@ class GatheredParameters:
                 # Gathered already (small persistent unit, a forward in progress): restored
                 # as it was on exit, possibly qwZ's dequantized values.
                 saved = unit.full.clone()
-            if not unit.gathers_exactly or not was_gathered:
-                unit.gather_exact(sharded.stats, refresh=was_gathered)
+            # Gathered exactly already: no collective, but the unit learns that its whole
+            # weights are lent to the user ([Note: storage lent to the user]).
+            unit.gather_exact(sharded.stats, refresh=was_gathered and not unit.gathers_exactly)
             unit.holds += 1
             self._gathered_here.append(not was_gathered)
             self._saved.append(saved)
@@ -180,6 +181,23 @@ class GatheredParameters:
                     unit.holds += 1
 
 
+# [Note: storage lent to the user]
+# Inside a gather made for the user (``GatheredParameters``, DeepSpeed's own one through
+# ``gather_for_deepspeed``, ``ShardedModel.gathered_parameters``: all through
+# ``ShardedUnit.gather_exact``) a parameter's ``.data`` is a view of its unit's flat buffer
+# ``full``, and the user may keep it, or a view of it, or on a CPU job ``.cpu()`` of it (the
+# same tensor): DeepSpeed-Chat's ``save_zero_three_model`` keeps ``v.data.cpu()`` and saves it
+# after the context exits. DeepSpeed releases a parameter by rebinding ``param.data`` to an
+# empty tensor, so such a reference keeps the gathered values alive. The engine's own release
+# resizes the storage to 0 bytes instead ([Note: parameter storage] in zeropp/unit.py), which
+# would leave the user's tensor with no memory under it (torch.save then writes an empty
+# storage: "Trying to resize storage that is not resizable" on load). So a unit lent to the
+# user is released once by rebinding: ``full`` and its views become new tensors on a new,
+# empty storage, and the old storage lives as long as a user's tensor does (the whole unit's
+# buffer, as every parameter of a unit is a view of it). The next gather, and every release
+# after it, is the engine's own and resizes as before: forward and backward keep freeing
+# their gathers at once, while autograd still holds views of them.
+#
 # [Note: DeepSpeed's GatheredParameters on this engine's parameters]
 # A script that keeps ``import deepspeed`` in its own helpers (DeepSpeed-Chat's dschat package
 # does, for ``save_zero_three_model``) gathers this engine's parameters with DeepSpeed's own

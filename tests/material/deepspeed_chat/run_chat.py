@@ -10,8 +10,8 @@ What this runner adds around the script is observation and launching only:
 
 * with ``--system zeropp`` it replaces the line ``import deepspeed`` by
   ``import zeropp as deepspeed`` in main.py's source text it executes (the file is not
-  changed); dschat's own ``import deepspeed`` lines stay (SOURCES.md says why), and the two
-  lines of ``DSCHAT_PORT`` are changed in prepare()'s copy for both systems;
+  changed); dschat's own ``import deepspeed`` lines stay (SOURCES.md says why), and the one
+  line of ``DSCHAT_PORT`` is changed in prepare()'s copy for both systems;
 * it records each training micro-step's loss and the lr in force (a wrapper on the engine's
   ``backward``), each evaluation's loss (a wrapper on dschat's ``get_all_reduce_mean``, which
   the script's evaluation calls once per evaluation), what the engine ran (ZeRO stage,
@@ -93,13 +93,6 @@ DSCHAT_PORT = {
     "dschat/utils/model/model_utils.py": [
         ("from transformers.modeling_utils import no_init_weights",
          "from transformers.initialization import no_init_weights"),
-    ],
-    # save_zero_three_model keeps ``v.data.cpu()`` of each gathered parameter. On a GPU that
-    # is a copy; on the CPU it is the gathered tensor itself, whose storage the context
-    # frees on exit, so the file would hold nothing for it (under either system).
-    "dschat/utils/utils.py": [
-        ("                    v_p = v.data.cpu()\n",
-         "                    v_p = v.data.cpu().clone()\n"),
     ],
 }
 
