@@ -223,3 +223,47 @@ def test_compile_flag_trains_as_the_eager_command_line(data_prefix, tmp_path):
     compiled, _ = read_metrics(metrics["compiled"])
     assert [r["lm_loss"] for r in compiled] == pytest.approx([r["lm_loss"] for r in eager],
                                                              rel=1e-4)
+
+
+def split_blocks(rank, world, config_fields):
+    """Blocks split into attention and MLP units: which forwards are compiled, and two steps
+    compiled (dynamo's aot_eager: no inductor build) against eager."""
+    from zeropp.compiled_blocks import compiled_modules
+    from zeropp.initialize import build_engine
+    from zeropp.sharded_model import ShardingOptions
+
+    data = torch.randint(0, VOCAB, (2, 2, SEQ + 1), generator=torch.Generator().manual_seed(9))
+    curves, chosen = [], None
+    for backend in (None, "aot_eager"):
+        with torch.device("meta"):
+            model = GPTModel(GPTConfig(**config_fields))
+        engine = build_engine(model, lr=1e-3, sharding=ShardingOptions(
+            persistence_threshold=0, max_unit_numel=10_000))
+        if backend is not None:
+            names = {id(m): n for n, m in model.named_modules()}
+            chosen = sorted(names[id(m)] for m in compiled_modules(engine.sharded))
+            engine.compile(backend)
+        losses = []
+        for tokens in data:
+            labels = tokens[:, 1:]
+            loss = lm_loss(engine(tokens[:, :-1]), labels, torch.ones_like(labels))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        curves.append(losses)
+        engine.close()
+    return curves, chosen
+
+
+def test_blocks_split_into_units_compile_their_leaves():
+    """A block larger than the unit cap is split (attention, MLP and norms units of their own):
+    those are compiled, the block's own forward (residual adds) runs eager around their
+    hooks."""
+    config = GPTConfig(**LLAMA_STYLE)
+    [((eager, compiled), chosen)] = run_ranks(split_blocks, 1, dataclasses.asdict(config))
+    # every leaf unit: the attention and MLP of each block, and its norms, which the cap
+    # leaves as units of their own; never a block, whose forward calls gathering modules
+    parts = ("attention", "input_layernorm", "mlp", "post_attention_layernorm")
+    assert sorted(f"layers.{i}.{part}" for i in range(3) for part in parts) == chosen, chosen
+    assert not any(name.count(".") < 2 and name.startswith("layers") for name in chosen), chosen
+    assert compiled == pytest.approx(eager, rel=1e-5)

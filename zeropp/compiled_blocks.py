@@ -12,9 +12,9 @@ the compiled region holds only the block's arithmetic (norms, attention, MLP, re
 which inductor fuses.
 
 Which modules: every unit's module that holds no other unit's module (a leaf of the unit
-tree). A block that is one unit is compiled whole; a block split below itself (attention and
-the MLP as units of their own, [Note: units]) has those compiled, and the block's own
-remainder (norms, residual adds) stays eager, since its forward calls modules whose hooks
+tree). A block that is one unit is compiled whole; a block split below itself (attention,
+the MLP and the norms as units of their own, [Note: units]) has those compiled, and the
+block's own forward (the residual adds) stays eager, since it calls modules whose hooks
 gather. The root (the model) holds every block and is never compiled.
 
 Why this does not recompile every iteration: a parameter is one ``nn.Parameter`` object for
