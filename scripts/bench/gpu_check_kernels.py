@@ -6,11 +6,15 @@ a. Every kernel, through the dispatcher the engine uses (`zeropp.kernels`), equa
    2048 (two passes), a length that is a multiple of every block and an awkward one. Inputs
    hold an all-zero block, a NaN and an inf, so the special cases of the contract are on the
    GPU path too. NaN only has to be NaN: the GPU's NaN bits may differ from the CPU's.
-b. Each kernel's bandwidth on 64 MiB tensors, as the step-time trace counts bytes (the
+b. Each kernel's bandwidth on 64 MiB tensors (and, reported besides, 1 MiB and 8 MiB: a
+   unit's per-rank payload at real scale), as the step-time trace counts bytes (the
    tensors an op reads plus those it writes; `zeropp/kernels/meta.py`), timed with CUDA
    events (median after warmup), against the device's peak. Every variant is also compared
    with the reference on the CPU (as in a), to check the large grids. The per-op rates become
-   the report's `kernel_rates`, keyed by the trace's op names.
+   the report's `kernel_rates`, keyed by the trace's op names. Then the host's microseconds
+   per call of each kernel, through the cached launcher and the plain `kernel[grid]` path.
+   On its own, in under a minute: `python -m scripts.bench.gpu_check_kernels --section b
+   --out DIR`.
 
 The functions take a device and sizes, so the tests run their plumbing on CPU (reference
 kernels, a wall-clock timer) and their CUDA paths with small sizes where a GPU exists.
@@ -18,6 +22,7 @@ kernels, a wall-clock timer) and their CUDA paths with small sizes where a GPU e
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -397,21 +402,17 @@ class WallTimer:
         return median_seconds(max(t, 1e-9) for t in times)
 
 
-def measure_bandwidth(device: torch.device | str, tensor_bytes: int, peak: float | None,
-                      repeats: int = 10, warmup: int = 3, timer=None,
-                      target: float = BANDWIDTH_TARGET) -> Outcome:
-    """Section b: bytes/s of each workload, its share of `peak`, whether its output equals
-    the CPU reference's, and `kernel_rates` per trace op name. Passes when
-    every kernel reaches `target` of the peak and matches the reference."""
-    device = torch.device(device)
-    if timer is None:
-        timer = CudaEventTimer(device) if device.type == "cuda" else WallTimer()
+def _measure_workloads(device: torch.device, tensor_bytes: int, peak: float | None,
+                       repeats: int, warmup: int, timer, compare: bool
+                       ) -> tuple[list[dict], dict[str, list], list[str], int]:
+    """(a row per workload, (bytes, seconds) per trace op, errors, workload count)."""
     workloads = kernel_workloads(device, tensor_bytes)
     rows, per_op, errors = [], {}, []
     for workload in workloads:
         try:
             seconds = timer.median_seconds(workload.call, repeats, warmup)
-            mismatch = _output_mismatch(workload.call(), workload.reference())
+            mismatch = (_output_mismatch(workload.call(), workload.reference()) if compare
+                        else None)
         except Exception as error:  # noqa: BLE001 (one kernel failing does not stop the rest)
             errors.append(f"{workload.label}: {one_line(error)}")
             continue
@@ -419,9 +420,91 @@ def measure_bandwidth(device: torch.device | str, tensor_bytes: int, peak: float
         rows.append({"kernel": workload.label, "ops": list(workload.ops),
                      "bytes": workload.nbytes, "seconds": seconds, "bytes_per_second": rate,
                      "fraction_of_peak": rate / peak if peak else None,
-                     "matches_reference": mismatch is None, "mismatch": mismatch})
+                     "matches_reference": mismatch is None if compare else None,
+                     "mismatch": mismatch})
         for op in workload.ops:
             per_op.setdefault(op, []).append((workload.nbytes, seconds))
+    return rows, per_op, errors, len(workloads)
+
+
+# Sizes of a unit's per-rank payload at real scale, where launch latency matters as much as
+# bandwidth: measured besides the main size on a GPU, reported, not judged.
+EXTRA_TENSOR_BYTES = (1 * MiB, 8 * MiB)
+LAUNCH_TIMING_NUMEL = 64 * 1024  # values of the tiny calls whose host time is measured
+LAUNCH_TIMING_CALLS = 200
+
+
+def host_launch_costs(device: torch.device, calls: int = LAUNCH_TIMING_CALLS,
+                      numel: int = LAUNCH_TIMING_NUMEL) -> dict:
+    """Host microseconds per call of each kernel on tiny tensors (`calls` back-to-back calls
+    timed with the host clock, after a warm-up), through the cached launcher
+    (`zeropp.kernels.launcher`) and through the plain `kernel[grid]` path. Only on the
+    Triton backend; the whole public call is timed (checks, allocation, launch)."""
+    from zeropp.kernels import launcher
+
+    workloads = kernel_workloads(device, numel * 2 * PAYLOADS_PER_CALL)
+    launch = launcher.LAUNCHER
+
+    def per_call_us(call: Callable[[], object]) -> float:
+        for _ in range(5):
+            call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times = []
+        for _ in range(3):  # the median of three timed runs of `calls` calls
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            times.append((time.perf_counter() - start) / calls * 1e6)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return median_seconds(times)
+
+    rows = []
+    saved = launch._direct
+    try:
+        for workload in workloads:
+            launch._direct = None  # decided again: direct where the API allows it
+            direct_before = launch.direct_launches
+            direct = per_call_us(workload.call)
+            took_direct = launch.direct_launches > direct_before
+            launch._direct = False
+            plain = per_call_us(workload.call)
+            rows.append({"kernel": workload.label, "direct_us": direct, "plain_us": plain,
+                         "direct_path_taken": took_direct})
+    finally:
+        launch._direct = saved
+    return {"numel": numel, "calls": calls, "kernels": rows,
+            "compiled_variants": launch.compiled_variants()}
+
+
+def measure_bandwidth(device: torch.device | str, tensor_bytes: int, peak: float | None,
+                      repeats: int = 10, warmup: int = 3, timer=None,
+                      target: float = BANDWIDTH_TARGET,
+                      extra_sizes: tuple[int, ...] | None = None,
+                      launch_costs: bool | None = None) -> Outcome:
+    """Section b: bytes/s of each workload, its share of `peak`, whether its output equals
+    the CPU reference's, and `kernel_rates` per trace op name. Passes when
+    every kernel reaches `target` of the peak and matches the reference. On a GPU (by
+    default) the same kernels are also measured at `extra_sizes` (`by_size`, reported, not
+    judged), and the host's microseconds per call through the cached launcher and the
+    plain path (`host_launch_us`)."""
+    device = torch.device(device)
+    if timer is None:
+        timer = CudaEventTimer(device) if device.type == "cuda" else WallTimer()
+    if extra_sizes is None:
+        extra_sizes = EXTRA_TENSOR_BYTES if device.type == "cuda" else ()
+    if launch_costs is None:
+        launch_costs = device.type == "cuda"
+    rows, per_op, errors, count = _measure_workloads(device, tensor_bytes, peak, repeats,
+                                                     warmup, timer, compare=True)
+    workloads = range(count)
+    by_size = {}
+    for size in extra_sizes:
+        size_rows, _, size_errors, _ = _measure_workloads(device, size, peak, repeats, warmup,
+                                                          timer, compare=False)
+        by_size[f"{size // MiB} MiB" if size >= MiB else f"{size} B"] = size_rows
+        errors += [f"{size // MiB} MiB: {error}" for error in size_errors]
     copy_source = torch.empty(tensor_bytes // 2, dtype=torch.bfloat16, device=device)
     copy_target = torch.empty_like(copy_source)
     copy_seconds = timer.median_seconds(lambda: copy_target.copy_(copy_source), repeats, warmup)
@@ -433,7 +516,13 @@ def measure_bandwidth(device: torch.device | str, tensor_bytes: int, peak: float
         "copy_bytes_per_second": bytes_per_second(2 * _nbytes(copy_source), copy_seconds),
         "backend": kernels.backend_for(copy_source, _engine_block_size()).__name__,
         "errors": errors,
+        "by_size": {f"{tensor_bytes // MiB} MiB": rows, **by_size},
     }
+    if launch_costs:
+        try:
+            figures["host_launch_us"] = host_launch_costs(device)
+        except Exception as error:  # noqa: BLE001 (a side measurement; the rates stand)
+            figures["host_launch_us"] = {"error": one_line(error)}
     if errors:
         return Outcome("fail", f"{len(errors)} of {len(workloads)} kernels failed, first: "
                        f"{errors[0]}", figures)
@@ -460,3 +549,86 @@ def _output_mismatch(actual: torch.Tensor, expected: torch.Tensor) -> str | None
         index = first_value_mismatch(actual, expected)
         return None if index is None else f"byte {index}"
     return _value_mismatch(actual, expected)
+
+
+# ---- standalone ------------------------------------------------------------------------------
+
+
+def format_section_b(figures: dict) -> str:
+    """Section b's figures as a table: GB/s and % of peak per kernel and size, then the
+    host's microseconds per call through the cached launcher and the plain path."""
+    peak = figures.get("peak_bytes_per_second")
+    sizes = list(figures.get("by_size") or {})
+    lines = [f"peak {format_rate(peak) if peak else 'unknown'}; copy "
+             f"{format_rate(figures['copy_bytes_per_second'])}; backend {figures['backend']}",
+             "", "| kernel | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
+    labels = [row["kernel"] for row in figures["kernels"]]
+    for label in labels:
+        cells = []
+        for size in sizes:
+            row = next((r for r in figures["by_size"][size] if r["kernel"] == label), None)
+            if row is None:
+                cells.append("-")
+                continue
+            share = f" ({row['fraction_of_peak']:.0%})" if row["fraction_of_peak"] else ""
+            cells.append(f"{row['bytes_per_second'] / 1e9:.0f} GB/s{share}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    launches = figures.get("host_launch_us")
+    if launches and "kernels" in launches:
+        lines += ["", f"host us per call ({launches['calls']} calls of {launches['numel']} "
+                  "values):", "", "| kernel | cached launcher | kernel[grid] |", "|---|---|---|"]
+        for row in launches["kernels"]:
+            direct = f"{row['direct_us']:.1f}" + ("" if row["direct_path_taken"] else " (plain)")
+            lines.append(f"| {row['kernel']} | {direct} | {row['plain_us']:.1f} |")
+    elif launches:
+        lines += ["", f"host us per call: {launches.get('error')}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m scripts.bench.gpu_check_kernels --section b --out DIR`: one section of the
+    GPU check on its own (under a minute on an H100/H200), its JSON in DIR/kernels_<s>.json."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from scripts.bench.gpu_check_report import json_safe
+
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.gpu_check_kernels",
+                                     description=main.__doc__.split("\n")[0])
+    parser.add_argument("--section", choices=("a", "b"), default="b")
+    parser.add_argument("--out", type=Path, default=None, help="write the JSON here (a folder)")
+    parser.add_argument("--quick", action="store_true", help="16 MiB instead of 64, 5 repeats")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: no CUDA device", file=sys.stderr)
+        return 2
+    from scripts.bench.gpu_check import describe_device
+
+    device_facts, environment = describe_device()
+    started = time.perf_counter()
+    if args.section == "a":
+        outcome = check_bit_exact("cuda")
+    else:
+        peak = device_facts["peak_memory_bandwidth"]
+        outcome = measure_bandwidth(
+            "cuda", QUICK_TENSOR_BYTES if args.quick else FULL_TENSOR_BYTES,
+            peak["bytes_per_second"] if peak else None, repeats=5 if args.quick else 10,
+            warmup=2 if args.quick else 3)
+    seconds = time.perf_counter() - started
+    print(f"section {args.section}: {outcome.status}: {outcome.summary} ({seconds:.0f} s)")
+    if args.section == "b":
+        print(format_section_b(outcome.figures))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"kernels_{args.section}.json"
+        record = {"section": args.section, "status": outcome.status, "summary": outcome.summary,
+                  "seconds": seconds, "device": device_facts, "environment": environment,
+                  "figures": outcome.figures}
+        path.write_text(json.dumps(json_safe(record), indent=1, allow_nan=False))
+        print(f"wrote {path}")
+    return 0 if outcome.status == "pass" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

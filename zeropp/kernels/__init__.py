@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+from collections.abc import Iterable
 from functools import cache
 from types import ModuleType
 
@@ -45,6 +46,7 @@ __all__ = [
     "dequantize_reduce",
     "dequantize_reduce_quantize",
     "payload_layout",
+    "prepare_kernels",
     "quantize_blockwise",
     "quantize_swizzled",
     "quantized_nbytes",
@@ -146,3 +148,37 @@ def dequantize_reduce_quantize(
     return backend_for(payloads, block_size).dequantize_reduce_quantize(
         payloads, numel, bits_in, bits_out, block_size, parts
     )
+
+
+def prepare_kernels(device: torch.device | str, numels: Iterable[int], *,
+                    dtypes: Iterable[torch.dtype] = (torch.bfloat16,),
+                    bits: Iterable[int] = (8, 4), block_sizes: Iterable[int] = (256,),
+                    payload_counts: Iterable[int] = (1,), parts: Iterable[int] = (1,),
+                    swizzles: Iterable[tuple[int, int]] = ()) -> int:
+    """Compile ahead, without launching, the Triton kernel variants that this module's calls
+    on `device` will launch for tensors of each of `numels` values: every combination of
+    value dtype, code width, block size, payload count (the k of the batched and reduced
+    calls), requantized pieces and qgZ swizzle (nodes, per_node). Meant for an engine's
+    build, so that no compile happens inside its first iteration; a call whose shape was
+    not prepared still compiles on first use. Returns how many launch variants were
+    prepared: 0 where the Triton kernels would not run (not CUDA, no Triton, forced to the
+    reference, Triton's interpreter, or a Triton whose launch API this does not know)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not _triton_installed():
+        return 0
+    if os.environ.get(BACKEND_ENV_VAR, "").strip().lower() == "reference":
+        return 0
+    backend = _triton_backend()
+    dtypes, bits, block_sizes = tuple(dtypes), tuple(bits), tuple(block_sizes)
+    payload_counts, parts, swizzles = tuple(payload_counts), tuple(parts), tuple(swizzles)
+    prepared = 0
+    for numel in dict.fromkeys(numels):
+        for dtype in dtypes:
+            reference.check_float_dtype(dtype, "dtype")
+            for width in bits:
+                for block_size in block_sizes:
+                    for count in payload_counts:
+                        for pieces in parts:
+                            prepared += backend.prepare(device, numel, width, block_size,
+                                                        dtype, count, pieces, swizzles)
+    return prepared

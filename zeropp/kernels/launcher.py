@@ -56,6 +56,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _raw_stream(device_index: int) -> int:
+    """The current CUDA stream's handle, as inductor's launchers read it."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
 class _Launch:
     """What a direct launch of one compiled kernel needs, read once from it."""
 
@@ -136,7 +141,7 @@ class KernelLauncher:
             self._remember(key, compiled)
             return
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
-        stream = torch._C._cuda_getCurrentRawStream(device)
+        stream = _raw_stream(device)
         try:
             launch.run(grid_x, grid_y, grid_z, stream, launch.function, launch.metadata,
                        None, None, None, *args, *constants.values())

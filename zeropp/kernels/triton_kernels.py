@@ -861,3 +861,75 @@ def dequantize_reduce_quantize(
         return payload
     # Codes that straddle blocks are packed on the host, so the pieces are shuffled there.
     return reference.split_payload(payload, parts, numel // parts, bits_out, block_size).view(-1)
+
+
+# ---- compiling ahead -----------------------------------------------------------------------
+
+
+class _Placeholder:
+    """Stands for a contiguous tensor in a launch that is compiled, not run: what the host
+    and Triton's specialization read of it. Its address is 0, as 16-byte aligned as a fresh
+    allocation."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.shape, self.dtype, self.device = torch.Size(shape), dtype, device
+        self.is_cuda = device.type == "cuda"
+
+    def data_ptr(self) -> int:
+        return 0
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def stride(self, dim: int) -> int:
+        stride = 1
+        for size in self.shape[dim + 1:]:
+            stride *= size
+        return stride
+
+    def view(self, *shape: int) -> _Placeholder:
+        return _Placeholder(shape, self.dtype, self.device)
+
+
+def prepare(device: torch.device, numel: int, bits: int, block_size: int, dtype: torch.dtype,
+            payloads: int = 1, parts: int = 1,
+            swizzles: tuple[tuple[int, int], ...] = ()) -> int:
+    """Compile, without launching, every kernel variant the calls on `numel` values would
+    launch: quantize (plain, and swizzled for each (nodes, per_node) in `swizzles`), the
+    dequantization of one payload and of `payloads`, the reduction of `payloads` into fp32
+    and into `dtype`, and the requantization of `payloads` to `bits` in `parts` pieces.
+    Tensors are taken as fresh allocations (16-byte aligned). Returns how many were
+    prepared (0 where launches take the plain path: the interpreter, another Triton API)."""
+    layout = _layout(numel, bits, block_size)
+    if numel == 0 or block_size > MAX_BLOCK_SIZE:
+        return 0
+
+    def tensor(*shape: int, kind: torch.dtype = torch.uint8) -> _Placeholder:
+        return _Placeholder(shape, kind, device)
+
+    done = 0
+    payload = tensor(layout.nbytes)
+    if _packs_in_kernel(layout):
+        done += _quantize_launch(tensor(numel, kind=dtype), payload, payload, layout, True)
+        for nodes, per_node in swizzles:
+            ranks = nodes * per_node
+            if numel % ranks == 0 and (numel // ranks) % block_size == 0:
+                one_slice = _check_pieces(ranks, numel // ranks, bits, block_size)
+                done += _swizzled_launch(tensor(numel, kind=dtype), payload, nodes, per_node,
+                                         one_slice, True)
+    for rows in sorted({1, payloads}):
+        done += _dequantize_rows(tensor(rows, layout.nbytes), tensor(rows, numel, kind=dtype),
+                                 layout, True)
+    batch = tensor(payloads, layout.nbytes)
+    for out_dtype in sorted({torch.float32, dtype}, key=str):
+        done += _reduce_launch(batch, tensor(numel, kind=out_dtype), layout, True)
+    if numel % parts == 0:
+        try:
+            piece = (_check_pieces(parts, numel // parts, bits, block_size) if parts > 1
+                     else layout)
+        except ValueError:
+            piece = None
+        if piece is not None and _packs_in_kernel(layout):
+            done += _requantize_launch(batch, payload, payload, layout, layout, piece, parts,
+                                       True)
+    return done
