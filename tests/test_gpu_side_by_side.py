@@ -32,6 +32,8 @@ def test_cpu_smoke_runs_every_system_and_the_losses_agree(tmp_path, capsys):
     assert reference[-1] < reference[0]  # the alternated batches are learned
     for name in expected_ok:  # bf16 compute, the same initial values and data everywhere
         assert systems[name]["losses"] == pytest.approx(reference, rel=2e-3), name
+    assert report["device"] == "cpu" and report["peak_bf16_tflops"] is None
+    assert report["final_loss_max_relative_spread"] < 2e-3
     for name in ("zeropp_compiled", "fsdp2_compiled"):
         assert systems[name]["compile_seconds"] > 0, name
     # the table comes last, one row per system

@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -399,6 +400,7 @@ def run_one(name: str, shape: RunShape) -> dict[str, Any]:
         "losses": loss_values,
         "final_loss": loss_values[-1],
         "sdpa_backend": _sdpa_backend(shape, device),
+        "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
     }
     if cuda:
         result["peak_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -407,16 +409,6 @@ def run_one(name: str, shape: RunShape) -> dict[str, Any]:
 
 
 # ---- the run: every system in a subprocess, then the JSON and the table -------------------
-
-
-def _device_peak() -> tuple[str, float | None, str]:
-    """(device name, dense bf16 peak TFLOP/s or None, where the peak came from)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "cpu", None, "no peak for the CPU: MFU not computed"
-    name = torch.cuda.get_device_name(0)
-    return (name, *peak_for(name))
 
 
 def peak_for(device_name: str) -> tuple[float | None, str]:
@@ -439,21 +431,24 @@ def _run_in_subprocess(name: str, shape: RunShape, timeout: float, smoke: bool) 
                    "--worker-shape", json.dumps(asdict(shape)), "--worker-out", str(result_path)]
         root = Path(__file__).resolve().parents[2]
         started = time.perf_counter()
+        # A session of its own: on a timeout the worker and its compile workers all stop.
+        worker = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
-            done = subprocess.run(command, cwd=root, env=env, timeout=timeout,
-                                  capture_output=True, text=True)
-        except subprocess.TimeoutExpired as expired:
-            tail = (expired.stderr or b"")[-2000:]
-            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-            return {"system": name, "status": f"timeout after {timeout:.0f} s", "log_tail": tail}
+            log, _ = worker.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            log, _ = worker.communicate()
+            return {"system": name, "status": f"timeout after {timeout:.0f} s",
+                    "log_tail": log[-3000:]}
         wall = time.perf_counter() - started
         if result_path.exists():
             result = json.loads(result_path.read_text())
         else:
-            result = {"system": name, "status": f"exited {done.returncode} without a result"}
+            result = {"system": name, "status": f"exited {worker.returncode} without a result"}
         result["wall_seconds"] = wall
         if result.get("status") != "ok":
-            result["log_tail"] = (done.stdout + done.stderr)[-3000:]
+            result["log_tail"] = log[-3000:]
         return result
 
 
@@ -466,10 +461,10 @@ def run_all(shape: RunShape, systems: list[str], system_timeout: float, budget: 
 
     with torch.device("meta"):
         parameters = sum(p.numel() for p in GPTModel(config).parameters())
-    device, peak, peak_source = _device_peak() if not smoke else ("cpu", None, "CPU smoke: no MFU")
     flops = flops_per_token(config, shape.seq_length, checkpoint_activations=False)
     report: dict[str, Any] = {
-        "device": device, "peak_bf16_tflops": peak, "peak_source": peak_source,
+        # the device as the workers saw it (this process leaves the GPU alone)
+        "device": None, "peak_bf16_tflops": None, "peak_source": None,
         "shape": asdict(shape), "parameters": parameters, "flops_per_token": flops,
         "mfu_formula": "tokens/s x megatron_lite.model.flops_per_token (Megatron's, 3 passes) "
                        "/ dense bf16 peak",
@@ -483,20 +478,32 @@ def run_all(shape: RunShape, systems: list[str], system_timeout: float, budget: 
             continue
         print(f"[side-by-side] {name} ...", flush=True)
         result = _run_in_subprocess(name, shape, min(system_timeout, left), smoke)
-        if result.get("status") == "ok" and peak is not None:
-            result["mfu"] = result["tokens_per_second"] * flops / (peak * 1e12)
-            result["model_tflops_per_second"] = result["tokens_per_second"] * flops / 1e12
         report["systems"][name] = result
         print(f"[side-by-side] {name}: {result.get('status')}", flush=True)
+    ok = [r for r in report["systems"].values() if r.get("status") == "ok"]
+    if ok:
+        device = ok[0]["device_name"]
+        peak, source = peak_for(device) if device != "cpu" else (None, "CPU: MFU not computed")
+        report.update(device=device, peak_bf16_tflops=peak, peak_source=source)
+        for result in ok:
+            result["model_tflops_per_second"] = result["tokens_per_second"] * flops / 1e12
+            if peak is not None:
+                result["mfu"] = result["model_tflops_per_second"] / peak
+        reference = ok[0]["final_loss"]
+        report["final_loss_max_relative_spread"] = max(
+            abs(r["final_loss"] - reference) / abs(reference) for r in ok)
     return report
 
 
 def format_table(report: dict[str, Any]) -> str:
     header = (f"{'system':<17} {'status':<10} {'tokens/s':>10} {'MFU':>7} {'peak GiB':>9} "
               f"{'loss[-1]':>9} {'1st step s':>10} {'compile s':>9}")
+    spread = report.get("final_loss_max_relative_spread")
     lines = [f"{report['device']}: {report['peak_source']}; {report['parameters'] / 1e6:,.1f}M "
              f"parameters, micro-batch {report['shape']['micro_batch']} x "
-             f"{report['shape']['seq_length']}", header]
+             f"{report['shape']['seq_length']}; final losses at most "
+             f"{'-' if spread is None else format(spread, '.2%')} from the first system's",
+             header]
 
     def number(value, spec: str) -> str:
         return "-" if value is None else format(value, spec)
