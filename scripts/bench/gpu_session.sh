@@ -73,9 +73,9 @@ EOF
         "$WHEELS"/*.whl >> "$OUTDIR/session.log" 2>&1 || echo "side: wheels did not install" \
         | tee -a "$OUTDIR/session.log"
       mkdir -p "$WORK/side"
-      part side 330 env PYTHONPATH="/tmp/ds_site${PYTHONPATH:+:$PYTHONPATH}" \
+      part side 380 env PYTHONPATH="/tmp/ds_site${PYTHONPATH:+:$PYTHONPATH}" \
         python3 -m scripts.bench.gpu_side_by_side --out "$WORK/side/side_by_side.json" \
-        --budget 300 --system-timeout 150
+        --budget 360 --system-timeout 180
       cp "$WORK/side/"*.json "$OUTDIR/" 2>/dev/null ;;
     profile)
       part profile 90 python3 -m scripts.bench.host_profile --out "$WORK/profile" --layers 2 \
