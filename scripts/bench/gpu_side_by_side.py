@@ -34,8 +34,9 @@ Budget (default run, one H100/H200): each system takes 20 steps (3 warm-up, 10 t
 rest only for the loss check). A step is 16K tokens, 0.34 PFLOP by Megatron's count: 0.4 s
 at 40% MFU, 1.7 s at 10%, so 8-35 s of steps. The rest is fixed cost: ~10 s for Python,
 torch and CUDA, ~2 s to draw the initial values on the device, ~40-60 s for inductor to
-compile one block's forward and backward (compiled systems; each starts from an empty
-inductor cache, so its compile time is its own), ~20 s of DeepSpeed start-up. About 25-50 s
+compile one block's forward and backward (the run starts from an empty inductor cache; the
+second compiled system may reuse kernels the first one built, which the JSON says, and
+``--separate-compile-caches`` gives each its own), ~20 s of DeepSpeed start-up. About 25-50 s
 per eager system and 80-100 s per compiled one: 4-6 minutes for all five. Each system is
 stopped after ``--system-timeout`` (200 s), and no system starts once ``--budget`` (420 s)
 is spent, so with the wheels' install and the machine's start the call stays within 8
@@ -424,12 +425,12 @@ def peak_for(device_name: str) -> tuple[float | None, str]:
     return None, f"{device_name} is not in the peak table: MFU not computed"
 
 
-def _run_in_subprocess(name: str, shape: RunShape, timeout: float, smoke: bool) -> dict:
+def _run_in_subprocess(name: str, shape: RunShape, timeout: float, smoke: bool,
+                       inductor_cache: str | None) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         result_path = Path(scratch) / "result.json"
         env = dict(os.environ, PYTHONUNBUFFERED="1",
-                   # each compiled system compiles from scratch: its compile time is its own
-                   TORCHINDUCTOR_CACHE_DIR=str(Path(scratch) / "inductor"))
+                   TORCHINDUCTOR_CACHE_DIR=inductor_cache or str(Path(scratch) / "inductor"))
         if smoke:
             env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
         command = [sys.executable, "-m", "scripts.bench.gpu_side_by_side", "--worker", name,
@@ -458,7 +459,7 @@ def _run_in_subprocess(name: str, shape: RunShape, timeout: float, smoke: bool) 
 
 
 def run_all(shape: RunShape, systems: list[str], system_timeout: float, budget: float,
-            smoke: bool) -> dict[str, Any]:
+            smoke: bool, separate_compile_caches: bool = False) -> dict[str, Any]:
     from megatron_lite.model import GPTModel, flops_per_token
 
     config = shape.gpt_config()
@@ -473,8 +474,13 @@ def run_all(shape: RunShape, systems: list[str], system_timeout: float, budget: 
         "shape": asdict(shape), "parameters": parameters, "flops_per_token": flops,
         "mfu_formula": "tokens/s x megatron_lite.model.flops_per_token (Megatron's, 3 passes) "
                        "/ dense bf16 peak",
-        "torch": torch.__version__, "systems": {},
+        "torch": torch.__version__,
+        "inductor_cache": "one per system, empty" if separate_compile_caches else
+        "one for the run, empty at its start: a later compiled system may reuse the kernels "
+        "an earlier one built (its compile time is then shorter)",
+        "systems": {},
     }
+    shared_cache = tempfile.TemporaryDirectory(prefix="side_by_side_inductor_")
     deadline = time.perf_counter() + budget
     for name in systems:
         left = deadline - time.perf_counter()
@@ -482,9 +488,11 @@ def run_all(shape: RunShape, systems: list[str], system_timeout: float, budget: 
             report["systems"][name] = {"system": name, "status": "skipped: budget spent"}
             continue
         print(f"[side-by-side] {name} ...", flush=True)
-        result = _run_in_subprocess(name, shape, min(system_timeout, left), smoke)
+        result = _run_in_subprocess(name, shape, min(system_timeout, left), smoke,
+                                    None if separate_compile_caches else shared_cache.name)
         report["systems"][name] = result
         print(f"[side-by-side] {name}: {result.get('status')}", flush=True)
+    shared_cache.cleanup()
     ok = [r for r in report["systems"].values() if r.get("status") == "ok"]
     if ok:
         device = ok[0]["device_name"]
@@ -535,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system-timeout", type=float, default=200.0)
     parser.add_argument("--budget", type=float, default=420.0,
                         help="no system starts after this many seconds of the run")
+    parser.add_argument("--separate-compile-caches", action="store_true",
+                        help="each compiled system compiles from an empty inductor cache")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="a tiny GPT on the CPU, world size 1, aot_eager compile")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -550,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         parser.error(f"unknown system(s) {', '.join(unknown)}; expected {', '.join(SYSTEMS)}")
-    report = run_all(shape, systems, args.system_timeout, args.budget, args.cpu_smoke)
+    report = run_all(shape, systems, args.system_timeout, args.budget, args.cpu_smoke,
+                     args.separate_compile_caches)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
