@@ -739,3 +739,39 @@ def test_triton_two_pass_blocks_find_non_finite_values_in_any_chunk(triton_devic
         _assert_same_payload(
             fused, reference.dequantize_reduce_quantize(payloads.cpu(), x.numel(), bits, bits,
                                                         2048), layout)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_prepared_variants_are_the_ones_the_calls_launch(triton_device, monkeypatch, bits):
+    """`prepare` (behind zeropp.kernels.prepare_kernels) compiles, for fresh tensors, the
+    very keys the calls then launch: the same spec, grid and specialization of every
+    argument, so an engine that prepares at build compiles nothing in its first step."""
+    triton_kernels, device = triton_device
+    from zeropp.kernels import launcher
+
+    seen = {"launch": set(), "prepare": set()}
+
+    class Recorder:
+        def launch(self, kernel, key, constants, num_warps, grid, args):
+            seen["launch"].add((key, grid, launcher.argument_key(args)))
+
+        def prepare(self, kernel, key, constants, num_warps, grid, args):
+            seen["prepare"].add((key, grid, launcher.argument_key(args)))
+            return True
+
+    monkeypatch.setattr(triton_kernels, "LAUNCHER", Recorder())
+    numel, block, k = 8 * 1024, 256, 8
+    prepared = triton_kernels.prepare(device, numel, bits, block, torch.bfloat16, payloads=k,
+                                      parts=2, swizzles=((2, 4),))
+    assert prepared == len(seen["prepare"]) == 7
+    x = torch.zeros(numel, dtype=torch.bfloat16, device=device)
+    payload = triton_kernels.quantize_blockwise(x, bits, block)
+    triton_kernels.quantize_swizzled(x, 2, 4, bits, block)
+    triton_kernels.dequantize_blockwise(payload, numel, bits, block, torch.bfloat16)
+    batch = payload.repeat(k, 1)
+    triton_kernels.dequantize_blockwise_many(batch, numel, bits, block, torch.bfloat16)
+    triton_kernels.dequantize_reduce(batch, numel, bits, block)
+    triton_kernels.dequantize_reduce(batch, numel, bits, block,
+                                     out=torch.empty(numel, dtype=torch.bfloat16))
+    triton_kernels.dequantize_reduce_quantize(batch, numel, bits, bits, block, parts=2)
+    assert len(seen["launch"]) == 7 and seen["launch"] <= seen["prepare"]

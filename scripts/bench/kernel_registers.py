@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from scripts.bench.run_lab import write_json
-from zeropp.kernels import compile_check, launch_specs
+from zeropp.kernels import compile_check, launch_specs, triton_device
 from zeropp.kernels.compile_check import KernelResources, Variant
 
 MODULE = "scripts.bench.kernel_registers"
@@ -161,7 +161,8 @@ def _header_facts() -> dict:
 
     # The kernels and the tiles they are launched with: a change to either changes the table.
     kernels_source = b"".join(Path(module.__file__).read_bytes()
-                              for module in (compile_check.triton_kernels, launch_specs))
+                              for module in (compile_check.triton_kernels, triton_device,
+                                             launch_specs))
     ptxas = []
     for tool in ("ptxas", "ptxas_blackwell"):
         try:

@@ -166,6 +166,8 @@ def prepare_kernels(device: torch.device | str, numels: Iterable[int], *,
     device = torch.device(device)
     if device.type != "cuda" or not _triton_installed():
         return 0
+    if device.index is None:  # launches are keyed on their tensors' device index
+        device = torch.device("cuda", torch.cuda.current_device())
     if os.environ.get(BACKEND_ENV_VAR, "").strip().lower() == "reference":
         return 0
     backend = _triton_backend()

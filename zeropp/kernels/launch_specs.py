@@ -30,7 +30,6 @@ from zeropp.kernels.reference import PayloadLayout, qmax_for_bits
 # all of a tile's payload loads are in flight together. Registers, spills and occupancy per
 # arch: `python -m scripts.bench.kernel_registers` (docs/kernel_registers.md).
 NUM_WARPS = 4
-_THREADS = NUM_WARPS * 32
 # The reductions unroll at most this many payloads at a time (a runtime loop over groups
 # beyond it), so a large K does not hold every payload's codes in registers at once.
 MAX_UNROLLED_PAYLOADS = 8
@@ -39,9 +38,12 @@ MAX_UNROLLED_PAYLOADS = 8
 DEFAULT_PAYLOADS = 8
 
 
+# Values a thread holds, by code width: 16 bytes of int8 codes, 16 of int4, 8 of int2.
+VALUES_PER_THREAD = {8: 16, 4: 32, 2: 32}
+
+
 def values_per_thread(bits: int) -> int:
-    """Values a thread holds: 16 bytes of int8 codes, 16 of int4, 8 of int2 (32 values)."""
-    return 16 if bits == 8 else 32
+    return VALUES_PER_THREAD[bits]
 
 
 class Tile(NamedTuple):
@@ -59,7 +61,7 @@ def _next_power_of_2(n: int) -> int:
 def tile_config(block_size: int, bits: int) -> Tile:
     """The host's tile for blocks of `block_size` whose codes are `bits` wide
     ([Note: kernel tiles])."""
-    elements = _THREADS * values_per_thread(bits)
+    elements = NUM_WARPS * 32 * values_per_thread(bits)
     width = _next_power_of_2(block_size)
     cols = min(width, elements)
     return Tile(rows=max(1, elements // cols), cols=cols, num_warps=NUM_WARPS,
@@ -113,6 +115,14 @@ class LaunchSpec(NamedTuple):
 
 def _unroll(payloads: int) -> int:
     return max(1, min(payloads, MAX_UNROLLED_PAYLOADS))
+
+
+def clear_caches() -> None:
+    """Forget the built specs (after a change to the tile constants, as a tuning sweep
+    makes)."""
+    for builder in (_spec_quantize, _spec_dequantize, _spec_dequantize_reduce,
+                    _spec_dequantize_reduce_quantize):
+        builder.cache_clear()
 
 
 @cache

@@ -56,6 +56,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _is_hook(hook) -> bool:
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)  # a HookChain
+    return bool(calls) if calls is not None else True
+
+
 def _raw_stream(device_index: int) -> int:
     """The current CUDA stream's handle, as inductor's launchers read it."""
     return torch._C._cuda_getCurrentRawStream(device_index)
@@ -116,10 +123,12 @@ class KernelLauncher:
 
     @staticmethod
     def _hooked() -> bool:
+        """Whether a launch hook is installed (Triton 3.6+ keeps them in HookChains, which
+        are never None: an empty chain is no hook)."""
         from triton import knobs
 
         runtime = knobs.runtime
-        return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+        return _is_hook(runtime.launch_enter_hook) or _is_hook(runtime.launch_exit_hook)
 
     # ---- launching --------------------------------------------------------------------------
 

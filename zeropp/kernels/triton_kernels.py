@@ -20,9 +20,13 @@ as fp32 words where the payload keeps them 4-byte aligned (`SCALES_F32*`), else 
 Bit-exactness with torch, and why each choice is needed:
 - absmax / qmax and the reciprocal 1 / scale use `tl.div_rn` (IEEE division, once per
   block); values are multiplied by the reciprocal, as the reference does.
-- Rounding is half-to-even by adding and subtracting 1.5 * 2**23 (exact for |v| < 2**22,
-  and codes are at most 127 in magnitude), which matches `torch.round` on every backend,
-  the interpreter included (libdevice's rint has no interpreter implementation).
+- Rounding is half-to-even by adding 1.5 * 2**23 (exact for |v| < 2**22, and codes are
+  at most 127 in magnitude), which matches `torch.round` on every backend, the
+  interpreter included (libdevice's rint has no interpreter implementation); the sum's
+  low bits are the code, so no float-to-int conversion follows. Sub-byte codes read back
+  become floats the same way (ORed into 2**23's bits), without int-to-float conversions,
+  which run at a quarter of the float rate (int8 codes keep the conversion, which reads
+  the byte in place: measured faster there).
 - The absmax propagates NaN (a max that keeps NaN), so non-finite blocks are found by one
   reduction: a NaN or inf absmax.
 - Kernels are launched with `enable_fp_fusion=False`: acc + q * scale fused into an FMA
@@ -52,7 +56,7 @@ import, the kernels run on CPU tensors through Triton's interpreter (used by the
 from __future__ import annotations
 
 import os
-from functools import cache
+from functools import cache, lru_cache
 
 import torch
 from torch import Tensor
@@ -72,7 +76,22 @@ from zeropp.kernels.launch_specs import (  # noqa: F401 (launch_specs: callers l
     tile_config,
 )
 from zeropp.kernels.launcher import LAUNCHER
-from zeropp.kernels.reference import PRESCALE, PRESCALE_BELOW, PayloadLayout, code_offset
+from zeropp.kernels.reference import PayloadLayout, code_offset
+from zeropp.kernels.triton_device import (
+    _absmax,
+    _block_scales,
+    _codes,
+    _jit,
+    _load,
+    _load_codes,
+    _load_scales,
+    _max_keeping_nan,
+    _store_codes,
+    _store_scales,
+    _store_values,
+    _sum_chunk,
+    _tile,
+)
 
 try:
     import triton
@@ -87,260 +106,6 @@ MAX_BLOCK_SIZE = 16384  # one block must fit a register tile
 def is_available() -> bool:
     """True when Triton is importable (CUDA tensors, or CPU under TRITON_INTERPRET=1)."""
     return triton is not None
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
-
-
-def _constexpr(value):
-    return tl.constexpr(value) if triton is not None else value
-
-
-# Kernels may only read module globals that are constexpr.
-_NIBBLE_BIAS = _constexpr(code_offset(4))
-_CRUMB_BIAS = _constexpr(code_offset(2))
-_ROUNDING_MAGIC = _constexpr(1.5 * 2.0**23)  # adding it leaves no fraction bits below 2**22
-_PRESCALE = _constexpr(PRESCALE)
-_PRESCALE_BELOW = _constexpr(PRESCALE_BELOW)
-
-
-# ---------------------------------------------------------------------------------------------
-# Device functions. MASKED arguments are compile-time: False drops the mask (and with it
-# the mask's arithmetic) from a load or store.
-# ---------------------------------------------------------------------------------------------
-
-
-@_jit
-def _load(pointers, mask, other, MASKED: tl.constexpr):
-    if MASKED:
-        return tl.load(pointers, mask=mask, other=other)
-    else:
-        return tl.load(pointers)
-
-
-@_jit
-def _store(pointers, values, mask, MASKED: tl.constexpr):
-    if MASKED:
-        tl.store(pointers, values, mask=mask)
-    else:
-        tl.store(pointers, values)
-
-
-@_jit
-def _round_half_even(v):
-    return (v + _ROUNDING_MAGIC) - _ROUNDING_MAGIC
-
-
-@_jit
-def _max_keeping_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@_jit
-def _absmax(values):
-    """Per row: the largest magnitude, NaN if the row holds a NaN (inf if an inf)."""
-    return tl.reduce(tl.abs(values), 1, _max_keeping_nan)
-
-
-@_jit
-def _block_scales(absmax, QMAX: tl.constexpr):
-    """absmax / qmax, NaN for a row holding inf or NaN."""
-    scales = tl.div_rn(absmax, tl.zeros_like(absmax) + QMAX)
-    return tl.where((absmax == absmax) & (absmax != float("inf")), scales, float("nan"))
-
-
-@_jit
-def _codes(values, scales, QMAX: tl.constexpr):
-    """Signed codes (fp32) of a [ROWS, COLS] tile under its rows' scales: values times the
-    reciprocal of the scale, rounded half to even, clamped; 0 where the scale is 0 or NaN.
-    A scale so small that its reciprocal would overflow is prescaled (as the reference)."""
-    usable = scales > 0.0
-    prescale = tl.where(scales < _PRESCALE_BELOW, _PRESCALE, 1.0)
-    divisor = tl.where(usable, scales * prescale, 1.0)
-    inverse = tl.div_rn(tl.zeros_like(divisor) + 1.0, divisor)
-    codes = _round_half_even((values * prescale[:, None]) * inverse[:, None])
-    codes = tl.minimum(tl.maximum(codes, -QMAX), QMAX)
-    return tl.where(usable[:, None], codes, 0.0)
-
-
-@_jit
-def _store_codes(codes_ptr, codes, first, rows, c0, local, in_block, row_valid,
-                 BLOCK: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr,
-                 ROWS: tl.constexpr, COLS: tl.constexpr, MASK_VALUES: tl.constexpr):
-    if BITS == 8:
-        _store(codes_ptr + first * BLOCK + local, codes.to(tl.int8).to(tl.uint8, bitcast=True),
-               in_block, MASK_VALUES)
-    elif PACK and BITS == 4:
-        nibbles = (codes + _NIBBLE_BIAS).to(tl.uint8)
-        low, high = tl.split(tl.reshape(nibbles, [ROWS, COLS // 2, 2]))
-        pair_cols = c0 // 2 + tl.arange(0, COLS // 2)
-        byte_local = rows[:, None] * (BLOCK // 2) + pair_cols[None, :]
-        pair_mask = row_valid[:, None] & (pair_cols[None, :] < BLOCK // 2)
-        _store(codes_ptr + first * (BLOCK // 2) + byte_local, low | (high << 4), pair_mask,
-               MASK_VALUES)
-    elif PACK:  # int2, blocks of whole bytes: four codes a byte, as for int4's two
-        crumbs = (codes + _CRUMB_BIAS).to(tl.uint8)
-        # Column 4g + 2i + j of the tile lands at [g, i, j]: split j, then i.
-        even, odd = tl.split(tl.reshape(crumbs, [ROWS, COLS // 4, 2, 2]))
-        c0_codes, c2_codes = tl.split(even)
-        c1_codes, c3_codes = tl.split(odd)
-        packed = c0_codes | (c1_codes << 2) | (c2_codes << 4) | (c3_codes << 6)
-        quad_cols = c0 // 4 + tl.arange(0, COLS // 4)
-        byte_local = rows[:, None] * (BLOCK // 4) + quad_cols[None, :]
-        quad_mask = row_valid[:, None] & (quad_cols[None, :] < BLOCK // 4)
-        _store(codes_ptr + first * (BLOCK // 4) + byte_local, packed, quad_mask, MASK_VALUES)
-    else:  # blocks not of whole bytes: one code per byte into scratch, packed by the host
-        bias = _NIBBLE_BIAS if BITS == 4 else _CRUMB_BIAS
-        _store(codes_ptr + first * BLOCK + local, (codes + bias).to(tl.uint8), in_block,
-               MASK_VALUES)
-
-
-@_jit
-def _store_scales(scales_ptr, block_index, scales, row_valid, SCALES_F32: tl.constexpr,
-                  MASK_ROWS: tl.constexpr):
-    """Scales of blocks `block_index` into the scale region at `scales_ptr` (a byte pointer):
-    as fp32 words when the region is 4-byte aligned, else byte by byte."""
-    if SCALES_F32:
-        _store(scales_ptr.to(tl.pointer_type(tl.float32)) + block_index, scales, row_valid,
-               MASK_ROWS)
-    else:
-        bits = scales.to(tl.uint32, bitcast=True)
-        base = scales_ptr + block_index * 4
-        _store(base, (bits & 0xFF).to(tl.uint8), row_valid, MASK_ROWS)
-        _store(base + 1, ((bits >> 8) & 0xFF).to(tl.uint8), row_valid, MASK_ROWS)
-        _store(base + 2, ((bits >> 16) & 0xFF).to(tl.uint8), row_valid, MASK_ROWS)
-        _store(base + 3, ((bits >> 24) & 0xFF).to(tl.uint8), row_valid, MASK_ROWS)
-
-
-@_jit
-def _load_scales(scales_ptr, block_index, row_valid, SCALES_F32: tl.constexpr,
-                 MASK_ROWS: tl.constexpr):
-    if SCALES_F32:
-        return _load(scales_ptr.to(tl.pointer_type(tl.float32)) + block_index, row_valid, 0.0,
-                     MASK_ROWS)
-    else:
-        base = scales_ptr + block_index * 4
-        b0 = _load(base, row_valid, 0, MASK_ROWS).to(tl.uint32)
-        b1 = _load(base + 1, row_valid, 0, MASK_ROWS).to(tl.uint32)
-        b2 = _load(base + 2, row_valid, 0, MASK_ROWS).to(tl.uint32)
-        b3 = _load(base + 3, row_valid, 0, MASK_ROWS).to(tl.uint32)
-        return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
-
-
-@_jit
-def _load_codes(payload_ptr, first, rows, c0, local, in_block, row_valid,
-                BLOCK: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr,
-                ROWS: tl.constexpr, COLS: tl.constexpr, MASK_VALUES: tl.constexpr):
-    """Signed codes (fp32) of one payload over a [ROWS, COLS] chunk of blocks from block
-    `first` (padding included; masked-off columns read the code of zero)."""
-    if BITS == 8:
-        raw = _load(payload_ptr + first * BLOCK + local, in_block, 0, MASK_VALUES)
-        codes = raw.to(tl.int8, bitcast=True).to(tl.float32)
-    elif UNPACK and BITS == 4:
-        # 16 bytes a thread, split into their two nibbles in registers: even values low.
-        pair_cols = c0 // 2 + tl.arange(0, COLS // 2)
-        byte_local = rows[:, None] * (BLOCK // 2) + pair_cols[None, :]
-        pair_mask = row_valid[:, None] & (pair_cols[None, :] < BLOCK // 2)
-        packed = _load(payload_ptr + first * (BLOCK // 2) + byte_local, pair_mask,
-                       _NIBBLE_BIAS, MASK_VALUES).to(tl.int32)
-        nibbles = tl.reshape(tl.join(packed & 0xF, packed >> 4), [ROWS, COLS])
-        codes = (nibbles - _NIBBLE_BIAS).to(tl.float32)
-    elif UNPACK:  # int2, blocks of whole bytes: code i of a byte in bits 2i..2i+1
-        quad_cols = c0 // 4 + tl.arange(0, COLS // 4)
-        byte_local = rows[:, None] * (BLOCK // 4) + quad_cols[None, :]
-        quad_mask = row_valid[:, None] & (quad_cols[None, :] < BLOCK // 4)
-        packed = _load(payload_ptr + first * (BLOCK // 4) + byte_local, quad_mask,
-                       _CRUMB_BIAS, MASK_VALUES).to(tl.int32)
-        # The inverse of _store_codes' splits: [g, i, j] is column 4g + 2i + j.
-        even = tl.join(packed & 0x3, (packed >> 4) & 0x3)
-        odd = tl.join((packed >> 2) & 0x3, packed >> 6)
-        crumbs = tl.reshape(tl.join(even, odd), [ROWS, COLS])
-        codes = (crumbs - _CRUMB_BIAS).to(tl.float32)
-    elif BITS == 4:
-        # Blocks not of whole bytes: neighbours read the same byte and pick their nibble by
-        # the global index's parity.
-        base = first * BLOCK
-        index = local + (base & 1).to(tl.int32)
-        packed = tl.load(payload_ptr + base // 2 + index // 2, mask=in_block,
-                         other=_NIBBLE_BIAS)
-        nibble = (packed.to(tl.int32) >> ((index & 1) * 4)) & 0xF
-        codes = (nibble - _NIBBLE_BIAS).to(tl.float32)
-    else:  # int2 blocks not of whole bytes: four neighbours share a byte
-        base = first * BLOCK
-        index = local + (base & 3).to(tl.int32)
-        packed = tl.load(payload_ptr + base // 4 + index // 4, mask=in_block,
-                         other=_CRUMB_BIAS)
-        crumb = (packed.to(tl.int32) >> ((index & 3) * 2)) & 0x3
-        codes = (crumb - _CRUMB_BIAS).to(tl.float32)
-    return codes
-
-
-@_jit
-def _add_payload(total, payload, data_nbytes, first, rows, c0, local, in_block, row_valid,
-                 BLOCK: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr,
-                 ROWS: tl.constexpr, COLS: tl.constexpr, MASK_VALUES: tl.constexpr,
-                 MASK_ROWS: tl.constexpr, SCALES_F32: tl.constexpr):
-    scales = _load_scales(payload + data_nbytes, first + rows, row_valid, SCALES_F32,
-                          MASK_ROWS)
-    codes = _load_codes(payload, first, rows, c0, local, in_block, row_valid, BLOCK, BITS,
-                        UNPACK, ROWS, COLS, MASK_VALUES)
-    return total + codes * scales[:, None]
-
-
-@_jit
-def _sum_chunk(payload_ptr, payload_stride, data_nbytes, first, rows, c0, local, in_block,
-               row_valid, BLOCK: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr,
-               K: tl.constexpr, UNROLL: tl.constexpr, ROWS: tl.constexpr,
-               COLS: tl.constexpr, MASK_VALUES: tl.constexpr, MASK_ROWS: tl.constexpr,
-               SCALES_F32: tl.constexpr):
-    """fp32 sum over the K payloads of one chunk, from zero, in payload order. UNROLL
-    payloads at a time are unrolled, so their loads are in flight together."""
-    total = tl.zeros([ROWS, COLS], dtype=tl.float32)
-    for group in range(K // UNROLL):
-        for i in tl.static_range(UNROLL):
-            payload = payload_ptr + (group * UNROLL + i) * payload_stride
-            total = _add_payload(total, payload, data_nbytes, first, rows, c0, local,
-                                 in_block, row_valid, BLOCK, BITS, UNPACK, ROWS, COLS,
-                                 MASK_VALUES, MASK_ROWS, SCALES_F32)
-    for i in tl.static_range(K % UNROLL):
-        payload = payload_ptr + ((K // UNROLL) * UNROLL + i) * payload_stride
-        total = _add_payload(total, payload, data_nbytes, first, rows, c0, local, in_block,
-                             row_valid, BLOCK, BITS, UNPACK, ROWS, COLS, MASK_VALUES,
-                             MASK_ROWS, SCALES_F32)
-    return total
-
-
-@_jit
-def _to_bfloat16_rtne(values):
-    """fp32 -> bf16 rounded to nearest-even, NaN -> 0x7FC0, exactly as torch converts."""
-    bits = values.to(tl.uint32, bitcast=True)
-    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
-    rounded = tl.where(values != values, 0x7FC0, rounded)
-    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@_jit
-def _store_values(out_ptr, values, mask, MASKED: tl.constexpr):
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        _store(out_ptr, _to_bfloat16_rtne(values), mask, MASKED)
-    else:
-        _store(out_ptr, values.to(out_ptr.dtype.element_ty), mask, MASKED)
-
-
-@_jit
-def _tile(first, c0, nblocks, numel, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-          COLS: tl.constexpr):
-    """Rows and offsets (int32, from the program's first value) of columns c0..c0+COLS of
-    the program's blocks; which rows are blocks, which columns lie in a block and which
-    values lie in the tensor."""
-    rows = tl.arange(0, ROWS)
-    cols = c0 + tl.arange(0, COLS)
-    local = rows[:, None] * BLOCK + cols[None, :]
-    row_valid = first + rows < nblocks
-    in_block = row_valid[:, None] & (cols[None, :] < BLOCK)
-    left = tl.minimum(numel - first * BLOCK, ROWS * BLOCK).to(tl.int32)
-    return rows, local, row_valid, in_block, in_block & (local < left)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,8 +154,9 @@ def quantize_kernel(
                                                            ROWS, COLS)
         values = _load(x + local, in_range, 0.0, MASK_VALUES).to(tl.float32)
         scales = _block_scales(_absmax(values), QMAX)
-        _store_codes(codes_ptr, _codes(values, scales, QMAX), first_out, rows, 0, local,
-                     in_block, row_valid, BLOCK, BITS, PACK, ROWS, COLS, MASK_VALUES)
+        codes = _codes(values, scales, QMAX, QMAX + 1 if BITS < 8 else 0)
+        _store_codes(codes_ptr, codes, first_out, rows, 0, local, in_block, row_valid, BLOCK,
+                     BITS, PACK, ROWS, COLS, MASK_VALUES)
     else:
         rows, local, row_valid, in_block, in_range = _tile(first, 0, nblocks, numel, BLOCK,
                                                            ROWS, COLS)
@@ -405,8 +171,9 @@ def quantize_kernel(
             rows, local, row_valid, in_block, in_range = _tile(first, c0, nblocks, numel,
                                                                BLOCK, ROWS, COLS)
             values = _load(x + local, in_range, 0.0, MASK_VALUES).to(tl.float32)
-            _store_codes(codes_ptr, _codes(values, scales, QMAX), first_out, rows, c0, local,
-                         in_block, row_valid, BLOCK, BITS, PACK, ROWS, COLS, MASK_VALUES)
+            codes = _codes(values, scales, QMAX, QMAX + 1 if BITS < 8 else 0)
+            _store_codes(codes_ptr, codes, first_out, rows, c0, local, in_block, row_valid,
+                         BLOCK, BITS, PACK, ROWS, COLS, MASK_VALUES)
     _store_scales(scales_ptr, first_out + rows, scales, row_valid, SCALES_F32, MASK_ROWS)
 
 
@@ -521,8 +288,9 @@ def dequantize_reduce_quantize_kernel(
         if MASK_VALUES:
             total = tl.where(in_range, total, 0.0)
         scales = _block_scales(_absmax(total), QMAX_OUT)
-        _store_codes(codes_ptr, _codes(total, scales, QMAX_OUT), first, rows, 0, local,
-                     in_block, row_valid, BLOCK, BITS_OUT, PACK, ROWS, COLS, MASK_VALUES)
+        codes = _codes(total, scales, QMAX_OUT, QMAX_OUT + 1 if BITS_OUT < 8 else 0)
+        _store_codes(codes_ptr, codes, first, rows, 0, local, in_block, row_valid, BLOCK,
+                     BITS_OUT, PACK, ROWS, COLS, MASK_VALUES)
     else:
         # Two passes over the K payloads (see [Note: kernel tiles]): the sums are recomputed,
         # in the same order, so both passes see the same fp32 values.
@@ -547,8 +315,9 @@ def dequantize_reduce_quantize_kernel(
                                UNROLL, ROWS, COLS, MASK_VALUES, MASK_ROWS, SCALES_F32_IN)
             if MASK_VALUES:
                 total = tl.where(in_range, total, 0.0)
-            _store_codes(codes_ptr, _codes(total, scales, QMAX_OUT), first, rows, c0, local,
-                         in_block, row_valid, BLOCK, BITS_OUT, PACK, ROWS, COLS, MASK_VALUES)
+            codes = _codes(total, scales, QMAX_OUT, QMAX_OUT + 1 if BITS_OUT < 8 else 0)
+            _store_codes(codes_ptr, codes, first, rows, c0, local, in_block, row_valid, BLOCK,
+                         BITS_OUT, PACK, ROWS, COLS, MASK_VALUES)
     _store_scales(scales_ptr, first + rows, scales, row_valid, SCALES_F32_OUT, MASK_ROWS)
 
 
@@ -639,7 +408,8 @@ def _prepare(spec: LaunchSpec, nblocks: int, *args, grid: tuple[int, ...] = ()) 
                             _grid(variant, nblocks, grid), args)
 
 
-_layout = cache(reference.payload_layout)
+# typed: payload_layout rejects bools and floats, which equal and hash as ints do.
+_layout = lru_cache(maxsize=None, typed=True)(reference.payload_layout)
 
 
 def _scales_readable_as_words(payloads: Tensor, layout: PayloadLayout) -> bool:
@@ -676,6 +446,7 @@ def _check_pieces(parts: int, numel: int, bits: int, block_size: int) -> Payload
     return piece
 
 
+@cache
 def _even(numel: int, layout: PayloadLayout, bits: int | None = None) -> bool:
     return is_even(numel, layout.block_size,
                    tile_config(layout.block_size, bits if bits is not None else layout.bits))

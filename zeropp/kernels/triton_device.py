@@ -1,0 +1,281 @@
+"""Device functions of the Triton quantization kernels (`zeropp.kernels.triton_kernels`,
+whose module docstring says why each numeric choice keeps them bit-exact with the torch
+reference): loads and stores that drop their masks at compile time, the NaN-keeping absmax,
+scales and codes, packing and unpacking sub-byte codes in registers, the sum over payloads.
+
+Importable without Triton (the functions are then plain, never called).
+"""
+
+from __future__ import annotations
+
+from zeropp.kernels.reference import PRESCALE, PRESCALE_BELOW, code_offset
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # importable without Triton; triton_kernels.is_available() says so
+    triton = None
+    tl = None
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+def _constexpr(value):
+    return tl.constexpr(value) if triton is not None else value
+
+
+# Kernels may only read module globals that are constexpr.
+_NIBBLE_BIAS = _constexpr(code_offset(4))
+_CRUMB_BIAS = _constexpr(code_offset(2))
+# Adding 1.5 * 2**23 to |v| < 2**22 leaves no fraction bits: the sum is rounded half to even
+# to an integer, which its low mantissa bits hold (1.5 * 2**23's are zero). Going back, an
+# integer n < 2**22 ORed into 2**23's bits is the float 2**23 + n: code <-> float without
+# the (quarter-rate) conversion instructions.
+_ROUNDING_MAGIC = _constexpr(1.5 * 2.0**23)
+_FLOAT_BITS_OF_2_POW_23 = _constexpr(0x4B000000)
+_TWO_POW_23 = _constexpr(2.0**23)
+_PRESCALE = _constexpr(PRESCALE)
+_PRESCALE_BELOW = _constexpr(PRESCALE_BELOW)
+
+
+# ---------------------------------------------------------------------------------------------
+# Device functions. MASKED arguments are compile-time: False drops the mask (and with it
+# the mask's arithmetic) from a load or store.
+# ---------------------------------------------------------------------------------------------
+
+
+@_jit
+def _load(pointers, mask, other, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(pointers, mask=mask, other=other)
+    else:
+        return tl.load(pointers)
+
+
+@_jit
+def _store(pointers, values, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(pointers, values, mask=mask)
+    else:
+        tl.store(pointers, values)
+
+
+@_jit
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@_jit
+def _absmax(values):
+    """Per row: the largest magnitude, NaN if the row holds a NaN (inf if an inf)."""
+    return tl.reduce(tl.abs(values), 1, _max_keeping_nan)
+
+
+@_jit
+def _block_scales(absmax, QMAX: tl.constexpr):
+    """absmax / qmax, NaN for a row holding inf or NaN."""
+    scales = tl.div_rn(absmax, tl.zeros_like(absmax) + QMAX)
+    return tl.where((absmax == absmax) & (absmax != float("inf")), scales, float("nan"))
+
+
+@_jit
+def _codes(values, scales, QMAX: tl.constexpr, BIAS: tl.constexpr):
+    """Stored codes of a [ROWS, COLS] tile under its rows' scales, as int32 whose low byte is
+    q + BIAS: q is the value times the reciprocal of the scale, clamped to [-QMAX, QMAX] and
+    rounded half to even (clamping first is the same, QMAX being an integer); 0 where the
+    scale is 0 or NaN. A scale so small that its reciprocal would overflow is prescaled (as
+    the reference). The rounding is the magic addition; BIAS is even, so ties go to the even
+    q as torch.round sends them."""
+    usable = scales > 0.0
+    prescale = tl.where(scales < _PRESCALE_BELOW, _PRESCALE, 1.0)
+    divisor = tl.where(usable, scales * prescale, 1.0)
+    inverse = tl.div_rn(tl.zeros_like(divisor) + 1.0, divisor)
+    scaled = tl.where(usable[:, None], (values * prescale[:, None]) * inverse[:, None], 0.0)
+    clamped = tl.minimum(tl.maximum(scaled, -QMAX), QMAX)
+    return (clamped + (_ROUNDING_MAGIC + BIAS)).to(tl.int32, bitcast=True)
+
+
+@_jit
+def _store_codes(codes_ptr, codes, first, rows, c0, local, in_block, row_valid,
+                 BLOCK: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr,
+                 ROWS: tl.constexpr, COLS: tl.constexpr, MASK_VALUES: tl.constexpr):
+    """Store `_codes`' output (int32 whose low byte is the stored code)."""
+    if BITS == 8:
+        _store(codes_ptr + first * BLOCK + local, codes.to(tl.uint8), in_block, MASK_VALUES)
+    elif PACK and BITS == 4:
+        low, high = tl.split(tl.reshape(codes, [ROWS, COLS // 2, 2]))
+        pair_cols = c0 // 2 + tl.arange(0, COLS // 2)
+        byte_local = rows[:, None] * (BLOCK // 2) + pair_cols[None, :]
+        pair_mask = row_valid[:, None] & (pair_cols[None, :] < BLOCK // 2)
+        packed = (low & 0xF) | ((high & 0xF) << 4)
+        _store(codes_ptr + first * (BLOCK // 2) + byte_local, packed.to(tl.uint8), pair_mask,
+               MASK_VALUES)
+    elif PACK:  # int2, blocks of whole bytes: four codes a byte, as for int4's two
+        # Column 4g + 2i + j of the tile lands at [g, i, j]: split j, then i.
+        even, odd = tl.split(tl.reshape(codes, [ROWS, COLS // 4, 2, 2]))
+        c0_codes, c2_codes = tl.split(even)
+        c1_codes, c3_codes = tl.split(odd)
+        packed = ((c0_codes & 0x3) | ((c1_codes & 0x3) << 2) | ((c2_codes & 0x3) << 4)
+                  | ((c3_codes & 0x3) << 6))
+        quad_cols = c0 // 4 + tl.arange(0, COLS // 4)
+        byte_local = rows[:, None] * (BLOCK // 4) + quad_cols[None, :]
+        quad_mask = row_valid[:, None] & (quad_cols[None, :] < BLOCK // 4)
+        _store(codes_ptr + first * (BLOCK // 4) + byte_local, packed.to(tl.uint8), quad_mask,
+               MASK_VALUES)
+    else:  # blocks not of whole bytes: one code per byte into scratch, packed by the host
+        _store(codes_ptr + first * BLOCK + local, codes.to(tl.uint8), in_block, MASK_VALUES)
+
+
+@_jit
+def _store_scales(scales_ptr, block_index, scales, row_valid, SCALES_F32: tl.constexpr,
+                  MASK_ROWS: tl.constexpr):
+    """Scales of blocks `block_index` into the scale region at `scales_ptr` (a byte pointer):
+    as fp32 words when the region is 4-byte aligned, else byte by byte."""
+    if SCALES_F32:
+        _store(scales_ptr.to(tl.pointer_type(tl.float32)) + block_index, scales, row_valid,
+               MASK_ROWS)
+    else:
+        bits = scales.to(tl.uint32, bitcast=True)
+        base = scales_ptr + block_index * 4
+        _store(base, (bits & 0xFF).to(tl.uint8), row_valid, MASK_ROWS)
+        _store(base + 1, ((bits >> 8) & 0xFF).to(tl.uint8), row_valid, MASK_ROWS)
+        _store(base + 2, ((bits >> 16) & 0xFF).to(tl.uint8), row_valid, MASK_ROWS)
+        _store(base + 3, ((bits >> 24) & 0xFF).to(tl.uint8), row_valid, MASK_ROWS)
+
+
+@_jit
+def _load_scales(scales_ptr, block_index, row_valid, SCALES_F32: tl.constexpr,
+                 MASK_ROWS: tl.constexpr):
+    if SCALES_F32:
+        return _load(scales_ptr.to(tl.pointer_type(tl.float32)) + block_index, row_valid, 0.0,
+                     MASK_ROWS)
+    else:
+        base = scales_ptr + block_index * 4
+        b0 = _load(base, row_valid, 0, MASK_ROWS).to(tl.uint32)
+        b1 = _load(base + 1, row_valid, 0, MASK_ROWS).to(tl.uint32)
+        b2 = _load(base + 2, row_valid, 0, MASK_ROWS).to(tl.uint32)
+        b3 = _load(base + 3, row_valid, 0, MASK_ROWS).to(tl.uint32)
+        return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
+
+
+@_jit
+def _as_float(stored, BIAS: tl.constexpr):
+    """fp32 value of stored codes (int32 in [0, 256), q + BIAS): 2**23 + stored as float
+    bits, minus 2**23 + BIAS, both exact."""
+    return (stored | _FLOAT_BITS_OF_2_POW_23).to(tl.float32, bitcast=True) - (_TWO_POW_23 + BIAS)
+
+
+@_jit
+def _load_codes(payload_ptr, first, rows, c0, local, in_block, row_valid,
+                BLOCK: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr,
+                ROWS: tl.constexpr, COLS: tl.constexpr, MASK_VALUES: tl.constexpr):
+    """Signed codes (fp32) of one payload over a [ROWS, COLS] chunk of blocks from block
+    `first` (padding included; masked-off columns read the code of zero)."""
+    if BITS == 8:
+        # One conversion a value (it reads the byte in place): measured faster on an H200
+        # than the byte extraction and magic addition the sub-byte codes take.
+        raw = _load(payload_ptr + first * BLOCK + local, in_block, 0, MASK_VALUES)
+        codes = raw.to(tl.int8, bitcast=True).to(tl.float32)
+    elif UNPACK and BITS == 4:
+        # 16 bytes a thread, split into their two nibbles in registers: even values low.
+        pair_cols = c0 // 2 + tl.arange(0, COLS // 2)
+        byte_local = rows[:, None] * (BLOCK // 2) + pair_cols[None, :]
+        pair_mask = row_valid[:, None] & (pair_cols[None, :] < BLOCK // 2)
+        packed = _load(payload_ptr + first * (BLOCK // 2) + byte_local, pair_mask,
+                       _NIBBLE_BIAS, MASK_VALUES).to(tl.int32)
+        nibbles = tl.reshape(tl.join(packed & 0xF, packed >> 4), [ROWS, COLS])
+        codes = _as_float(nibbles, _NIBBLE_BIAS)
+    elif UNPACK:  # int2, blocks of whole bytes: code i of a byte in bits 2i..2i+1
+        quad_cols = c0 // 4 + tl.arange(0, COLS // 4)
+        byte_local = rows[:, None] * (BLOCK // 4) + quad_cols[None, :]
+        quad_mask = row_valid[:, None] & (quad_cols[None, :] < BLOCK // 4)
+        packed = _load(payload_ptr + first * (BLOCK // 4) + byte_local, quad_mask,
+                       _CRUMB_BIAS, MASK_VALUES).to(tl.int32)
+        # The inverse of _store_codes' splits: [g, i, j] is column 4g + 2i + j.
+        even = tl.join(packed & 0x3, (packed >> 4) & 0x3)
+        odd = tl.join((packed >> 2) & 0x3, packed >> 6)
+        codes = _as_float(tl.reshape(tl.join(even, odd), [ROWS, COLS]), _CRUMB_BIAS)
+    elif BITS == 4:
+        # Blocks not of whole bytes: neighbours read the same byte and pick their nibble by
+        # the global index's parity.
+        base = first * BLOCK
+        index = local + (base & 1).to(tl.int32)
+        packed = tl.load(payload_ptr + base // 2 + index // 2, mask=in_block,
+                         other=_NIBBLE_BIAS)
+        codes = _as_float((packed.to(tl.int32) >> ((index & 1) * 4)) & 0xF, _NIBBLE_BIAS)
+    else:  # int2 blocks not of whole bytes: four neighbours share a byte
+        base = first * BLOCK
+        index = local + (base & 3).to(tl.int32)
+        packed = tl.load(payload_ptr + base // 4 + index // 4, mask=in_block,
+                         other=_CRUMB_BIAS)
+        codes = _as_float((packed.to(tl.int32) >> ((index & 3) * 2)) & 0x3, _CRUMB_BIAS)
+    return codes
+
+
+@_jit
+def _add_payload(total, payload, data_nbytes, first, rows, c0, local, in_block, row_valid,
+                 BLOCK: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr,
+                 ROWS: tl.constexpr, COLS: tl.constexpr, MASK_VALUES: tl.constexpr,
+                 MASK_ROWS: tl.constexpr, SCALES_F32: tl.constexpr):
+    scales = _load_scales(payload + data_nbytes, first + rows, row_valid, SCALES_F32,
+                          MASK_ROWS)
+    codes = _load_codes(payload, first, rows, c0, local, in_block, row_valid, BLOCK, BITS,
+                        UNPACK, ROWS, COLS, MASK_VALUES)
+    return total + codes * scales[:, None]
+
+
+@_jit
+def _sum_chunk(payload_ptr, payload_stride, data_nbytes, first, rows, c0, local, in_block,
+               row_valid, BLOCK: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr,
+               K: tl.constexpr, UNROLL: tl.constexpr, ROWS: tl.constexpr,
+               COLS: tl.constexpr, MASK_VALUES: tl.constexpr, MASK_ROWS: tl.constexpr,
+               SCALES_F32: tl.constexpr):
+    """fp32 sum over the K payloads of one chunk, from zero, in payload order. UNROLL
+    payloads at a time are unrolled, so their loads are in flight together."""
+    total = tl.zeros([ROWS, COLS], dtype=tl.float32)
+    for group in range(K // UNROLL):
+        for i in tl.static_range(UNROLL):
+            payload = payload_ptr + (group * UNROLL + i) * payload_stride
+            total = _add_payload(total, payload, data_nbytes, first, rows, c0, local,
+                                 in_block, row_valid, BLOCK, BITS, UNPACK, ROWS, COLS,
+                                 MASK_VALUES, MASK_ROWS, SCALES_F32)
+    for i in tl.static_range(K % UNROLL):
+        payload = payload_ptr + ((K // UNROLL) * UNROLL + i) * payload_stride
+        total = _add_payload(total, payload, data_nbytes, first, rows, c0, local, in_block,
+                             row_valid, BLOCK, BITS, UNPACK, ROWS, COLS, MASK_VALUES,
+                             MASK_ROWS, SCALES_F32)
+    return total
+
+
+@_jit
+def _to_bfloat16_rtne(values):
+    """fp32 -> bf16 rounded to nearest-even, NaN -> 0x7FC0, exactly as torch converts."""
+    bits = values.to(tl.uint32, bitcast=True)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    rounded = tl.where(values != values, 0x7FC0, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@_jit
+def _store_values(out_ptr, values, mask, MASKED: tl.constexpr):
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        _store(out_ptr, _to_bfloat16_rtne(values), mask, MASKED)
+    else:
+        _store(out_ptr, values.to(out_ptr.dtype.element_ty), mask, MASKED)
+
+
+@_jit
+def _tile(first, c0, nblocks, numel, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+          COLS: tl.constexpr):
+    """Rows and offsets (int32, from the program's first value) of columns c0..c0+COLS of
+    the program's blocks; which rows are blocks, which columns lie in a block and which
+    values lie in the tensor."""
+    rows = tl.arange(0, ROWS)
+    cols = c0 + tl.arange(0, COLS)
+    local = rows[:, None] * BLOCK + cols[None, :]
+    row_valid = first + rows < nblocks
+    in_block = row_valid[:, None] & (cols[None, :] < BLOCK)
+    left = tl.minimum(numel - first * BLOCK, ROWS * BLOCK).to(tl.int32)
+    return rows, local, row_valid, in_block, in_block & (local < left)
