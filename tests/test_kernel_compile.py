@@ -1,10 +1,11 @@
 """The Triton kernels compiled for real GPUs (sm_70, sm_80, sm_90) without a GPU: no
-variant spills, and at the default block size every kernel keeps >= 50% occupancy.
+variant spills, and at the default block size every kernel keeps >= 25% occupancy.
 
 The interpreter tests (test_kernels.py) check results only; these check what a GPU would
 run. Needs Triton with its bundled ptxas, not a GPU. Every variant is compiled once, in two
-worker processes, and the results are shared by the tests (48 variants an arch; about 25 s
-on 2 cores with an empty Triton cache, under 10 s with a warm one).
+worker processes, and the results are shared by the tests (144 variants an arch: the block
+size is a compile-time constant, so each block size is its own variant, and the default
+one also has its unmasked variants).
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import pytest
 from zeropp.kernels import compile_check
 from zeropp.kernels.compile_check import ARCHS, REQUIRED_ARCHS, KernelResources
 
-# The smallest block (odd: the int4 scratch path too), the default, and the largest.
-# 2, 7, 64 and 2048 are in the bench table; they add compile time and no kernel shape
-# these do not already cover (2048 and 16384 are the same two-pass variant).
+# The smallest block (odd: the int4 scratch path too), the default (masked and unmasked),
+# and the largest (two passes). 2, 7, 64 and 2048 are in the bench table; they add compile
+# time and no kernel shape these do not already cover.
 SUITE_BLOCK_SIZES = (1, 256, 16384)
 DEFAULT_BLOCK_SIZE = 256
-MAX_REGISTERS_AT_DEFAULT = 64  # 4 warps a program: 8 programs, 50% occupancy
+# 4 warps a program move 16 bytes a thread of every code stream ([Note: kernel tiles]): the
+# reductions hold 32 values a thread and every payload's codes in flight. At 128 registers
+# 4 programs fit an SM (25% occupancy), with 8 payloads x 16 bytes a thread in flight.
+MAX_REGISTERS_AT_DEFAULT = 128
 
 _missing = compile_check.ptxas_missing_reason()
 needs_compiler = pytest.mark.skipif(_missing is not None,
@@ -43,7 +47,8 @@ def _describe(variant, result: KernelResources) -> str:
 @pytest.fixture(scope="module")
 def compiled():
     """(variant, KernelResources) for every suite variant on every required arch."""
-    variants = list(compile_check.enumerate_variants(SUITE_BLOCK_SIZES, per_block_size=True))
+    variants = list(compile_check.enumerate_variants(
+        SUITE_BLOCK_SIZES, per_block_size=True, even_block_sizes=(DEFAULT_BLOCK_SIZE,)))
     jobs = [(variant.spec, arch) for variant in variants for arch in REQUIRED_ARCHS]
     results = compile_check.compile_specs(jobs, workers=2)
     pairs = [(variant, arch) for variant in variants for arch in REQUIRED_ARCHS]
@@ -79,11 +84,11 @@ def test_default_block_size_keeps_half_occupancy(compiled):
     assert len(kernels) == 4, kernels
     offenders = [_describe(variant, result) for variant, result in at_default
                  if result.error is not None or result.registers > MAX_REGISTERS_AT_DEFAULT
-                 or result.occupancy < 0.5]
+                 or result.occupancy < 0.25]
     if offenders:
         pytest.fail(
             f"{len(offenders)} of {len(at_default)} kernels at block {DEFAULT_BLOCK_SIZE} use "
-            f"more than {MAX_REGISTERS_AT_DEFAULT} registers a thread (under 50% occupancy):\n  "
+            f"more than {MAX_REGISTERS_AT_DEFAULT} registers a thread (under 25% occupancy):\n  "
             + "\n  ".join(offenders), pytrace=False)
 
 
@@ -153,14 +158,17 @@ def test_bench_table_and_json(tmp_path, capsys):
     lines = text.splitlines()
     header = lines.index("| kernel | dtype | bits | block | ROWS x COLS / warps | sm_80 |")
     rows = [line for line in lines[header + 2:] if line.startswith("|")]
-    variants = list(compile_check.enumerate_variants([256], per_block_size=True))
+    variants = list(compile_check.enumerate_variants([256], per_block_size=True,
+                                                     even_block_sizes=[256]))
     # Per width (8, 4, 2): quantize and dequantize per dtype (3 + 3), the reduction into
-    # fp32 and into each 16-bit dtype (1 + 2), and the requantization to each width (3).
-    assert len(rows) == len(variants) == 3 * (3 + 3 + 1 + 2 + 3)
+    # fp32 and into each 16-bit dtype (1 + 2), and the requantization to each width (3);
+    # masked and unmasked.
+    assert len(rows) == len(variants) == 2 * 3 * (3 + 3 + 1 + 2 + 3)
     for row, variant in zip(rows, variants, strict=True):
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         assert cells[:4] == [variant.spec.kernel, variant.dtype, str(variant.bits), "256"]
-        assert re.fullmatch(r"\d+ x \d+ / \d+", cells[4])
+        unmasked = not (variant.spec.constants["MASK_ROWS"] or variant.spec.constants["MASK_VALUES"])
+        assert re.fullmatch(r"\d+ x \d+ / \d+" + (", unmasked" if unmasked else ""), cells[4])
         assert re.fullmatch(r"(\*\*)?\d+ / \d+\+\d+ / [\d.]+%(\*\*)?", cells[5]), cells[5]
 
     record = json.loads(out.with_suffix(".json").read_text())
@@ -177,7 +185,8 @@ def test_bench_marks_an_unsupported_arch():
     from scripts.bench import kernel_registers
     from zeropp.kernels.triton_kernels import LaunchSpec
 
-    spec = LaunchSpec("quantize_kernel", {"x_ptr": "*fp32"}, {"ROWS": 4, "COLS": 256}, 4, "q")
+    spec = LaunchSpec("quantize_kernel", {"x_ptr": "*fp32"},
+                      {"ROWS": 4, "COLS": 256, "MASK_ROWS": True, "MASK_VALUES": True}, 4, "q")
     variant = compile_check.Variant("fp32", 8, 256, spec)
     done = KernelResources("sm_90", spec.kernel, "q", spec.constants, 4, registers=40,
                            spill_store_bytes=8, spill_load_bytes=8, shared_bytes=0,

@@ -35,6 +35,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--block-sizes", type=int, nargs="+",
                         default=list(compile_check.DEFAULT_BLOCK_SIZES))
+    parser.add_argument("--even-block-sizes", type=int, nargs="*", default=[256],
+                        help="block sizes whose unmasked variants (launches that fill every "
+                        "tile) are listed too")
     parser.add_argument("--archs", nargs="+", choices=list(compile_check.ARCHS),
                         default=list(DEFAULT_ARCHS))
     parser.add_argument("--workers", type=int, default=2, help="compiler processes")
@@ -68,7 +71,8 @@ def unsupported_archs(results: dict[str, list[KernelResources]]) -> dict[str, st
 
 def _tile(variant: Variant) -> str:
     constants = variant.spec.constants
-    return f"{constants['ROWS']} x {constants['COLS']} / {variant.spec.num_warps}"
+    masks = "" if constants["MASK_VALUES"] or constants["MASK_ROWS"] else ", unmasked"
+    return f"{constants['ROWS']} x {constants['COLS']} / {variant.spec.num_warps}{masks}"
 
 
 def _cell(result: KernelResources) -> str:
@@ -119,8 +123,10 @@ def markdown(command: str, note: str | None, variants: list[Variant], archs: lis
         "",
         "Each arch cell: registers a thread / spill store+load bytes / theoretical occupancy "
         "(active warps over the SM's 64, from registers, warps and shared memory). **bold**: "
-        "spills. ROWS x COLS / warps is the program's tile; dtype `any`: the kernel only "
-        "reads and writes payloads. sm_90 and later are compiled as sm_90a etc., as Triton does.",
+        "spills. ROWS x COLS / warps is the program's tile (unmasked: the variant for "
+        "launches that fill every tile); dtype `any`: the kernel only reads and writes "
+        "payloads. Reductions are over 8 payloads (K = 8). sm_90 and later are compiled as "
+        "sm_90a etc., as Triton does.",
         "",
         *_summary(archs, results, unsupported),
         "",
@@ -181,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {reason}", file=sys.stderr)
         return 2
     command = shlex.join(["python", "-m", MODULE, *(sys.argv[1:] if argv is None else argv)])
-    variants = list(compile_check.enumerate_variants(args.block_sizes, per_block_size=True))
+    variants = list(compile_check.enumerate_variants(
+        args.block_sizes, per_block_size=True,
+        even_block_sizes=[size for size in args.even_block_sizes if size in args.block_sizes]))
     started = time.perf_counter()
     results = measure(variants, args.archs, args.workers)
     print(f"compiled {len(variants)} variants for {len(args.archs)} archs in "

@@ -9,7 +9,9 @@ two are bit-identical (see `reference` for the payload layout and the numeric co
 `ZEROPP_KERNELS=reference|triton` forces one backend, read at every call.
 
 The Triton module is imported only when a call selects it, so CPU-only runs never import
-Triton.
+Triton. Its launches go through a cached compiled kernel's launcher with the raw CUDA stream
+(`launcher`), and `prepare_kernels` compiles the variants an engine will launch ahead of
+its first step.
 """
 
 from __future__ import annotations

@@ -119,21 +119,28 @@ def spec_key(spec: LaunchSpec) -> tuple:
 
 
 def enumerate_variants(block_sizes: Iterable[int] = DEFAULT_BLOCK_SIZES,
-                       per_block_size: bool = False) -> Iterator[Variant]:
-    """Every distinct kernel variant the host launches at these block sizes, ordered by
-    kernel, bits, dtype, block size. A variant is listed once, at the first block size and
-    dtype that launches it: "any" when every dtype does (the qgZ kernels), and blocks
-    larger than a tile share one variant (block_size is a runtime argument), unless
-    `per_block_size` lists it again at each block size (for tables; compiles are cached)."""
+                       per_block_size: bool = False,
+                       even_block_sizes: Iterable[int] = ()) -> Iterator[Variant]:
+    """Every distinct kernel variant the host launches at these block sizes (the masked
+    variants; at `even_block_sizes` also the unmasked ones that launches filling every
+    tile take), ordered by kernel, bits, dtype, block size. A variant is listed once, at
+    the first block size and dtype that launches it: "any" when every dtype does (the qgZ
+    kernels), unless `per_block_size` lists it again at each block size (for tables;
+    compiles are cached). The block size is a compile-time constant: every block size is
+    its own variant."""
     first_seen: dict[tuple, Variant] = {}
     dtypes_seen: dict[tuple, set[str]] = {}
     position: dict[str, int] = {}  # kernel -> its place in launch_specs' list
-    for block_size in block_sizes:
+    even_block_sizes = set(even_block_sizes)
+    runs = [(block_size, False) for block_size in block_sizes]
+    runs += [(block_size, True) for block_size in block_sizes if block_size in even_block_sizes]
+    for block_size, even in runs:
         for bits in BITS:
             for dtype_name, dtype in DTYPES.items():
-                for index, spec in enumerate(triton_kernels.launch_specs(block_size, bits, dtype)):
+                for index, spec in enumerate(triton_kernels.launch_specs(block_size, bits, dtype,
+                                                                         even=even)):
                     position.setdefault(spec.kernel, index)
-                    key = spec_key(spec) + ((block_size,) if per_block_size else ())
+                    key = spec_key(spec) + ((block_size, even) if per_block_size else ())
                     first_seen.setdefault(key, Variant(dtype_name, bits, block_size, spec))
                     dtypes_seen.setdefault(key, set()).add(dtype_name)
     variants = [variant._replace(dtype="any") if len(dtypes_seen[key]) == len(DTYPES) else variant

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
+from functools import cache
 
 import torch
 
@@ -54,6 +55,13 @@ def argument_key(args: Sequence) -> tuple:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@cache
+def _runtime_knobs():
+    from triton import knobs
+
+    return knobs.runtime
 
 
 def _is_hook(hook) -> bool:
@@ -125,9 +133,7 @@ class KernelLauncher:
     def _hooked() -> bool:
         """Whether a launch hook is installed (Triton 3.6+ keeps them in HookChains, which
         are never None: an empty chain is no hook)."""
-        from triton import knobs
-
-        runtime = knobs.runtime
+        runtime = _runtime_knobs()
         return _is_hook(runtime.launch_enter_hook) or _is_hook(runtime.launch_exit_hook)
 
     # ---- launching --------------------------------------------------------------------------
