@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_checkpointing_args(parser.add_argument_group("checkpointing"))
     _add_distributed_args(parser.add_argument_group("distributed/ZeRO"))
     _add_logging_args(parser.add_argument_group("logging"))
+    _add_watchdog_args(parser.add_argument_group(
+        "hang watchdog", "[Note: hang watchdog] in megatron_lite/watchdog.py"))
     _add_dry_run_args(parser.add_argument_group("dry run (with --dry-run)"))
     return parser
 
@@ -343,6 +345,33 @@ def _add_logging_args(group: argparse._ArgumentGroup) -> None:
                        help="Accepted, no effect (see --profile).")
     group.add_argument("--profile-step-end", type=int, default=12,
                        help="Accepted, no effect (see --profile).")
+
+
+def _add_watchdog_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--no-watchdog", dest="watchdog", action="store_false",
+                       help="Run no hang watchdog: a hung rank then ends the job only at "
+                       "--distributed-timeout-minutes.")
+    group.add_argument("--hang-timeout", type=float, default=10.0, metavar="S",
+                       help="Floor of the hang timeout once the first iterations are done: a "
+                       "rank silent or stalled longer than max(S, k x the longest iteration) "
+                       "is declared hung, its flight recorder dumped and the job ended for "
+                       "the supervisor to restart (default 10; at least 3 heartbeats).")
+    group.add_argument("--hang-timeout-factor", type=float, default=10.0, metavar="K",
+                       help="k of the hang timeout (default 10: a step 5x slower than the "
+                       "slowest one seen is no hang).")
+    group.add_argument("--hang-startup-timeout", type=float, default=300.0, metavar="S",
+                       help="Hang timeout of the first iterations (compiles, communicator "
+                       "set-up) (default 300).")
+    group.add_argument("--hang-startup-iterations", type=int, default=2, metavar="N",
+                       help="Iterations that get --hang-startup-timeout (default 2).")
+    group.add_argument("--hang-checkpoint-timeout", type=float, default=600.0, metavar="S",
+                       help="Hang timeout of a checkpoint save or load, or k x the longest "
+                       "one seen if longer (default 600).")
+    group.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="S",
+                       help="Seconds between a rank's heartbeats in the rendezvous store "
+                       "(default 1).")
+    group.add_argument("--flight-recorder-size", type=int, default=2048, metavar="N",
+                       help="Collectives each rank keeps for its hang dump (default 2048).")
 
 
 def _add_dry_run_args(group: argparse._ArgumentGroup) -> None:

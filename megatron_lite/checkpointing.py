@@ -10,11 +10,15 @@ It also owns the run's stop conditions that involve every rank: SIGTERM from a s
 (``--exit-signal-handler``), a time budget (``--exit-duration-in-mins``) and a loss that
 stays non-finite (``--exit-on-nan``). They are agreed with one small all-reduce per
 iteration (MAX of the flags, as Megatron does), so all ranks stop at the same boundary.
+A hung rank is the watchdog's ([Note: hang watchdog] in megatron_lite/watchdog.py): the run
+control holds it, runs it while training (``watching``) and gives checkpoint saves and loads
+their own budget.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import signal
 import sys
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_lite.watchdog import Watchdog, WatchdogConfig
 from zeropp.checkpoint import CheckpointError, CheckpointStorageError, client_state
 
 
@@ -96,6 +101,27 @@ class RunControl:
         self.out_of_time: str | None = None  # why the run stopped with no time to evaluate
         if config.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._on_sigterm)
+        # The arguments of the program carry the watchdog's flags; a run control built by
+        # hand without them runs none.
+        watchdog_config = WatchdogConfig.from_arguments(self.run_arguments)
+        self.watchdog = Watchdog(watchdog_config) if watchdog_config is not None else None
+
+    @contextlib.contextmanager
+    def watching(self):
+        """The watchdog runs while training does ([Note: hang watchdog])."""
+        if self.watchdog is None:
+            yield
+            return
+        self.watchdog.start()
+        try:
+            yield
+        finally:
+            self.watchdog.stop()
+
+    def _budgeted(self, name: str):
+        """A checkpoint save or load: the watchdog's longer budget while it runs."""
+        return self.watchdog.section(name) if self.watchdog is not None \
+            else contextlib.nullcontext()
 
     def _on_sigterm(self, signum, frame) -> None:
         # Only a flag: saving happens at the next iteration boundary, on every rank at once.
@@ -115,6 +141,10 @@ class RunControl:
         # The client state is memory-mapped, so this reads no weights.
         # Every file of the checkpoint is verified first; a latest one that fails falls back
         # to the newest that verifies ([Note: checkpoint checksums]), unless refused.
+        with self._budgeted("load"):
+            self._resume(trainer)
+
+    def _resume(self, trainer) -> None:
         tag = self.engine.checkpoint_to_load(
             self.config.load, fallback=not self.config.no_load_fallback, log=trainer.log)
         try:
@@ -182,9 +212,10 @@ class RunControl:
         asynchronous = self.config.async_save
         try:
             # Without --async-save, called as DeepSpeed's engine takes it (no such keyword).
-            path = self.engine.save_checkpoint(
-                self.config.save, tag=checkpoint_tag(trainer.iteration), client_state=client,
-                **({"async_save": True} if asynchronous else {}))
+            with self._budgeted("save"):
+                path = self.engine.save_checkpoint(
+                    self.config.save, tag=checkpoint_tag(trainer.iteration),
+                    client_state=client, **({"async_save": True} if asynchronous else {}))
         except CheckpointError as error:  # raised on every rank alike
             self._failed(trainer, trainer.iteration, error)
             return
@@ -204,7 +235,8 @@ class RunControl:
         if iteration is None:
             return
         try:
-            path = self.engine.finish_checkpoint(wait=wait)
+            with self._budgeted("save") if wait else contextlib.nullcontext():
+                path = self.engine.finish_checkpoint(wait=wait)
         except CheckpointError as error:  # raised on every rank alike
             self._saving_iteration = None
             self._failed(trainer, iteration, error)

@@ -16,11 +16,18 @@ config: exit status 2, or the program's own note in the file named by
 on through the environment). Ctrl-C (or SIGTERM) stops the job and the supervisor. torch's
 elastic restarts (``torchrun --max-restarts``) are not used: on gloo the restarted workers
 fail to reconnect.
+
+A hang is restarted like any failure: the program's watchdog ([Note: hang watchdog] in
+megatron_lite/watchdog.py) ends every rank it can with status 75 and notes the verdict in the
+same file, which the restart's log line quotes (which rank hung, where, at which iteration).
+Each run sees its attempt number in ``ZEROPP_SUPERVISE_ATTEMPT`` (0 for the first), so a
+fault injected for a test fires once, not again on the relaunch.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -31,8 +38,10 @@ import time
 from pathlib import Path
 
 STATUS_ENV = "ZEROPP_SUPERVISE_STATUS"
+ATTEMPT_ENV = "ZEROPP_SUPERVISE_ATTEMPT"
 USAGE_STATUS = 2
 USAGE_NOTE = "usage"
+HANG_NOTE = "hang: "
 
 
 def note_usage_error() -> None:
@@ -43,6 +52,15 @@ def note_usage_error() -> None:
             Path(path).write_text(USAGE_NOTE)
         except OSError:
             pass  # the exit status still says it
+
+
+def note_hang(verdict: str) -> None:
+    """Called by the watchdog of every rank that ends on a hang: the restart's log line
+    quotes the verdict (the same on every rank, whichever writes last)."""
+    path = os.environ.get(STATUS_ENV)
+    if path:
+        with contextlib.suppress(OSError):
+            Path(path).write_text(HANG_NOTE + verdict)
 
 
 def flag_values(command: list[str], flag: str) -> list[str]:
@@ -77,10 +95,10 @@ def resume_point(root: Path) -> str:
     return f"iteration {int(match.group(1))} ({tag})" if match else tag
 
 
-def run_once(command: list[str], status_file: Path) -> int:
+def run_once(command: list[str], status_file: Path, attempt: int = 0) -> int:
     """The command's exit status; Ctrl-C or SIGTERM stop it and raise KeyboardInterrupt."""
     status_file.write_text("")
-    env = {**os.environ, STATUS_ENV: str(status_file)}
+    env = {**os.environ, STATUS_ENV: str(status_file), ATTEMPT_ENV: str(attempt)}
     process = subprocess.Popen(command, env=env, start_new_session=True)
 
     def stop(signum, frame):
@@ -112,17 +130,19 @@ def supervise(command: list[str], restarts: int, backoff: float, log=print) -> i
         status_file = Path(scratch) / "status"
         attempt = 0
         while True:
-            status = run_once(command, status_file)
+            status = run_once(command, status_file, attempt)
             if status == 0:
                 return 0
-            if status == USAGE_STATUS or status_file.read_text().strip() == USAGE_NOTE:
+            note = status_file.read_text().strip()
+            if status == USAGE_STATUS or note == USAGE_NOTE:
                 log(f"supervise: exit status {status}, a usage error: not restarting")
                 return status
             if attempt == restarts:
                 log(f"supervise: exit status {status}; no restarts left ({restarts} used)")
                 return status
             attempt += 1
-            log(f"supervise: exit status {status}; restart {attempt} of {restarts} in "
+            why = f" ({note})" if note.startswith(HANG_NOTE) else ""
+            log(f"supervise: exit status {status}{why}; restart {attempt} of {restarts} in "
                 f"{backoff:g} s, from {resume_point(root)}")
             time.sleep(backoff)
 

@@ -23,6 +23,7 @@ interface (``TrainingEngine``) and uses ``torch.distributed`` only to average lo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import resource
@@ -246,6 +247,8 @@ class Trainer:
     ) -> None:
         self.config = config
         self.run_control = run_control
+        # [Note: hang watchdog]: marks at step boundaries, the straggler report at the log.
+        self.watchdog = run_control.watchdog if run_control is not None else None
         self.engine = engine
         self.lr_scheduler = lr_scheduler
         self.train_loader_factory = train_loader_factory
@@ -298,7 +301,11 @@ class Trainer:
         self.engine.comm_bytes(reset=True)  # materializing the model is not training traffic
         self.timers("interval-time").start()
         while self.iteration < config.train_iters:
+            if self.watchdog is not None:
+                self.watchdog.step_started(self.iteration + 1)
             loss, applied = self.train_step(batches)
+            if self.watchdog is not None:
+                self.watchdog.step_finished(self.iteration)
             self._interval.add_iteration(loss, applied)
             if self.iteration % config.log_interval == 0:
                 self._log_interval()
@@ -483,6 +490,8 @@ class Trainer:
             _STEP_TIMERS if self._graphed_iteration is None else _GRAPHED_STEP_TIMERS,
             normalizer=iterations)
         metrics = self._interval_metrics(interval, mean_loss, seconds, read)
+        stragglers = self.watchdog.stragglers(self.device) if self.watchdog is not None else None
+        metrics.update(stragglers or {})
         if self.is_logging_rank:
             print(self._log_line(metrics), flush=True)
             print(step_times, flush=True)
@@ -540,7 +549,7 @@ class Trainer:
             tokens_per_sec_per_gpu=metrics["tokens_per_sec"],
             tflops_per_gpu=metrics["tflops_per_gpu"],
             extra={"comm inter-node MB/iter": round(
-                metrics["comm_inter_node_mb_per_iteration"], 3)},
+                metrics["comm_inter_node_mb_per_iteration"], 3), **slowest_rank(metrics)},
         )
 
     def log(self, text: str) -> None:
@@ -575,6 +584,15 @@ class Trainer:
             setattr(self, key, int(state[key]))
 
 
+def slowest_rank(metrics: dict[str, Any]) -> dict[str, str]:
+    """The straggler report's field of the log line (``Watchdog.stragglers``), if any."""
+    if "straggler_rank" not in metrics:
+        return {}
+    slowest, median = metrics["straggler_ms_per_iteration"], metrics["median_rank_ms_per_iteration"]
+    return {"slowest rank": f"{metrics['straggler_rank']} ({slowest:.1f} ms/iter, "
+                            f"{slowest / max(median, 1e-9):.2f}x median)"}
+
+
 def pretrain(
     config: LoopConfig,
     engine: TrainingEngine,
@@ -595,12 +613,14 @@ def pretrain(
     """
     trainer = Trainer(config, engine, lr_scheduler, model_config, train_loader_factory,
                       valid_loader_factory, metrics_writer, device, loss_fn, run_control)
-    trainer.train()
-    out_of_time = run_control.out_of_time if run_control is not None else None
-    return TrainingSummary(
-        iterations=trainer.iteration,
-        consumed_samples=trainer.consumed_samples,
-        skipped_iterations=trainer.skipped_iterations,
-        final_valid_loss=None if out_of_time else trainer.evaluate_validation(),
-        stop_reason=out_of_time,
-    )
+    watching = run_control.watching() if run_control is not None else contextlib.nullcontext()
+    with watching:
+        trainer.train()
+        out_of_time = run_control.out_of_time if run_control is not None else None
+        return TrainingSummary(
+            iterations=trainer.iteration,
+            consumed_samples=trainer.consumed_samples,
+            skipped_iterations=trainer.skipped_iterations,
+            final_valid_loss=None if out_of_time else trainer.evaluate_validation(),
+            stop_reason=out_of_time,
+        )

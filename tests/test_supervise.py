@@ -1,6 +1,6 @@
-"""megatron_lite.supervise: a job killed mid-run comes back from its latest verified checkpoint
-and ends as an uninterrupted run would; usage errors are not restarted; bad commands are
-refused."""
+"""megatron_lite.supervise: a job with a rank killed or stopped (hung) mid-run comes back from
+its latest verified checkpoint and ends as an uninterrupted run would; usage errors are not
+restarted; bad commands are refused."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -16,61 +15,66 @@ import pytest
 
 from tests.test_pretrain_cli import ROOT, read_metrics
 from tests.test_resilience import data_prefix, train_args  # noqa: F401 (module fixture)
+from zeropp.comm.flight_recorder import read_dumps
 
 SUPERVISE = [sys.executable, "-m", "megatron_lite.supervise"]
 # As tests.test_pretrain_cli.run: one thread, so losses compare bit for bit between runs.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
-# Launches the command it is given and, on its first attempt only, SIGKILLs a training
-# process as soon as the metrics file shows iteration 5 (after the save at 4): the launched
-# program itself, or under torchrun its last rank (a rank lost mid-run).
-KILL_ONCE = textwrap.dedent('''
-    import os, signal, subprocess, sys, time
-    from pathlib import Path
-    marker, metrics, command = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
-    child = subprocess.Popen(command)
-    if marker.exists():
-        sys.exit(child.wait())
-    marker.write_text("killed once")
-    while child.poll() is None:
-        if metrics.exists() and '"iteration": 5,' in metrics.read_text():
-            ranks = subprocess.run(["pgrep", "-f", "-P", str(child.pid), "pretrain_zeropp_gpt"],
-                                   capture_output=True, text=True).stdout.split()
-            os.kill(int(ranks[-1]) if ranks else child.pid, signal.SIGKILL)
-            break
-        time.sleep(0.05)
-    sys.exit(child.wait() or 137)
-''')
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+_references: dict[int, dict[int, float]] = {}
 
 
-@pytest.mark.parametrize("ranks", [1, 2], ids=["one-process", "torchrun-2-ranks"])
-def test_a_killed_job_is_relaunched_and_ends_as_if_uninterrupted(data_prefix, tmp_path, ranks):  # noqa: F811
-    full, metrics, ckpt = tmp_path / "full.jsonl", tmp_path / "run.jsonl", tmp_path / "ckpt"
-    launcher = TORCHRUN if ranks == 2 else [sys.executable]
+def _training(launcher, prefix, tmp_path, *extra):
+    return [*launcher, *train_args(prefix, tmp_path, 8, *extra)[1:]]
 
-    def training(*extra):
-        return [*launcher, *train_args(data_prefix, tmp_path, 8, *extra)[1:]]
 
-    reference = subprocess.run(training("--metrics-file", str(full)), cwd=ROOT, env=ENV,
-                               capture_output=True, text=True, timeout=300)
-    assert reference.returncode == 0, reference.stderr[-2000:]
-    wrapper = tmp_path / "kill_once.py"
-    wrapper.write_text(KILL_ONCE)
-    supervised = training("--metrics-file", str(metrics), "--save", str(ckpt), "--load",
-                          str(ckpt), "--save-interval", "2", "--distributed-timeout-minutes", "1")
-    command = [*SUPERVISE, "--restarts", "2", "--backoff", "0", "--",
-               sys.executable, str(wrapper), str(tmp_path / "marker"), str(metrics), *supervised]
-    result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True,
-                            timeout=300)
+def reference_losses(prefix, tmp_path, ranks):
+    """The uninterrupted run's losses at ``ranks`` ranks (run once per module)."""
+    if ranks not in _references:
+        full = tmp_path / "full.jsonl"
+        launcher = TORCHRUN if ranks == 2 else [sys.executable]
+        result = subprocess.run(_training(launcher, prefix, tmp_path, "--metrics-file",
+                                          str(full)),
+                                cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        _references[ranks] = {r["iteration"]: r["lm_loss"] for r in read_metrics(full)[0]}
+    return _references[ranks]
+
+
+# The fault is injected by the program itself ([Note: hang watchdog]'s ZEROPP_FAULT) right
+# after iteration 5 is done, its save at 4 written and the one at 6 not begun, on the first
+# run only: the relaunch resumes from iteration 4 whatever the machine's load.
+@pytest.mark.parametrize("ranks,fault", [(1, "kill"), (2, "kill"), (2, "stop")],
+                         ids=["one-process-killed", "torchrun-rank-killed",
+                              "torchrun-rank-stopped"])
+def test_a_failed_job_is_relaunched_and_ends_as_if_uninterrupted(data_prefix, tmp_path,  # noqa: F811
+                                                                ranks, fault):
+    expected = reference_losses(data_prefix, tmp_path, ranks)
+    metrics, ckpt = tmp_path / "run.jsonl", tmp_path / "ckpt"
+    victim = ranks - 1
+    # The default --distributed-timeout-minutes (10): a stopped rank is the watchdog's to find.
+    supervised = _training(TORCHRUN if ranks == 2 else [sys.executable], data_prefix, tmp_path,
+                           "--metrics-file", str(metrics), "--save", str(ckpt), "--load",
+                           str(ckpt), "--save-interval", "2", "--hang-timeout", "2",
+                           "--heartbeat-interval", "0.5", "--hang-startup-iterations", "1")
+    command = [*SUPERVISE, "--restarts", "2", "--backoff", "0", "--", *supervised]
+    started = time.monotonic()
+    result = subprocess.run(command, cwd=ROOT, env={**ENV, "ZEROPP_FAULT": f"{victim}:5:{fault}"},
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count(f"fault injected: rank {victim} {fault} after iteration 5") == 1
     restarts = [line for line in result.stderr.splitlines() if line.startswith("supervise:")]
     assert len(restarts) == 1, restarts
-    assert "restart 1 of 2" in restarts[0] and "iteration 4" in restarts[0]
-    expected = {r["iteration"]: r["lm_loss"] for r in read_metrics(full)[0]}
-    records = read_metrics(metrics)[0]
+    assert "restart 1 of 2" in restarts[0] and "from iteration 4" in restarts[0], restarts[0]
+    if fault == "stop":  # named within seconds, not at the 10-minute collective timeout
+        assert f"(hang: rank {victim} hung at iteration 6 (no heartbeat for" in restarts[0]
+        assert time.monotonic() - started < 150
+        dumps = read_dumps(ckpt)
+        assert 0 in dumps and victim not in dumps  # a stopped rank writes nothing
+        assert dumps[0]["verdict"].startswith(f"rank {victim} hung at iteration 6")
     last = {}
-    for record in records:  # the relaunch repeats iteration 5 onwards: keep the last of each
+    for record in read_metrics(metrics)[0]:  # the relaunch repeats iteration 5: keep the last
         last[record["iteration"]] = record["lm_loss"]
     assert sorted(last) == list(range(1, 9))
     assert all(last[i] == expected[i] for i in last), [(i, last[i], expected[i]) for i in last if last[i] != expected[i]]
