@@ -248,12 +248,12 @@ class Watchdog:
 
     def step_started(self, iteration: int) -> None:
         """Before iteration ``iteration``'s step (everything of the previous one is done)."""
-        for fault in self.faults:
-            self._inject(fault, iteration)
         now = time.monotonic()
         self._last_mark = now
-        self._step_started_at = now
+        self._step_started_at = now  # an injected sleep is the step's, as a slow step's is
         self._blocked_at_step_start = self.recorder.blocked_seconds
+        for fault in self.faults:
+            self._inject(fault, iteration)
 
     def step_finished(self, iteration: int) -> None:
         now = time.monotonic()

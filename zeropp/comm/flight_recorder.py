@@ -13,7 +13,8 @@ communicator.
 The engine feeds it from one place, where every collective is launched and waited for
 (``zeropp.comm.streams``): ``issued`` when a collective is launched, ``Record.waiting`` and
 ``Record.finished`` around its wait. With no recorder installed each call costs a global
-read. The watchdog (``megatron_lite.watchdog``) reads ``state()`` from its thread and dumps
+read and two empty calls. On CUDA "finished" is the host's: the compute stream was made to
+wait for the collective's event (NCCL's own recorder also queries the event on the GPU). The watchdog (``megatron_lite.watchdog``) reads ``state()`` from its thread and dumps
 the ring when it declares a hang.
 
     python -m zeropp.comm.flight_recorder DIR   # where the ranks' dumps in DIR diverge
@@ -146,6 +147,22 @@ class FlightRecorder:
 
 # ---- the engine's hook ------------------------------------------------------------------------
 
+
+class _NoRecord:
+    """What a collective carries when no recorder is installed: waiting for it records
+    nothing, and the engine's wait needs no branch."""
+
+    __slots__ = ()
+
+    def waiting(self) -> None:
+        pass
+
+    def finished(self) -> None:
+        pass
+
+
+NO_RECORD = _NoRecord()
+
 _installed: FlightRecorder | None = None
 _kinds: dict[object, str] = {}  # an issuing function's code -> the collective's kind
 _groups: dict[int, str] = {}  # id(process group) -> "ranks 0,1"
@@ -161,13 +178,13 @@ def installed() -> FlightRecorder | None:
     return _installed
 
 
-def issued(lane: str, issue: Callable, keep: tuple) -> Record | None:
+def issued(lane: str, issue: Callable, keep: tuple) -> Record | _NoRecord:
     """Called where the engine launches a collective: ``issue`` is the function that issues
     it (its class names the kind, its ``CommGroup`` the group), ``keep`` the buffers it
-    holds (their bytes are recorded). None when no recorder is installed."""
+    holds (their bytes are recorded). ``NO_RECORD`` when no recorder is installed."""
     recorder = _installed
     if recorder is None:
-        return None
+        return NO_RECORD
     code = getattr(issue, "__code__", None)
     kind = _kinds.get(code)
     if kind is None:
