@@ -371,7 +371,9 @@ class Watchdog:
                                enumerate(self._store.multi_get(keys))}
                     verdict = watch.verdict(records, time.monotonic())
                     if verdict is not None:
-                        self._store.compare_set("verdict", "", verdict)
+                        published = self._store.compare_set("verdict", "", verdict)
+                        if published.decode() == verdict:
+                            self._kill_silent_on_this_host(watch.silent_ranks, records)
                 if self._store.check(["verdict"]):
                     self._act(self._store.get("verdict").decode())
                     return
@@ -396,21 +398,20 @@ class Watchdog:
         except OSError as error:
             self.log(f"watchdog: rank {self.rank} could not write its flight recorder: {error}")
         note_hang(verdict)
-        if self.rank in (0, self.world_size - 1):
-            self._kill_hung_on_this_host()
         sys.stdout.flush()
         sys.stderr.flush()
         self.exit_process(HANG_STATUS)
 
-    def _kill_hung_on_this_host(self) -> None:
-        time.sleep(2 * self.config.heartbeat_interval)  # the hung rank may still dump
+    def _kill_silent_on_this_host(self, silent: list[int], records: dict[int, dict]) -> None:
+        """SIGKILL the silent (stopped) hung ranks that run on this host, before any rank
+        exits: the launcher then tears the job down at once instead of sending SIGTERM,
+        which a stopped process does not take, and waiting out its grace period. A hung
+        rank that still beats exits by itself when it reads the verdict."""
         host = socket.gethostname()
-        for rank in RecordWatch.hung_ranks_of(self.verdict or ""):
-            if rank == self.rank:
-                continue
-            with contextlib.suppress(Exception):
-                record = json.loads(self._store.get(f"rank/{rank}"))
-                if record["host"] == host:
+        for rank in silent:
+            record = records[rank]
+            if rank != self.rank and record.get("host") == host:
+                with contextlib.suppress(OSError):
                     os.kill(int(record["pid"]), signal.SIGKILL)
 
 
@@ -421,6 +422,7 @@ class RecordWatch:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (beat, when it changed)
+        self.silent_ranks: list[int] = []  # the hung ranks of the last verdict that are silent
 
     def verdict(self, records: dict[int, dict[str, Any]], now: float) -> str | None:
         silent = {}
@@ -432,6 +434,7 @@ class RecordWatch:
             silent[rank] = now - changed
         # A thread that beats on through saves and collectives: silence is a stopped process.
         frozen = [r for r in records if silent[r] > records[r]["silence_timeout"]]
+        self.silent_ranks = frozen
         if frozen:
             return self._describe(records, frozen, {
                 r: f"no heartbeat for {silent[r]:.1f} s, timeout "
@@ -465,12 +468,14 @@ class RecordWatch:
             where = f"in a checkpoint {record['section']}" if record["section"] else \
                 f"at iteration {iteration}"
             mine = record.get("open")
+            # A silent rank's record is up to a beat older than its stop: "last seen".
+            seen = "last seen " if why[rank].startswith("no heartbeat") else ""
             if mine:
-                inside = (f"inside collective #{mine['seq']} ({mine['kind']} on "
+                inside = (f"{seen}inside collective #{mine['seq']} ({mine['kind']} on "
                           f"{mine['group']}, {mine['lane']} lane), not finished")
             elif waited:
                 first = min(waited, key=lambda o: o["seq"])
-                inside = (f"it finished collective #{record['issued']} and did not enter "
+                inside = (f"{seen or 'it '}finished collective #{record['issued']} and did not enter "
                           f"#{first['seq']} ({first['kind']} on {first['group']}), which rank"
                           f"{'s' if len(others) > 1 else ''} "
                           f"{', '.join(map(str, others))} wait in")
@@ -478,13 +483,3 @@ class RecordWatch:
                 inside = f"outside any collective, after collective #{record['issued']}"
             parts.append(f"rank {rank} hung {where} ({why[rank]}): {inside}")
         return "; ".join(parts)
-
-    @staticmethod
-    def hung_ranks_of(verdict: str) -> list[int]:
-        """The ranks a verdict names as hung."""
-        ranks = []
-        for part in verdict.split("; "):
-            words = part.split()
-            if len(words) > 2 and words[0] == "rank" and words[2] == "hung":
-                ranks.append(int(words[1]))
-        return ranks

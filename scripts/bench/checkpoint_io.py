@@ -9,8 +9,13 @@ and measures, every rank at once, between barriers:
 - sync save: ``engine.save_checkpoint`` until the checkpoint is published (after one untimed
   save, as in a run, where every save after the first reuses its staging buffers);
 - async save: training blocked (the call, plus any wait of the next optimizer update for the
-  staging copy), and the time until the checkpoint is published, with one training
-  iteration running meanwhile; the mean over ``--async-saves`` saves;
+  staging copy), and the time until the checkpoint is published, with training running
+  meanwhile; the mean over ``--async-saves`` saves;
+- what an async save costs training: the iterations from the save call until the checkpoint
+  is published (as the training loop checks at each iteration boundary) timed against the
+  same number of iterations with no save in flight (the median of ``--baseline-iterations``);
+  the difference is the time training lost, set against a sync save's hold-up (the save
+  itself, during which training waits);
 - load: ``engine.load_checkpoint`` (checksums verified, then the shards restored), with the
   files evicted from the page cache first (the rank's own file is read with ``O_DIRECT``
   anyway; rank 0's, whose small records every rank reads, from the disk too), and how far
@@ -132,7 +137,13 @@ def rank_main(rank: int, world: int, options: argparse.Namespace, results) -> No
     row["load"] = _timed(lambda: engine.load_checkpoint(ckpt, tag="sync"))
     row["load_peak_growth"] = (_rss_bytes("VmHWM") - before_load) if peak_known else -1
 
-    blocked, published, rss = [], [], []
+    iteration_seconds = []  # with no save in flight
+    for _ in range(options.baseline_iterations):
+        start = time.perf_counter()
+        _iteration(engine, rank)
+        iteration_seconds.append(time.perf_counter() - start)
+    baseline = sorted(iteration_seconds)[len(iteration_seconds) // 2]
+    blocked, published, rss, lost, overlapped = [], [], [], [], []
     for index in range(options.async_saves):
         waited = [0.0]
 
@@ -151,14 +162,24 @@ def rank_main(rank: int, world: int, options: argparse.Namespace, results) -> No
         start = time.perf_counter()
         save_async()
         call = time.perf_counter() - start
-        _iteration(engine, rank)  # training goes on while the file is written
-        engine.finish_checkpoint(wait=True)
-        published.append(time.perf_counter() - start)
+        iterations = 0
+        while True:  # training goes on while the file is written, as the loop does
+            _iteration(engine, rank)
+            iterations += 1
+            if engine.finish_checkpoint(wait=False) is not None:
+                break
+        trained = time.perf_counter() - start
+        published.append(trained)
+        lost.append(trained - iterations * baseline)
+        overlapped.append(iterations)
         blocked.append(call + waited[0])
         rss.append(_rss_bytes())
         shutil.rmtree(ckpt / f"async{index}", ignore_errors=True)  # keep the disk use small
     row["async_blocked"] = sum(blocked) / len(blocked)
     row["async_published"] = sum(published) / len(published)
+    row["async_training_lost"] = sum(lost) / len(lost)
+    row["async_overlapped_iterations"] = sum(overlapped) / len(overlapped)
+    row["iteration"] = baseline
 
     dd_file = Path(options.dir) / f"dd_rank{rank}"
     count = -(-shard_bytes // DD_BLOCK)
@@ -197,6 +218,10 @@ def render(rows: list[dict], options: argparse.Namespace) -> str:
         f"| async save: training blocked | {slowest('async_blocked'):.3f} | | "
         f"1/{slowest('sync_save') / slowest('async_blocked'):.0f} of sync save |",
         f"| async save: until published | {slowest('async_published'):.2f} | | |",
+        f"| async save: training lost over the {slowest('async_overlapped_iterations'):.1f} "
+        f"iterations it overlaps ({slowest('iteration'):.2f} s each without a save) | "
+        f"{slowest('async_training_lost'):.2f} | | "
+        f"{slowest('async_training_lost') / slowest('sync_save'):.2f} of sync save |",
         f"| load (verify + restore) | {slowest('load'):.2f} | {rate['load'] / 1e9:.2f} | "
         f"{rate['load'] / dd_rate['dd_read']:.0%} |",
         f"| dd oflag=direct write | {slowest('dd_write'):.2f} | "
@@ -225,11 +250,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="MLP blocks of 33.6M parameters (default 6: 1.1 GiB per rank "
                         "at 2 ranks)")
     parser.add_argument("--async-saves", type=int, default=10)
+    parser.add_argument("--baseline-iterations", type=int, default=5,
+                        help="iterations timed with no save in flight (default 5)")
     parser.add_argument("--dir", default=None,
                         help="where to write (default: a new directory in the temp dir); "
                         "removed at the end")
     options = parser.parse_args(argv)
-    for name in ("ranks", "blocks", "async_saves"):
+    for name in ("ranks", "blocks", "async_saves", "baseline_iterations"):
         if getattr(options, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return options

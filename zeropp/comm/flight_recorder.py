@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -71,8 +70,9 @@ class Record:
 class FlightRecorder:
     """The ring of this rank's last ``capacity`` collectives (see [Note: flight recorder]).
 
-    Written by the training thread, read by the watchdog's: the few fields the watchdog
-    reads are updated under one lock (uncontended: about 0.1 us per collective).
+    Written by the training thread, read by the watchdog's without a lock: each update is
+    one dict or attribute operation, atomic under the GIL, and the reads (``min`` of the
+    open sequence numbers, a copy of the ring) run in C without releasing it.
     """
 
     def __init__(self, capacity: int = 2048) -> None:
@@ -82,7 +82,6 @@ class FlightRecorder:
         self.capacity = capacity
         self._ring: list[Record | None] = [None] * capacity
         self._open: dict[int, Record] = {}  # issued, not finished: seq -> record
-        self._lock = threading.Lock()
         self.issued_count = 0  # the last sequence number issued (1-based)
         self.finished_count = 0
         self.last_activity = time.monotonic()  # the last issue or finish: progress
@@ -90,36 +89,34 @@ class FlightRecorder:
 
     def issue(self, kind: str, group: str, nbytes: int, lane: str) -> Record:
         now = time.monotonic()
-        with self._lock:
-            self.issued_count += 1
-            record = Record(self, self.issued_count, kind, group, nbytes, lane, now)
-            self._ring[record.seq % self.capacity] = record
-            self._open[record.seq] = record
-            self.last_activity = now
+        seq = self.issued_count + 1
+        record = Record(self, seq, kind, group, nbytes, lane, now)
+        self._ring[seq % self.capacity] = record
+        self._open[seq] = record
+        self.issued_count = seq
+        self.last_activity = now
         return record
 
     def _finish(self, record: Record) -> None:
         now = time.monotonic()
-        with self._lock:
-            record.finished_at = now
-            self._open.pop(record.seq, None)
-            self.finished_count += 1
-            self.last_activity = now
-            if record.wait_started is not None:
-                self.blocked_seconds += now - record.wait_started
+        record.finished_at = now
+        self._open.pop(record.seq, None)
+        self.finished_count += 1
+        self.last_activity = now
+        if record.wait_started is not None:
+            self.blocked_seconds += now - record.wait_started
 
     def take_blocked_seconds(self) -> float:
-        """Seconds spent waiting for collectives since the last call."""
-        with self._lock:
-            blocked, self.blocked_seconds = self.blocked_seconds, 0.0
+        """Seconds spent waiting for collectives since the last call (training thread)."""
+        blocked, self.blocked_seconds = self.blocked_seconds, 0.0
         return blocked
 
     def state(self) -> dict[str, Any]:
         """What the watchdog publishes: the last sequence number issued and the oldest
         collective still open (issued and not finished), if any."""
-        with self._lock:
-            oldest = self._open[min(self._open)] if self._open else None
-            issued = self.issued_count
+        issued = self.issued_count
+        open_seqs = list(self._open)  # one C call: no update interleaves
+        oldest = self._open.get(min(open_seqs)) if open_seqs else None
         state: dict[str, Any] = {"issued": issued, "open": None}
         if oldest is not None:
             state["open"] = {"seq": oldest.seq, "kind": oldest.kind, "group": oldest.group,
@@ -128,8 +125,7 @@ class FlightRecorder:
 
     def records(self) -> list[Record]:
         """The ring's records, oldest first."""
-        with self._lock:
-            kept = [r for r in self._ring if r is not None]
+        kept = [r for r in list(self._ring) if r is not None]
         return sorted(kept, key=lambda r: r.seq)
 
     def dump(self, path: Path, **facts: Any) -> Path:
@@ -164,7 +160,9 @@ class _NoRecord:
 NO_RECORD = _NoRecord()
 
 _installed: FlightRecorder | None = None
-_kinds: dict[object, str] = {}  # an issuing function's code -> the collective's kind
+# An issuing function's code -> (the collective's kind, which closure cell holds its
+# CommGroup or None): found once per code object, not per call.
+_launch_sites: dict[object, tuple[str, int | None]] = {}
 _groups: dict[int, str] = {}  # id(process group) -> "ranks 0,1"
 
 
@@ -186,11 +184,15 @@ def issued(lane: str, issue: Callable, keep: tuple) -> Record | _NoRecord:
     if recorder is None:
         return NO_RECORD
     code = getattr(issue, "__code__", None)
-    kind = _kinds.get(code)
-    if kind is None:
-        kind = _kinds[code] = describe_kind(issue)
-    nbytes = sum(t.numel() * t.element_size() for t in keep if hasattr(t, "element_size"))
-    return recorder.issue(kind, describe_group(issue), nbytes, lane)
+    site = _launch_sites.get(code)
+    if site is None:
+        site = _launch_sites[code] = (describe_kind(issue), _group_cell(issue))
+    kind, cell = site
+    group = "?" if cell is None else describe_group(issue.__closure__[cell].cell_contents)
+    nbytes = 0
+    for tensor in keep:
+        nbytes += tensor.nbytes
+    return recorder.issue(kind, group, nbytes, lane)
 
 
 def describe_kind(issue: Callable) -> str:
@@ -200,25 +202,31 @@ def describe_kind(issue: Callable) -> str:
     return parts[0] if parts else "collective"
 
 
-def describe_group(issue: Callable) -> str:
-    """The group of the ``CommGroup`` the issuing function closes over: 'world(4)' for the
-    default group, 'ranks 0,1' for another; '?' where there is none to see."""
-    for cell in getattr(issue, "__closure__", None) or ():
+def _group_cell(issue: Callable) -> int | None:
+    """Which cell of the issuing function's closure holds its ``CommGroup``, if any."""
+    for index, cell in enumerate(getattr(issue, "__closure__", None) or ()):
         try:
             value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
         if hasattr(value, "spans_nodes") and hasattr(value, "size"):
-            if value.group is None:
-                return f"world({value.size})"
-            key = id(value.group)
-            if key not in _groups:
-                import torch.distributed as dist
+            return index
+    return None
 
-                ranks = dist.get_process_group_ranks(value.group)
-                _groups[key] = "ranks " + ",".join(str(r) for r in ranks)
-            return _groups[key]
-    return "?"
+
+def describe_group(group) -> str:
+    """A ``CommGroup`` as the dumps name it: 'world(4)' for the default group, 'ranks 0,1'
+    for another."""
+    if group.group is None:
+        return f"world({group.size})"
+    key = id(group.group)
+    name = _groups.get(key)
+    if name is None:
+        import torch.distributed as dist
+
+        ranks = dist.get_process_group_ranks(group.group)
+        name = _groups[key] = "ranks " + ",".join(str(r) for r in ranks)
+    return name
 
 
 # ---- reading dumps ----------------------------------------------------------------------------
