@@ -7,6 +7,7 @@ reference (on CUDA, or on CPU through Triton's interpreter when Triton is instal
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import math
@@ -440,10 +441,28 @@ def test_triton_module_imports_without_triton(monkeypatch: pytest.MonkeyPatch) -
     path = Path(reference.__file__).with_name("triton_kernels.py")
     spec = importlib.util.spec_from_file_location("_triton_kernels_without_triton", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # Its device functions are imported without Triton too; that copy must not outlive the
+    # test, or later imports of the kernels would find plain functions.
+    with _fresh_modules(TRITON_MODULES):
+        spec.loader.exec_module(module)
     assert not module.is_available()
     with pytest.raises(RuntimeError, match="triton"):
         module.quantize_blockwise(torch.zeros(8), 8, 4)
+
+
+TRITON_MODULES = ("zeropp.kernels.triton_kernels", "zeropp.kernels.triton_device")
+
+
+@contextlib.contextmanager
+def _fresh_modules(names: tuple[str, ...]):
+    """Import `names` afresh inside the block; afterwards the previous imports are back."""
+    saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
+    try:
+        yield
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,13 +478,11 @@ def triton_device():
     if torch.cuda.is_available():
         yield importlib.import_module("zeropp.kernels.triton_kernels"), torch.device("cuda")
         return
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch, _fresh_modules(TRITON_MODULES):
         # Kernels become interpreted when decorated, so (re)import with the variable set.
         patch.setenv("TRITON_INTERPRET", "1")
-        sys.modules.pop("zeropp.kernels.triton_kernels", None)
         module = importlib.import_module("zeropp.kernels.triton_kernels")
         yield module, torch.device("cpu")
-    sys.modules.pop("zeropp.kernels.triton_kernels", None)
 
 
 # Blocks over 1024 values are walked in two passes ([Note: kernel tiles]): whole, partial,
