@@ -296,7 +296,8 @@ class Watchdog:
         config = self.config
         if self.section_name is not None:
             return self._section_budget
-        if self._steps_timed < config.hang_startup_iterations:
+        if self._steps_timed <= config.hang_startup_iterations:
+            # Up to the end of the first step that counts: no iteration measured before it.
             return config.hang_startup_timeout
         return max(config.hang_timeout, config.hang_timeout_factor * self.longest_step)
 
@@ -358,28 +359,34 @@ class Watchdog:
         self._store.set(f"rank/{self.rank}", json.dumps(self._record(beat)))
 
     def _run(self) -> None:
-        judge = self.rank in (0, self.world_size - 1)
         watch = RecordWatch(self.world_size)
         beat = 0
-        keys = [f"rank/{r}" for r in range(self.world_size)]
         try:
             while not self._stopping.wait(self.config.heartbeat_interval):
                 beat += 1
-                self._publish(beat)
-                if judge and self._store.check(keys):
-                    records = {r: json.loads(v) for r, v in
-                               enumerate(self._store.multi_get(keys))}
-                    verdict = watch.verdict(records, time.monotonic())
-                    if verdict is not None:
-                        published = self._store.compare_set("verdict", "", verdict)
-                        if published.decode() == verdict:
-                            self._kill_silent_on_this_host(watch.silent_ranks, records)
-                if self._store.check(["verdict"]):
-                    self._act(self._store.get("verdict").decode())
+                verdict = self.beat(beat, watch)
+                if verdict is not None:
+                    self._act(verdict)
                     return
         except Exception as error:  # the store went away: the job is ending anyway
             if not self._stopping.is_set():
                 self.log(f"watchdog: rank {self.rank} stops watching ({error})")
+
+    def beat(self, beat: int, watch: RecordWatch) -> str | None:
+        """One heartbeat: publish this rank's record; on a judge, read every rank's and
+        publish a verdict if there is one; return the job's verdict, if any."""
+        self._publish(beat)
+        keys = [f"rank/{r}" for r in range(self.world_size)]
+        if self.rank in (0, self.world_size - 1) and self._store.check(keys):
+            records = {r: json.loads(v) for r, v in enumerate(self._store.multi_get(keys))}
+            verdict = watch.verdict(records, time.monotonic())
+            if verdict is not None:
+                published = self._store.compare_set("verdict", "", verdict)
+                if published.decode() == verdict:
+                    self._kill_silent_on_this_host(watch.silent_ranks, records)
+        if self._store.check(["verdict"]):
+            return self._store.get("verdict").decode()
+        return None
 
     def _act(self, verdict: str) -> None:
         """Dump, note, and exit with ``HANG_STATUS`` (see [Note: hang watchdog])."""
