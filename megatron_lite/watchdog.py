@@ -55,7 +55,13 @@ import torch.distributed as dist
 from megatron_lite.arguments_model import ArgumentError
 from megatron_lite.supervise import note_hang
 from zeropp.comm import flight_recorder
-from zeropp.comm.flight_recorder import FlightRecorder, dump_name
+from zeropp.comm.flight_recorder import (
+    DUMP_PATTERN,
+    FlightRecorder,
+    divergence,
+    dump_name,
+    read_dumps,
+)
 
 HANG_STATUS = 75  # EX_TEMPFAIL: the supervisor restarts on it (any status but a usage error)
 FAULT_ENV = "ZEROPP_FAULT"  # "RANK:ITERATION:KIND[:SECONDS[:COUNT]]", ';'-separated (Fault)
@@ -212,6 +218,8 @@ class Watchdog:
         self._stopping = threading.Event()
         self._store: dist.Store | None = None
         self.verdict: str | None = None
+        # Set on the judge that published the verdict: (silent ranks, their records).
+        self._silent_to_kill: tuple[list[int], dict[int, dict]] | None = None
 
     # ---- lifetime --------------------------------------------------------------------------
 
@@ -382,8 +390,9 @@ class Watchdog:
             verdict = watch.verdict(records, time.monotonic())
             if verdict is not None:
                 published = self._store.compare_set("verdict", "", verdict)
-                if published.decode() == verdict:
-                    self._kill_silent_on_this_host(watch.silent_ranks, records)
+                if published.decode() == verdict:  # this judge's: it ends the silent ranks
+                    self._silent_to_kill = (watch.silent_ranks, records)
+                    self.log(f"watchdog: {verdict}")
         if self._store.check(["verdict"]):
             return self._store.get("verdict").decode()
         return None
@@ -391,8 +400,6 @@ class Watchdog:
     def _act(self, verdict: str) -> None:
         """Dump, note, and exit with ``HANG_STATUS`` (see [Note: hang watchdog])."""
         self.verdict = verdict
-        if self.rank in (0, self.world_size - 1):
-            self.log(f"watchdog: {verdict}")
         where = Path(self.config.save) if self.config.save else Path.cwd()
         try:
             path = self.recorder.dump(where / dump_name(self.rank), rank=self.rank,
@@ -405,15 +412,33 @@ class Watchdog:
         except OSError as error:
             self.log(f"watchdog: rank {self.rank} could not write its flight recorder: {error}")
         note_hang(verdict)
+        self._end_together()
         sys.stdout.flush()
         sys.stderr.flush()
         self.exit_process(HANG_STATUS)
 
+    def _end_together(self) -> None:
+        """The first rank to exit makes the launcher end the others (torchrun: SIGTERM), so
+        every live rank dumps before any exits, and the silent ranks are SIGKILLed before
+        any exits (a stopped process does not take SIGTERM, and torchrun would wait out its
+        30 s grace on it); each step bounded by a few beats."""
+        deadline = time.monotonic() + 5 * self.config.heartbeat_interval
+        with contextlib.suppress(Exception):
+            self._store.add("dumped", 1)
+            if self._silent_to_kill is not None:
+                silent, records = self._silent_to_kill
+                live = self.world_size - len(silent)
+                while self._store.add("dumped", 0) < live and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                self._kill_silent_on_this_host(silent, records)
+                self._store.set("ended", "1")
+            else:
+                while not self._store.check(["ended"]) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+
     def _kill_silent_on_this_host(self, silent: list[int], records: dict[int, dict]) -> None:
-        """SIGKILL the silent (stopped) hung ranks that run on this host, before any rank
-        exits: the launcher then tears the job down at once instead of sending SIGTERM,
-        which a stopped process does not take, and waiting out its grace period. A hung
-        rank that still beats exits by itself when it reads the verdict."""
+        """SIGKILL the silent (stopped) hung ranks that run on this host. A hung rank that
+        still beats exits by itself when it reads the verdict."""
         host = socket.gethostname()
         for rank in silent:
             record = records[rank]
@@ -475,8 +500,11 @@ class RecordWatch:
             where = f"in a checkpoint {record['section']}" if record["section"] else \
                 f"at iteration {iteration}"
             mine = record.get("open")
-            # A silent rank's record is up to a beat older than its stop: "last seen".
+            # A silent rank's record is up to a beat older than its stop: "last seen", and
+            # the iteration is the one its live peers are held in.
             seen = "last seen " if why[rank].startswith("no heartbeat") else ""
+            if seen:
+                where = f"at iteration {iteration}"
             if mine:
                 inside = (f"{seen}inside collective #{mine['seq']} ({mine['kind']} on "
                           f"{mine['group']}, {mine['lane']} lane), not finished")
@@ -490,3 +518,30 @@ class RecordWatch:
                 inside = f"outside any collective, after collective #{record['issued']}"
             parts.append(f"rank {rank} hung {where} ({why[rank]}): {inside}")
         return "; ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m megatron_lite.watchdog DIR``: where the ranks' collectives diverge, from
+    the flight recorder dumps a hang left in DIR (the ``--save`` directory)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_lite.watchdog",
+        description="Say where the ranks' collectives diverge, from the flight recorder dumps "
+                    "a hang left (one file per rank, next to the checkpoints).")
+    parser.add_argument("directory", type=Path, help="the directory holding the dumps")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="ranks in the job (default: the dumps say)")
+    args = parser.parse_args(argv)
+    if not args.directory.is_dir():
+        parser.error(f"{args.directory} is not a directory")
+    dumps = read_dumps(args.directory)
+    if not dumps:
+        parser.error(f"{args.directory} holds no {DUMP_PATTERN}")
+    for line in divergence(dumps, args.world_size):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -155,9 +155,10 @@ def allgather_probe(calls: int = 200) -> None:
     dist.destroy_process_group()
 
 
-def recorder_us_per_collective(calls: int = 100_000) -> float:
+def recorder_us_per_collective(calls: int = 20_000, rounds: int = 5) -> float:
     """The flight recorder's cost per collective on the training thread: the launch's
-    ``issued``, then ``waiting`` and ``finished`` around the wait, as the engine calls them."""
+    ``issued``, then ``waiting`` and ``finished`` around the wait, as the engine calls them
+    (the fastest of ``rounds``: on a shared machine the others measure its load)."""
     import torch
 
     from zeropp.comm import flight_recorder
@@ -168,17 +169,20 @@ def recorder_us_per_collective(calls: int = 100_000) -> float:
     recorder = flight_recorder.FlightRecorder()
     flight_recorder.install(recorder)
     try:
-        started = time.perf_counter()
-        for _ in range(calls):
-            record = flight_recorder.issued("gather", issue, (output, shard))
-            record.waiting()
-            record.finished()
-        return (time.perf_counter() - started) / calls * 1e6
+        best = float("inf")
+        for _ in range(rounds):
+            started = time.perf_counter()
+            for _ in range(calls):
+                record = flight_recorder.issued("gather", issue, (output, shard))
+                record.waiting()
+                record.finished()
+            best = min(best, (time.perf_counter() - started) / calls * 1e6)
+        return best
     finally:
         flight_recorder.install(None)
 
 
-def judge_beat_cpu_us(beats: int = 300) -> float:
+def judge_beat_cpu_us(beats: int = 100) -> float:
     """CPU time of one heartbeat of a judge of 4 ranks (the heaviest: it publishes its record,
     reads all four and judges them), against a TCPStore on this host; the thread holds the
     GIL for at most this long once per ``--heartbeat-interval``."""
@@ -199,10 +203,13 @@ def judge_beat_cpu_us(beats: int = 300) -> float:
         watchdog._publish(0)
     watchdog.rank = 0
     watch = RecordWatch(RANKS)
-    started = time.thread_time()
-    for beat in range(1, beats + 1):
-        watchdog.beat(beat, watch)
-    return (time.thread_time() - started) / beats * 1e6
+    best = float("inf")
+    for round_ in range(5):  # the fastest round: the thread's own CPU time, less contention
+        started = time.thread_time()
+        for beat in range(1, beats + 1):
+            watchdog.beat(round_ * beats + beat, watch)
+        best = min(best, (time.thread_time() - started) / beats * 1e6)
+    return best
 
 
 def measure_allgather() -> float | None:
@@ -268,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                 body = json.loads(dumps[0].read_text())
                 summary["collectives_per_iteration"] = round(body["issued"] / body["iteration"])
                 results[-1]["divergence"] = subprocess.run(
-                    [sys.executable, "-m", "zeropp.comm.flight_recorder",
+                    [sys.executable, "-m", "megatron_lite.watchdog",
                      str(work / "ckpt_sigstop")], cwd=ROOT, capture_output=True, text=True,
                     env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.splitlines()
         if "slow-rank" in args.cases:

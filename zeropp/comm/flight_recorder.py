@@ -17,14 +17,12 @@ read and two empty calls. On CUDA "finished" is the host's: the compute stream w
 wait for the collective's event (NCCL's own recorder also queries the event on the GPU). The watchdog (``megatron_lite.watchdog``) reads ``state()`` from its thread and dumps
 the ring when it declares a hang.
 
-    python -m zeropp.comm.flight_recorder DIR   # where the ranks' dumps in DIR diverge
+``python -m megatron_lite.watchdog DIR`` says where the ranks' dumps in DIR diverge.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -296,26 +294,3 @@ def divergence(dumps: dict[int, dict[str, Any]], world_size: int | None = None) 
 
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in sorted(ranks))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m zeropp.comm.flight_recorder",
-        description="Say where the ranks' collectives diverge, from the flight recorder dumps "
-                    "a hang left (one file per rank, next to the checkpoints).")
-    parser.add_argument("directory", type=Path, help="the directory holding the dumps")
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="ranks in the job (default: the dumps say)")
-    args = parser.parse_args(argv)
-    if not args.directory.is_dir():
-        parser.error(f"{args.directory} is not a directory")
-    dumps = read_dumps(args.directory)
-    if not dumps:
-        parser.error(f"{args.directory} holds no {DUMP_PATTERN}")
-    for line in divergence(dumps, args.world_size):
-        print(line)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
