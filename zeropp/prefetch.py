@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 
 
 def units_to_prefetch(
@@ -25,6 +25,10 @@ def units_to_prefetch(
     start, in_flight = [], 0
     for index, (size, flying) in enumerate(upcoming):
         if in_flight >= bucket_numel:
+            break
+        if index > 0 and live_numel >= max_live_numel:
+            # Past the next unit nothing fits any more (sizes are positive and the live count
+            # only grows here): the answer is settled, the rest of the window need not be read.
             break
         if not flying:
             if index > 0 and live_numel + size > max_live_numel:
@@ -52,3 +56,19 @@ def blocks_kept_for_backward(block_numels: Sequence[int], root_numel: int,
             kept.add(index)
         later += block_numels[index]
     return kept
+
+
+def window_ahead(plan: Sequence, start: int, skipped: Collection,
+                 seen: list) -> Iterator[tuple[int, bool]]:
+    """``units_to_prefetch``'s ``upcoming`` for the engine: (gathered size, live) of the
+    distinct units of ``plan[start:]`` not in ``skipped``, in order, read lazily; each unit
+    read is appended to ``seen``, so the indices the rule returns name them. One generator
+    (not a chain of them): the engine asks at every unit's use."""
+    ids: set[int] = set()
+    for index in range(start, len(plan)):
+        unit = plan[index]
+        if unit in skipped or id(unit) in ids:
+            continue
+        ids.add(id(unit))
+        seen.append(unit)
+        yield unit.layout.padded_numel, unit.is_live

@@ -57,7 +57,7 @@ from zeropp.deepspeed_adoption import DeepSpeedValues, stand_in_for_deepspeed
 from zeropp.flat_layout import FlatLayout
 from zeropp.initial_values import UnitInitialValues, reset_parameters_values
 from zeropp.offload import GradientDelivery, HostMemory
-from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
+from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch, window_ahead
 from zeropp.residency import Residency, shard_alignment, stays_gathered
 from zeropp.topology import Topology
 from zeropp.unit import ParamRef, PersistentUnits, ShardedUnit, ShardState, UnitComm
@@ -255,6 +255,8 @@ class ShardedModel:
         self.persistent_units = PersistentUnits(
             [u for u in self.units if u.joins_persistent_gather], self.comm)
         self._persistent = set(self.persistent_units.units)  # for membership tests
+        # Gathered whenever they are used: never in a prefetch window.
+        self._never_prefetched = {u for u in self.units if u is self.root or u.persistent}
         self._gather_persistent()
         _LIVE_MODELS.add(self)
 
@@ -332,13 +334,13 @@ class ShardedModel:
         # A parameter's post-accumulate-grad hooks are held from C++ (its autograd metadata),
         # where Python's collector cannot see them: a hook holding this model (or a unit, which
         # holds the process groups) would keep an engine that was never closed alive for
-        # good, with its gloo groups' threads. The hooks hold a weak reference and an index.
-        model = weakref.ref(self)
-        for index, unit in enumerate(self.units):
+        # good, with its gloo groups' threads. The hooks hold their unit weakly.
+        for unit in self.units:
+            watched = weakref.ref(unit)
             for param in unit.params:
                 if param.requires_grad:
                     self._hook_handles.append(param.register_post_accumulate_grad_hook(
-                        partial(_grad_ready, model, index)))
+                        partial(_grad_ready, watched)))
 
     def _install_state_dict_guards(self) -> None:
         """``module.state_dict()`` (Hugging Face's ``save_pretrained`` calls it) while weights
@@ -401,6 +403,23 @@ class ShardedModel:
         """
         if unit is self.root or not torch.is_grad_enabled():
             return None
+        if not kwargs:  # the common call, tensors (or None) only: no pytree walk
+            positions = []
+            for i, arg in enumerate(args):
+                if type(arg) is torch.Tensor:  # noqa: E721 (a subclass takes the walk)
+                    if arg.requires_grad:
+                        positions.append(i)
+                elif arg is not None:
+                    break
+            else:
+                if not positions:
+                    return None
+                outputs = _PostBackward.apply(partial(self._post_backward, unit),
+                                              *[args[i] for i in positions])
+                args = list(args)
+                for i, tensor in zip(positions, outputs, strict=True):
+                    args[i] = tensor
+                return tuple(args), kwargs
         leaves, spec = tree_flatten((args, kwargs))
         positions = [i for i, t in enumerate(leaves)
                      if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -413,9 +432,11 @@ class ShardedModel:
         return tree_unflatten(leaves, spec)
 
     def _post_forward(self, unit: ShardedUnit, module, args, output):
-        needs_backward = any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output)
-        )
+        if type(output) is torch.Tensor:  # noqa: E721 (the common case: no pytree walk)
+            needs_backward = output.requires_grad
+        else:
+            needs_backward = any(isinstance(t, torch.Tensor) and t.requires_grad
+                                 for t in tree_leaves(output))
         if self.phase is TrainingPhase.BACKWARD:
             if unit not in self._backward_started and not unit.persistent:
                 self._recomputed[unit] = None
@@ -444,6 +465,9 @@ class ShardedModel:
         return {blocks[index] for index in kept}
 
     def _watch_pre_backward(self, unit: ShardedUnit, output) -> None:
+        if type(output) is torch.Tensor:  # noqa: E721
+            output.register_hook(partial(self._pre_backward, unit))
+            return
         for t in tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(partial(self._pre_backward, unit))
@@ -472,8 +496,7 @@ class ShardedModel:
         self._recomputed.pop(unit, None)
         unit.gather_now("backward_all_gather")
         if unit.num_grad_params and unit.gradient_buffer is None:
-            self._make_room(unit.layout.padded_numel)
-            unit.open_gradients()
+            self._make_room(unit.layout.padded_numel)  # its gradients arrive from now on
         self._prefetch_backward(unit)
         return grad
 
@@ -492,14 +515,6 @@ class ShardedModel:
         unit.drop_secondary()
         if self._reduce_this_backward and unit not in self._persistent:
             self._start_reduction(unit)
-
-    def _on_grad_ready(self, unit: ShardedUnit, param) -> None:
-        if unit.backward_done:
-            raise RuntimeError(
-                f"a gradient for a parameter of unit {unit.name!r} arrived after that module's "
-                "backward had finished (is the parameter used outside its module's forward?)"
-            )
-        unit.on_grad_ready(param)
 
     def _start_reduction(self, unit: ShardedUnit | PersistentUnits) -> None:
         unit.start_reduce()
@@ -557,14 +572,12 @@ class ShardedModel:
         phase = "forward_all_gather" if forward else "backward_all_gather"
         # Units gathered already (kept from forward, recomputed) fill the window ahead like
         # gathers in flight: prefetching past them would only hold more memory sooner.
-        upcoming = _distinct(u for u in itertools.islice(plan, start, None)
-                             if not (u is self.root or u.persistent))
-        sizes = ((u.layout.padded_numel, u.gathering or u.state is ShardState.GATHERED)
-                 for u in upcoming)
-        for index in units_to_prefetch(sizes, self.comm.live.numel,
+        seen: list[ShardedUnit] = []
+        for index in units_to_prefetch(window_ahead(plan, start, self._never_prefetched, seen),
+                                       self.comm.live.numel,
                                        self.options.prefetch_bucket_numel,
                                        self.options.max_live_numel):
-            upcoming.seen[index].start_gather(phase)
+            seen[index].start_gather(phase)
 
     def _release_all(self) -> None:
         for unit in self.units:
@@ -712,28 +725,14 @@ class ShardedModel:
         return out
 
 
-class _distinct:
-    """The distinct items of an iterable, in order, produced lazily; ``seen`` lists those
-    produced so far (a prefetch reads only as far as its window)."""
-
-    def __init__(self, items) -> None:
-        self._items = iter(items)
-        self._ids: set[int] = set()
-        self.seen: list = []
-
-    def __iter__(self):
-        for item in self._items:
-            if id(item) not in self._ids:
-                self._ids.add(id(item))
-                self.seen.append(item)
-                yield item
-
-
-def _grad_ready(model: weakref.ref, unit_index: int, param) -> None:
-    """A parameter's gradient is accumulated: tell its unit (see ``_install_hooks``)."""
-    sharded = model()
-    if sharded is not None:
-        sharded._on_grad_ready(sharded.units[unit_index], param)
+def _grad_ready(unit: weakref.ref, param) -> None:
+    """A parameter's gradient is accumulated (autograd keeps it until the unit's reduction
+    copies it, [Note: gradient buffer]): it must not come after that (see ``_install_hooks``)."""
+    owner = unit()
+    if owner is not None and owner.backward_done:
+        raise RuntimeError(
+            f"a gradient for a parameter of unit {owner.name!r} arrived after that module's "
+            "backward had finished (is the parameter used outside its module's forward?)")
 
 
 def _warn_sharded_state_dict(warned: list[bool], units: list[ShardedUnit], label: str, module,

@@ -154,7 +154,7 @@ class ShardedUnit:
         self._keeps_payload = (comm.hpz is not None and not (self.persistent or is_root)
                                and comm.secondary_gather.secondary_from_gather)
         self._forward_payload: torch.Tensor | None = None
-        self._live = False  # counted in comm.live ([Note: live count])
+        self.is_live = False  # gathered or gathering: counted in comm.live ([Note: live count])
         self._state = ShardState.SHARDED
         self._gather_pending_: Pending | None = None
 
@@ -167,10 +167,13 @@ class ShardedUnit:
         self.grad_shard_is_zero = True
         # The reduction in flight, and its output when it is not the gradient shard itself.
         self._reduce_pending: tuple[Pending, torch.Tensor | None] | None = None
-        # This micro-batch's gradients, flat in the layout of ``full``; the parameters'
-        # ``.grad`` are views of it while it is open ([Note: gradient buffer]).
+        # Stage 1's gradients held flat through the accumulation window, in the layout of
+        # ``full``; the parameters' ``.grad`` are views of it ([Note: gradient buffer]).
         self._grad_flat: torch.Tensor | None = None
-        self._held_grads: list[nn.Parameter] = []  # arrived before the buffer was opened
+        # The zeros after the last parameter in the flat buffer, made once.
+        padding = layout.padded_numel - layout.numel
+        self._grad_padding = (torch.zeros(padding, dtype=dtype, device=device) if padding
+                              else None)
         # The unit's backward is over and its reduction started (ShardedModel._post_backward).
         self.backward_done = False
         # ``zeropp.zero.GatheredParameters`` contexts holding the whole weights: the user reads
@@ -201,7 +204,6 @@ class ShardedUnit:
                 owner._parameters[attr] = param
             self.params.append(param)
         self.num_grad_params = sum(p.requires_grad for p in self.params)
-        self._slot_of = {id(p): slot for p, slot in zip(self.params, layout.slots, strict=True)}
         # Stage 3: what a script written for DeepSpeed asks of a partitioned parameter,
         # mirrored from ``state`` ([Note: DeepSpeed's parameter attributes]).
         self._shown_status: ZeroParamStatus | None = None
@@ -242,7 +244,7 @@ class ShardedUnit:
     @property
     def live_numel(self) -> int:
         """Elements of gathered weights this unit holds now (counts a gather in flight)."""
-        return self.layout.padded_numel if self._live else 0
+        return self.layout.padded_numel if self.is_live else 0
 
     # The two fields that make a unit live, kept in step with ``comm.live`` on every change.
     @property
@@ -265,8 +267,8 @@ class ShardedUnit:
 
     def _count_live(self) -> None:
         live = self._state is ShardState.GATHERED or self._gather_pending_ is not None
-        if live != self._live:
-            self._live = live
+        if live != self.is_live:
+            self.is_live = live
             self.comm.live.numel += self.layout.padded_numel if live else -self.layout.padded_numel
         if self._shown_status is not None:
             status = (ZeroParamStatus.AVAILABLE if self._state is ShardState.GATHERED else
@@ -282,10 +284,10 @@ class ShardedUnit:
         Backward gathers come from the hpZ secondary shards inside the node when they exist;
         every other gather reads the primary shards over the whole world.
         """
-        if self.state is ShardState.GATHERED or self.gathering:
+        if self.is_live:  # gathered, or its gather in flight
             return
         self._alloc_full()
-        if self.state is ShardState.SECONDARY:
+        if self._state is ShardState.SECONDARY:
             assert self.comm.hpz is not None and self.secondary_shard is not None
             pending = self.comm.secondary_gather(
                 self.full, self.secondary_shard, self.comm.hpz, self.comm.stats, phase)
@@ -317,12 +319,15 @@ class ShardedUnit:
         self._forward_payload = self.comm.secondary_gather.take(gathered, self.comm.hpz)
 
     def wait_gather(self) -> None:
-        if self._gather_pending is not None:
-            self._gather_pending.wait()
-            self._gather_pending = None
-            self.state = ShardState.GATHERED
-        if self.state is not ShardState.GATHERED:
-            raise RuntimeError(f"unit {self.name!r} used while {self.state.value}")
+        pending = self._gather_pending_
+        if pending is not None:
+            pending.wait()
+            # Both fields at once, counted once (the ``state`` and ``_gather_pending``
+            # setters would count twice).
+            self._gather_pending_, self._state = None, ShardState.GATHERED
+            self._count_live()
+        elif self._state is not ShardState.GATHERED:
+            raise RuntimeError(f"unit {self.name!r} used while {self._state.value}")
 
     def gather_now(self, phase: str) -> None:
         self.start_gather(phase)
@@ -354,7 +359,7 @@ class ShardedUnit:
 
     def release(self, keep_secondary: bool) -> None:
         """Free the gathered weights; with hpZ after forward, keep this rank's secondary shard."""
-        if self.persistent or self.holds or self.state is not ShardState.GATHERED:
+        if self.persistent or self.holds or self._state is not ShardState.GATHERED:
             return
         if keep_secondary and self.comm.hpz is not None:
             # A secondary shard kept already holds these weights (a recompute gathered them
@@ -376,7 +381,7 @@ class ShardedUnit:
         """Secondary shards are a cache of one step's weights: never reuse them after it."""
         self.secondary_shard = None
         self._forward_payload = None
-        if self.state is ShardState.SECONDARY:
+        if self._state is ShardState.SECONDARY:
             self.state = ShardState.SHARDED
 
     def refresh_after_update(self, cause: str = "edit", regather: bool = True) -> None:
@@ -407,58 +412,36 @@ class ShardedUnit:
             self.gather_now("forward_all_gather")
 
     # ---- gradients -----------------------------------------------------------------------
-    def open_gradients(self) -> None:
-        """The unit's backward is about to begin: bind its parameters' ``.grad`` to the flat
-        gradient buffer so autograd accumulates straight into it ([Note: gradient buffer])."""
-        if self.num_grad_params and self._grad_flat is None:
-            self._open_gradient_buffer()
-
-    def on_grad_ready(self, param: nn.Parameter) -> None:
-        """Take a parameter's just-accumulated gradient.
-
-        [Note: gradient buffer] A unit's gradients go into one flat buffer in the layout of
-        ``full``, the input of its reduction (``contiguous_gradients``). A unit whose backward
-        has a start (``open_gradients``, from its pre-backward hook) opens the buffer there and
-        binds every trainable parameter's ``.grad`` to its view: autograd adds each gradient
-        into it in place and frees its own tensor at once, so the unit's gradients cost the
-        flat buffer plus the one gradient being produced. Units without that point (the root,
-        whose small gradients arrive at the start of backward and the tied embedding's at the
-        end) keep gradients as autograd made them until they reach half the unit, then move
-        them in and bind the rest: the root does not hold a whole flat buffer through the
-        backward for the final norm's few elements.
-        """
-        if self._grad_flat is None:
-            if not any(p is param for p in self._held_grads):  # .grad accumulates in place
-                self._held_grads.append(param)
-            held = sum(p.grad.numel() for p in self._held_grads)
-            if 2 * held < self.layout.padded_numel:
-                return
-            self._open_gradient_buffer()
-        slot = self._slot_of[id(param)]
-        if param.grad is not None and param.grad._base is not self._grad_flat:
-            # Autograd's own tensor (the grad was None when it arrived): moved in, then bound.
-            self._grad_flat[slot.offset : slot.end].add_(param.grad.reshape(-1))
-            param.grad = self._grad_flat[slot.offset : slot.end].view(slot.shape)
-
-    def _open_gradient_buffer(self) -> None:
-        """Allocate the flat gradient buffer, move the gradients held in, bind every ``.grad``."""
-        self._grad_flat = torch.zeros(self.layout.padded_numel, dtype=self.dtype,
-                                      device=self.device)
-        held = {id(p) for p in self._held_grads}
-        for param in self.params:
-            if not param.requires_grad:
-                continue
-            slot = self._slot_of[id(param)]
-            view = self._grad_flat[slot.offset : slot.end]
-            if id(param) in held:
-                view.add_(param.grad.reshape(-1))
-            param.grad = view.view(slot.shape)
-        self._held_grads.clear()
+    # [Note: gradient buffer] A unit's gradients are reduced from one flat buffer in the
+    # layout of ``full`` (``contiguous_gradients``). Autograd makes each parameter's gradient
+    # as its own tensor (it steals the first one it computes, so nothing is zero-filled or
+    # added); when the unit's reduction starts they are copied into the flat buffer in one
+    # ``torch.cat`` with the layout's padding, as FSDP2 copies gradients into its
+    # reduce-scatter input: one launch per unit, where zero-filling a buffer and binding
+    # every ``.grad`` to it cost a fill and one in-place add per parameter. The buffer is
+    # the reduction's input, so it lives only while the reduction is in flight. Stage 1
+    # holds it through the accumulation window: the first micro-batch's gradients are copied
+    # in the same way, then every ``.grad`` is bound to its view and later micro-batches
+    # accumulate into it in place.
+    def _flatten_gradients(self) -> torch.Tensor:
+        """Autograd's gradients of this unit in the layout of ``full``, one copy; the
+        parameters' ``.grad`` are unset. A parameter without one (frozen, or unused on this
+        rank) reduces zeros."""
+        pieces = []
+        for param, slot in zip(self.params, self.layout.slots, strict=True):
+            grad = param.grad
+            if grad is None:
+                grad = torch.zeros(slot.numel, dtype=self.dtype, device=self.device)
+            else:
+                param.grad = None
+            pieces.append(grad.reshape(-1))
+        if self._grad_padding is not None:
+            pieces.append(self._grad_padding)
+        return torch.cat(pieces)
 
     def _unbind_gradients(self) -> None:
         for param in self.params:
             param.grad = None
-        self._held_grads.clear()
 
     @property
     def gradient_buffer(self) -> torch.Tensor | None:
@@ -469,7 +452,11 @@ class ShardedUnit:
         """Keep this micro-batch's gradients in the flat buffer until the accumulation boundary
         (stage 1: the next micro-batches add into it, the last one reduces it)."""
         if self.num_grad_params and self._grad_flat is None:
-            self._open_gradient_buffer()
+            self._grad_flat = self._flatten_gradients()
+            for param, view in zip(self.params, self.layout.views(self._grad_flat),
+                                   strict=True):
+                if param.requires_grad:
+                    param.grad = view
 
     def start_reduce(self, phase: str = "gradient_reduce") -> None:
         """Launch the reduction of this micro-batch's flat gradients: one collective for the
@@ -519,8 +506,8 @@ class ShardedUnit:
         ``.grad`` are unbound from them. A unit no parameter of which got a gradient still
         takes part, with zeros."""
         if self._grad_flat is None:
-            self._open_gradient_buffer()
-        flat, self._grad_flat = self._grad_flat, None
+            return self._flatten_gradients()
+        flat, self._grad_flat = self._grad_flat, None  # held through accumulation (stage 1)
         self._unbind_gradients()
         return flat
 

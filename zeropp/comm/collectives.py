@@ -68,6 +68,9 @@ class Collective(abc.ABC):
 
     def __init__(self, execution: Execution = SYNCHRONOUS) -> None:
         self.execution = execution
+        # (numel, dtype, group) -> ((inter-node?, bytes), ...): ``bytes_sent`` of a call,
+        # worked out once per buffer size rather than at every call.
+        self._sent: dict[tuple, tuple[tuple[bool, int], ...]] = {}
 
     @abc.abstractmethod
     def bytes_sent(self, numel: int, dtype: torch.dtype, group: CommGroup) -> dict[str, int]:
@@ -101,8 +104,14 @@ class Collective(abc.ABC):
 
     def _record(self, stats: CommStats, phase: str, numel: int, dtype: torch.dtype,
                 group: CommGroup) -> None:
-        for where, nbytes in self.bytes_sent(numel, dtype, group).items():
-            stats.record(phase, where == "inter_node", nbytes)
+        key = (numel, dtype, group)
+        sent = self._sent.get(key)
+        if sent is None:
+            sent = self._sent[key] = tuple(
+                (where == "inter_node", nbytes)
+                for where, nbytes in self.bytes_sent(numel, dtype, group).items())
+        for inter_node, nbytes in sent:
+            stats.record(phase, inter_node, nbytes)
 
 
 class AllGather(Collective):

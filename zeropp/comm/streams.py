@@ -130,12 +130,18 @@ class InlineExecution(Execution):
     name = "inline"
 
     def launch(self, lane, issue, *, finish=None, keep=(), sequence=False) -> Pending:
-        with allocating_on(lane):  # as CudaExecution's side stream would allocate them
+        # Allocations come from the lane, as CudaExecution's side stream would make them
+        # (``allocating_on``, inlined: this runs for every collective).
+        previous = getattr(_lanes, "current", COMPUTE_LANE)
+        _lanes.current = lane
+        try:
             work = issue(False)
             if work is not None:
                 work.wait()
             if finish is not None:
                 finish()
+        finally:
+            _lanes.current = previous
         return Pending(keep=keep)
 
 
