@@ -812,6 +812,6 @@ def test_prepared_variants_are_the_ones_the_calls_launch(triton_device, monkeypa
     triton_kernels.dequantize_blockwise_many(batch, numel, bits, block, torch.bfloat16)
     triton_kernels.dequantize_reduce(batch, numel, bits, block)
     triton_kernels.dequantize_reduce(batch, numel, bits, block,
-                                     out=torch.empty(numel, dtype=torch.bfloat16))
+                                     out=torch.empty(numel, dtype=torch.bfloat16, device=device))
     triton_kernels.dequantize_reduce_quantize(batch, numel, bits, bits, block, parts=2)
     assert len(seen["launch"]) == 7 and seen["launch"] <= seen["prepare"]
