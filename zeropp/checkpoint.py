@@ -31,6 +31,8 @@ import json
 import math
 import os
 import shutil
+import warnings
+import zlib
 from pathlib import Path
 
 import torch
@@ -182,9 +184,12 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
     """
     from zeropp.checkpoint_async import PendingSave, staging_for
 
+    if save_dir is None or not os.fspath(save_dir):  # "" would be the working directory
+        raise ValueError(f"save_checkpoint: save_dir must name a directory, got {save_dir!r}")
     finish_pending(engine, wait=True)
     root = Path(save_dir)
     rank = engine.topology.rank
+    tag = _agreed_tag(tag, engine.sharded.device)
     tmp_dir, final_dir = root / f"{tag}.tmp", root / tag
     device = engine.sharded.device
     error: Exception | None = None
@@ -336,6 +341,27 @@ def write_from_one_process(save_dir: str | os.PathLike, tag: str, rank_states,
     _atomic_write_text(tmp_dir / "meta.json", json.dumps(meta, indent=1))
     _publish(root, tag)
     return root / tag
+
+
+def _agreed_tag(tag: str, device: torch.device) -> str:
+    """The tag every rank saves under: ``tag`` when all ranks passed the same one, else rank
+    0's, with a warning. A checkpoint is one directory of every rank's shard; ranks passing
+    different tags (a tag built from a rank-local value) would each write an incomplete one.
+    DeepSpeed compares the ranks' tags the same way (its ``checkpoint.tag_validation``,
+    "Warn" by default) and then lets each rank save under its own."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return tag
+    digest = zlib.crc32(tag.encode())
+    spread = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    if int(spread[0]) == -int(spread[1]):
+        return tag
+    agreed = [tag]
+    dist.broadcast_object_list(agreed, src=0, device=device)
+    if dist.get_rank() == 0:
+        warnings.warn(f"save_checkpoint: the ranks passed different tags; every rank saves "
+                      f"under rank 0's, {agreed[0]!r}", stacklevel=3)
+    return agreed[0]
 
 
 def _agree_or_raise(error: Exception | None, device: torch.device, message: str) -> None:

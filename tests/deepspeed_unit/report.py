@@ -1,0 +1,70 @@
+"""Compare DeepSpeed's record with zeropp's: the markdown tables of docs/deepspeed_unit_tests.md.
+
+    python -m tests.deepspeed_unit.report deepspeed.json zeropp.json > table.md
+
+Of the tests that pass with DeepSpeed, each one's outcome here; every one that does not pass
+with its exception line, and, where this engine differs from DeepSpeed on purpose, the reason
+(``scope.DIFFERENCES``). Then the out-of-scope table, grouped by reason.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from tests.deepspeed_unit import scope
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render(theirs: dict, ours: dict) -> str:
+    passed_there = sorted(k for k, v in theirs["outcomes"].items() if v["outcome"] == "passed")
+    here = ours["outcomes"]
+    counts = Counter(here.get(k, {"outcome": "not run"})["outcome"] for k in passed_there)
+    there = Counter(v["outcome"] for v in theirs["outcomes"].values())
+    lines = [
+        f"In scope: {len(theirs['outcomes'])} tests; with DeepSpeed 0.19.8 "
+        + ", ".join(f"{n} {o}" for o, n in sorted(there.items())) + ".",
+        "",
+        f"Of the {len(passed_there)} that pass with DeepSpeed, against zeropp: "
+        + ", ".join(f"{n} {o}" for o, n in sorted(counts.items()))
+        + f" ({100 * counts['passed'] / max(len(passed_there), 1):.0f}% pass).",
+        "",
+        "| test (passes with DeepSpeed) | zeropp | why |",
+        "|---|---|---|",
+    ]
+    for nodeid in passed_there:
+        entry = here.get(nodeid, {"outcome": "not run"})
+        if entry["outcome"] == "passed":
+            continue
+        why = scope.difference(nodeid) or entry.get("reason", "")
+        lines.append(f"| `{_cell(nodeid)}` | {entry['outcome']} | {_cell(why)} |")
+    lines += ["", "Tests that do not pass with DeepSpeed 0.19.8 on this CPU (not run here):", "",
+              "| test | DeepSpeed | its reason |", "|---|---|---|"]
+    for nodeid, entry in sorted(theirs["outcomes"].items()):
+        if entry["outcome"] != "passed":
+            lines.append(f"| `{_cell(nodeid)}` | {entry['outcome']} | "
+                         f"{_cell(entry.get('reason', ''))[:160]} |")
+    by_reason: dict[str, list[str]] = defaultdict(list)
+    for nodeid, reason in theirs["out_of_scope"].items():
+        by_reason[reason].append(nodeid)
+    lines += ["", f"Out of scope: {len(theirs['out_of_scope'])} tests, not run.", "",
+              "| tests | count | needs |", "|---|---|---|"]
+    for reason, ids in sorted(by_reason.items(), key=lambda item: item[1][0]):
+        files = sorted({i.split("::")[0] if i.count("::") < 2 or "[" in i else i for i in ids})
+        shown = ", ".join(f"`{f}`" for f in files[:3]) + (" ..." if len(files) > 3 else "")
+        lines.append(f"| {shown} | {len(ids)} | {_cell(reason)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> None:
+    theirs, ours = (json.loads(Path(p).read_text()) for p in argv[:2])
+    sys.stdout.write(render(theirs, ours))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

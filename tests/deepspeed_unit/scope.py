@@ -1,0 +1,151 @@
+"""DeepSpeed's tests that need DeepSpeed's internals or subsystems a drop-in ZeRO engine does
+not have: out of scope, each with its reason (docs/deepspeed_unit_tests.md shows the table).
+Keys are node-id prefixes under DeepSpeed's ``tests/``."""
+
+from __future__ import annotations
+
+_CKPT = "unit/checkpoint/"
+_ZERO = "unit/runtime/zero/"
+_INIT = "unit/runtime/test_ds_initialize.py::"
+
+OUT_OF_SCOPE: dict[str, str] = {
+    f"{_CKPT}test_autotp_uc_checkpoint.py": "AutoTP tensor parallelism (deepspeed.module_inject) "
+                                            "and universal checkpoints",
+    f"{_CKPT}test_universal_checkpoint.py": "universal checkpoints: ds_to_universal reads the "
+                                            "per-rank optimizer partitions of DeepSpeed's own "
+                                            "checkpoint files",
+    f"{_CKPT}test_moe_checkpoint.py": "mixture of experts (deepspeed.moe layers)",
+    f"{_CKPT}test_pipeline.py": "pipeline parallelism (deepspeed.pipe.PipelineModule)",
+    f"{_CKPT}test_zero_optimizer.py::TestZeROCheckpoint::test_pipeline_checkpoint_loading":
+        "pipeline parallelism (deepspeed.pipe.PipelineModule)",
+    f"{_CKPT}test_reshape_checkpoint.py": "3D (pipeline x tensor x data) checkpoint reshaping: "
+                                          "DeepSpeedCheckpoint's internals",
+    f"{_CKPT}test_mics_optimizer.py": "MiCS (deepspeed.zero.MiCS_Init)",
+    f"{_CKPT}test_sparse.py": "sparse gradients (sparse_tensor_module_names, DeepSpeed's "
+                              "sparse all-reduce)",
+    f"{_ZERO}test_zero_tiled.py": "TiledLinear (deepspeed.runtime.zero.tiling)",
+    f"{_ZERO}test_zero_tensor_fragment.py": "safe_get/set_* read DeepSpeed's optimizer fragments "
+                                            "(param._hp_mapping, ds_tensor)",
+    f"{_ZERO}test_zero_offloadpp.py": "Offload++ (partial optimizer offload): DeepSpeed's "
+                                      "config classes",
+    f"{_ZERO}test_zero_config.py": "DeepSpeedZeroConfig, DeepSpeed's pydantic config classes",
+    f"{_ZERO}test_zero_late_module_attach.py": "ZeROOrderedDict and the parameter-offload hooks "
+                                              "(deepspeed.runtime.zero.parameter_offload)",
+    f"{_ZERO}test_zero_leaf_module.py": "z3 leaf modules: flags DeepSpeed's hooks read on "
+                                        "modules (deepspeed.utils.set_z3_leaf_modules)",
+    f"{_ZERO}test_zero_linear_direct_init.py": "DeepSpeed's LinearFunctionForZeroStage3 wrapper",
+    f"{_ZERO}test_zeropp.py": "DeepSpeed's CUDAQuantizer and hpZ buffers (ds_secondary_tensor)",
+    f"{_ZERO}test_zero_autocast_mixed_dtype.py": "ds_tensor, deepspeed.runtime.torch_autocast "
+                                                 "and safe_get_full_* on DeepSpeed's fragments",
+    f"{_ZERO}test_unwrap_model.py": "the optimizer's parameter_offload object",
+    f"{_ZERO}test_zero_grad_clip.py": "the optimizer's private _get_norm_groups and "
+                                      "_global_grad_norm",
+    f"{_ZERO}test_zero_context.py::TestMiCSGatheredParametersFree": "MiCS (MiCS_Init)",
+    f"{_ZERO}test_zero_context.py::test_multiple_all_gather_handles": "DeepSpeed's "
+                                                                      "MultipleAllGatherHandles",
+    f"{_INIT}TestBf16ZeRO0UnfusedOptimizer": "DeepSpeed's FP16_UnfusedOptimizer wrapper and "
+                                             "its fields",
+    # Found by the first run against zeropp (each reads what its source shows):
+    f"{_ZERO}test_zero_allreduce_fetch_params.py": "the all_gather_coalesced method DeepSpeed's "
+                                                   "zero.Init puts on each parameter",
+    f"{_ZERO}test_zero_hook_attribute_delegation.py": "pre_bwd_fn / post_bwd_fn and the "
+                                                      "backward ref counts DeepSpeed's hooks "
+                                                      "put on modules",
+    f"{_ZERO}test_zero_context_return.py::TestReturnParam::test_ext_param_return":
+        "module._external_params, DeepSpeed's external-parameter registry",
+    f"{_CKPT}test_zero_optimizer.py::TestZeRONonDistributed::test_chmod_exception_handling":
+        "the engine's private _change_recovery_script_permissions",
+}
+
+
+def out_of_scope(nodeid: str) -> str | None:
+    for prefix, reason in OUT_OF_SCOPE.items():
+        if nodeid.startswith(prefix):
+            return reason
+    return None
+
+
+# Tests that pass with DeepSpeed and not here because this engine differs on purpose:
+# {node id prefix: DeepSpeed's behaviour, and why this engine's differs}. Filled from runs.
+_META_INIT = ("on purpose: DeepSpeed's zero.Init partitions each parameter as it is created, "
+              "so before initialize it has ds_* attributes and GatheredParameters gathers it. "
+              "Here zero.Init builds the model on the meta device and initialize materializes "
+              "each rank's shard (nothing is allocated before, values do not depend on the "
+              "world size): before initialize a parameter has no values to gather")
+_EMPTY_CACHE = ("missing: ZeroEngine.empty_partition_cache() (DeepSpeed: release every gathered "
+                "ZeRO-3 parameter), called by DeepSpeed's checkpoint helper before saving; "
+                "zeropp/engine.py, see the proposed change")
+_OWN_CLASSES = ("on purpose: asserts the object is DeepSpeed's own class ({}); this engine "
+                "returns its own ({})")
+DIFFERENCES: dict[str, str] = {
+    f"{_ZERO}test_zero_context.py::TestGatherUpdate": _META_INIT,
+    f"{_ZERO}test_zero_context.py::TestScatterGather": _META_INIT,
+    f"{_ZERO}test_zero_context.py::TestZeroGatheredParametersFree": _META_INIT,
+    f"{_ZERO}test_zero_context.py::TestSerialContext::test_subclass_param": _META_INIT,
+    f"{_ZERO}test_zero_context_ancestry.py::TestSerialParamInit": _META_INIT,
+    f"{_ZERO}test_zero_dynamic_class.py": _META_INIT,
+    f"{_ZERO}test_zero_nesting_init.py": _META_INIT,
+    f"{_ZERO}test_zero_context.py::TestSerialContext::test_scattered_init_dist":
+        "on purpose: DeepSpeed's zero.Init starts the process group (deepspeed.comm); this one "
+        "only builds on the meta device, and initialize starts the group",
+    f"{_CKPT}test_zero_optimizer.py::TestZeROCheckpoint::test_load_module_only": _EMPTY_CACHE,
+    f"{_CKPT}test_zero_optimizer.py::TestZeROCheckpointFrozenWeights::test_load_module_only":
+        _EMPTY_CACHE,
+    f"{_CKPT}test_zero_optimizer.py::TestZeROSaveLoadEdgeCase": _EMPTY_CACHE,
+    f"{_CKPT}test_zero_optimizer.py::TestZeROCheckpointFrozenWeights::test_save_exclude_custom":
+        "missing: save_checkpoint(exclude_frozen_parameters=...) (zeropp/engine.py)",
+    f"{_CKPT}test_zero_optimizer.py::TestZeROCheckpointFrozenWeights::test_save_exclude_frozen":
+        "on purpose: reads DeepSpeed's file layout (mp_rank_00_model_states.pt); this engine "
+        "writes its own sharded, checksummed layout ([Note: checkpoint layout])",
+    f"{_CKPT}test_zero_optimizer.py::TestZeROElasticCheckpoint":
+        "missing: zero_optimization.elastic_checkpoint=true is refused by the config "
+        "(zeropp/config), though every checkpoint here loads at any world size; with "
+        "load_optim, engine.optimizer.optimizer (DeepSpeed's inner torch optimizer) is absent "
+        "(zeropp/optimizer.py)",
+    f"{_CKPT}test_latest_checkpoint.py::TestLatestCheckpoint::test_missing_latest":
+        "missing: DeepSpeed's load_checkpoint of a directory without 'latest' warns and returns "
+        "(None, None); this engine raises CheckpointError (zeropp/engine.py)",
+    f"{_CKPT}test_tag_validation.py::TestCheckpointValidationTag::test_checkpoint_unique_tag[FAIL]":
+        "missing: checkpoint.tag_validation='Fail' needs the config to keep the key's value "
+        "(zeropp/config keeps only that it was given); ranks' tags are compared on every save",
+    f"{_INIT}TestClientOptimizer": _OWN_CLASSES.format(
+        "FusedAdam, or the client's optimizer object itself, or torch's AdamW",
+        "PartitionedOptimizer over the shards, with the client's class and settings"),
+    f"{_INIT}TestConfigOptimizer": _OWN_CLASSES.format("FusedAdam", "PartitionedOptimizer"),
+    f"{_INIT}TestClientLrScheduler::test[": _OWN_CLASSES.format(
+        "deepspeed.runtime.lr_schedules.WarmupLR", "WarmupSchedule, DeepSpeed's semantics"),
+    f"{_INIT}TestClientLrSchedulerInit::test_same_lrscheler_and_callable[None]":
+        _OWN_CLASSES.format("WarmupLR", "WarmupSchedule"),
+    f"{_INIT}TestClientLrSchedulerInit::test_diff_lrscheler_and_callable[None]":
+        _OWN_CLASSES.format("WarmupLR", "WarmupSchedule"),
+    f"{_INIT}TestClientLrSchedulerInit::test_diff_lrscheler_and_callable_onecyclelr_steplr[None]":
+        "on purpose: the config's OneCycle schedule is not implemented (the config names the "
+        "three it has); DeepSpeed's OneCycle class is asserted too",
+    f"{_INIT}TestNoOptim::test[0]": "on purpose: offload_param at stage 0 is refused with a "
+                                    "one-line error; DeepSpeed ignores it",
+    f"{_INIT}TestNoOptim::test[3]": "missing: an engine without an optimizer (forward only); "
+                                    "initialize asks for an optimizer block (zeropp/initialize)",
+    f"{_ZERO}test_ignore_unused_parameters.py": "on purpose: the legacy cpu_offload=true "
+                                                "spelling is refused with a one-line error "
+                                                "naming offload_optimizer (zeropp/config)",
+}
+
+
+def difference(nodeid: str) -> str | None:
+    for prefix, reason in DIFFERENCES.items():
+        if nodeid.startswith(prefix):
+            return reason
+    return None
+
+
+# Tests that fail against this engine in a way DeepSpeed's scaffolding cannot report: a failed
+# ``pytest.raises`` inside a rank raises pytest's ``Failed``, a BaseException, which kills the
+# multiprocessing pool's worker instead of returning an error, so the test waits for its
+# 400 s timeout and the scaffolding then exits the whole session. Not run with --serve zeropp;
+# recorded as failed with this reason. {node id: why it fails}
+FAILS_BY_HANGING: dict[str, str] = {
+    "unit/checkpoint/test_tag_validation.py::TestCheckpointValidationTag::"
+    "test_checkpoint_unique_tag[FAIL]":
+        "expects AssertionError from save_checkpoint with different tags per rank under "
+        "tag_validation 'Fail'; here the ranks save under rank 0's tag with a warning",
+}
