@@ -90,12 +90,8 @@ class DeepSpeedValues:
         sources = [self.sources[id(p)] for p in params if id(p) in self.sources]
         if not sources:
             return
-        _deepspeed()
-        # DeepSpeed's own class, from where it is defined: whatever ``deepspeed.zero`` names
-        # (a harness may serve zeropp's under it), these parameters are DeepSpeed's.
-        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
-        with GatheredParameters(sources, modifier_rank=None):
+        deepspeed = _deepspeed()
+        with deepspeed.zero.GatheredParameters(sources, modifier_rank=None):
             for param in params:
                 source = self.sources.get(id(param))
                 if source is not None:
