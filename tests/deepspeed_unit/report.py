@@ -21,6 +21,16 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _grouped(groups: dict[str, list[str]]) -> list[str]:
+    """One row per reason: its tests (parametrizations folded into their function)."""
+    rows = []
+    for reason, ids in sorted(groups.items(), key=lambda item: item[1][0]):
+        functions = sorted({i.split("[")[0] for i in ids})
+        shown = "<br>".join(f"`{_cell(f)}`" for f in functions)
+        rows.append(f"| {shown} | {len(ids)} | {_cell(reason)} |")
+    return rows
+
+
 def render(theirs: dict, ours: dict) -> str:
     passed_there = sorted(k for k, v in theirs["outcomes"].items() if v["outcome"] == "passed")
     here = ours["outcomes"]
@@ -34,28 +44,34 @@ def render(theirs: dict, ours: dict) -> str:
         + ", ".join(f"{n} {o}" for o, n in sorted(counts.items()))
         + f" ({100 * counts['passed'] / max(len(passed_there), 1):.0f}% pass).",
         "",
-        "| test (passes with DeepSpeed) | zeropp | why |",
+        "| tests that pass with DeepSpeed and not here | count | why |",
         "|---|---|---|",
     ]
+    why_here: dict[str, list[str]] = defaultdict(list)
     for nodeid in passed_there:
         entry = here.get(nodeid, {"outcome": "not run"})
-        if entry["outcome"] == "passed":
-            continue
-        why = scope.difference(nodeid) or entry.get("reason", "")
-        lines.append(f"| `{_cell(nodeid)}` | {entry['outcome']} | {_cell(why)} |")
-    lines += ["", "Tests that do not pass with DeepSpeed 0.19.8 on this CPU (not run here):", "",
-              "| test | DeepSpeed | its reason |", "|---|---|---|"]
+        if entry["outcome"] != "passed":
+            why = scope.difference(nodeid) or f"{entry['outcome']}: {entry.get('reason', '')}"
+            why_here[why].append(nodeid)
+    lines += _grouped(why_here)
+    passing = sorted({k.split("[")[0] for k in passed_there
+                      if here.get(k, {}).get("outcome") == "passed"})
+    lines += ["", f"Passing here ({counts['passed']} tests, by function): "
+              + ", ".join(f"`{_cell(f.split('/')[-1])}`" for f in passing) + "."]
+    why_there: dict[str, list[str]] = defaultdict(list)
     for nodeid, entry in sorted(theirs["outcomes"].items()):
         if entry["outcome"] != "passed":
-            lines.append(f"| `{_cell(nodeid)}` | {entry['outcome']} | "
-                         f"{_cell(entry.get('reason', ''))[:160]} |")
+            why_there[f"{entry['outcome']}: {entry.get('reason', '')[:160]}"].append(nodeid)
+    lines += ["", "Tests that do not pass with DeepSpeed 0.19.8 on this CPU (not run here):", "",
+              "| tests | count | DeepSpeed's outcome |", "|---|---|---|"]
+    lines += _grouped(why_there)
     by_reason: dict[str, list[str]] = defaultdict(list)
     for nodeid, reason in theirs["out_of_scope"].items():
         by_reason[reason].append(nodeid)
     lines += ["", f"Out of scope: {len(theirs['out_of_scope'])} tests, not run.", "",
               "| tests | count | needs |", "|---|---|---|"]
     for reason, ids in sorted(by_reason.items(), key=lambda item: item[1][0]):
-        files = sorted({i.split("::")[0] if i.count("::") < 2 or "[" in i else i for i in ids})
+        files = sorted({i.split("::")[0] for i in ids})
         shown = ", ".join(f"`{f}`" for f in files[:3]) + (" ..." if len(files) > 3 else "")
         lines.append(f"| {shown} | {len(ids)} | {_cell(reason)} |")
     return "\n".join(lines) + "\n"
