@@ -9,6 +9,7 @@ with its exception line, and, where this engine differs from DeepSpeed on purpos
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections import Counter, defaultdict
@@ -77,10 +78,15 @@ def render(theirs: dict, ours: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str]) -> None:
-    theirs, ours = (json.loads(Path(p).read_text()) for p in argv[:2])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("deepspeed_record", type=Path, help="the record of DeepSpeed's run")
+    parser.add_argument("zeropp_record", type=Path, help="the record of zeropp's run")
+    args = parser.parse_args(argv)
+    theirs, ours = (json.loads(p.read_text()) for p in (args.deepspeed_record,
+                                                         args.zeropp_record))
     sys.stdout.write(render(theirs, ours))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
