@@ -436,6 +436,8 @@ class Trainer:
             for _ in range(steps):
                 tokens, labels, loss_mask = self._next_micro_batch(batches, "evaluation")
                 total += self.loss_fn(self.engine(tokens), labels, loss_mask).float()
+                if self.watchdog is not None:  # progress where no collective may show it
+                    self.watchdog.progress()
         finally:
             self.engine.train()
         return float(mean_across_ranks(total / steps))

@@ -278,6 +278,11 @@ class Watchdog:
             self.longest_step = max(self.longest_step, seconds)
         self._step_started_at = None
 
+    def progress(self) -> None:
+        """Progress outside a step (an evaluation batch): units that stay gathered, or one
+        rank alone, issue no collective that would show it."""
+        self._last_mark = time.monotonic()
+
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
         """A checkpoint save or load: its own, longer budget ([Note: hang watchdog])."""
