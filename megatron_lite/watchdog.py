@@ -216,6 +216,7 @@ class Watchdog:
         self._busy_steps = 0
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._peers_apart = True  # the ranks are processes of their own (not simulated)
         self._store: dist.Store | None = None
         self.verdict: str | None = None
         # Set on the judge that published the verdict: (silent ranks, their records).
@@ -232,14 +233,21 @@ class Watchdog:
         self._last_mark = time.monotonic()
         if not self.config.watchdog:
             return
-        if self.world_size > 1:
-            if dist.get_backend() == "fake":  # the simulated cluster: one process, no peers
-                return
-            Watchdog._generation += 1
-            self._store = _store_of_own(Watchdog._generation)
-        else:  # one rank: its own stalls are still caught (a kernel that never returns)
-            self._store = dist.HashStore()
-        self._publish(beat=0)
+        try:
+            if self.world_size > 1:
+                Watchdog._generation += 1
+                self._store = _store_of_own(Watchdog._generation)
+            else:  # one rank: its own stalls are still caught (a kernel that never returns)
+                self._store = dist.HashStore()
+            self._publish(beat=0)
+        except RuntimeError as error:
+            # A store that cannot carry heartbeats: the simulated cluster's (one process
+            # playing one rank of many) says so quietly; a real job's says it in one line.
+            self._store = None
+            self._peers_apart = False  # one process playing many: nothing to compare
+            if dist.get_backend() in ("gloo", "nccl"):
+                self.log(f"watchdog: off, the job's store does not carry heartbeats ({error})")
+            return
         self._stopping.clear()
         self._thread = threading.Thread(target=self._run, name="zeropp-watchdog", daemon=True)
         self._thread.start()
@@ -327,7 +335,8 @@ class Watchdog:
         rank at a log iteration; None on one rank."""
         mine = self._busy_seconds / max(self._busy_steps, 1) * 1000.0
         self._busy_seconds, self._busy_steps = 0.0, 0
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2 \
+                or not self._peers_apart:
             return None
         local = torch.tensor([mine], dtype=torch.float64, device=device)
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
