@@ -58,10 +58,19 @@ def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def tile_config(block_size: int, bits: int) -> Tile:
-    """The host's tile for blocks of `block_size` whose codes are `bits` wide
-    ([Note: kernel tiles])."""
-    elements = NUM_WARPS * 32 * values_per_thread(bits)
+# Blocks under this many values carry a scale every few values: the reductions, which hold
+# every payload's scales too, take 4 values a thread and a payload at a time there (as many
+# registers as 32 values and 8 payloads otherwise spill); bandwidth is the scales' anyway.
+SMALL_BLOCK = 16
+_SMALL_BLOCK_VALUES_PER_THREAD = 4
+
+
+def tile_config(block_size: int, bits: int, reduction: bool = False) -> Tile:
+    """The host's tile for blocks of `block_size` whose codes are `bits` wide, in a
+    reduction over payloads or not ([Note: kernel tiles])."""
+    small = reduction and block_size < SMALL_BLOCK
+    elements = NUM_WARPS * 32 * (_SMALL_BLOCK_VALUES_PER_THREAD if small
+                                 else values_per_thread(bits))
     width = _next_power_of_2(block_size)
     cols = min(width, elements)
     return Tile(rows=max(1, elements // cols), cols=cols, num_warps=NUM_WARPS,
@@ -113,7 +122,9 @@ class LaunchSpec(NamedTuple):
     label: str = ""
 
 
-def _unroll(payloads: int) -> int:
+def _unroll(payloads: int, block_size: int) -> int:
+    if block_size < SMALL_BLOCK:
+        return 1
     return max(1, min(payloads, MAX_UNROLLED_PAYLOADS))
 
 
@@ -162,14 +173,14 @@ def _spec_dequantize_reduce(layout: PayloadLayout, dtype: torch.dtype = torch.fl
                             payloads: int = DEFAULT_PAYLOADS, even: bool = False,
                             scales_f32: bool = False) -> LaunchSpec:
     """``dtype``: the output's; qgZ's last sum lands in the gradient shard, fp32 or 16-bit."""
-    tile = tile_config(layout.block_size, layout.bits)
+    tile = tile_config(layout.block_size, layout.bits, reduction=True)
     return LaunchSpec(
         "_dequantize_reduce_kernel",
         {"payload_ptr": "*u8", "out_ptr": "*" + _TRITON_TYPES[dtype], "payload_stride": "i64",
          "numel": "i64", "nblocks": "i64", "data_nbytes": "i64"},
         {"BLOCK": layout.block_size, "BITS": layout.bits, "UNPACK": _packs_in_kernel(layout),
-         "K": payloads, "UNROLL": _unroll(payloads), "ROWS": tile.rows, "COLS": tile.cols,
-         **_masks(layout.block_size, tile, even), "SCALES_F32": scales_f32},
+         "K": payloads, "UNROLL": _unroll(payloads, layout.block_size), "ROWS": tile.rows,
+         "COLS": tile.cols, **_masks(layout.block_size, tile, even), "SCALES_F32": scales_f32},
         tile.num_warps, f"dequantize-reduce {payloads} x int{layout.bits} -> "
                         f"{_TRITON_TYPES[dtype]}")
 
@@ -179,7 +190,8 @@ def _spec_dequantize_reduce_quantize(layout_in: PayloadLayout, layout_out: Paylo
                                      payloads: int = DEFAULT_PAYLOADS, even: bool = False,
                                      scales_f32_in: bool = False) -> LaunchSpec:
     # The tile follows the input's width: the wider stream of codes sets the values a thread.
-    tile = tile_config(layout_in.block_size, min(layout_in.bits, layout_out.bits))
+    tile = tile_config(layout_in.block_size, min(layout_in.bits, layout_out.bits),
+                       reduction=True)
     pack = _packs_in_kernel(layout_out)
     return LaunchSpec(
         "dequantize_reduce_quantize_kernel",
@@ -189,8 +201,8 @@ def _spec_dequantize_reduce_quantize(layout_in: PayloadLayout, layout_out: Paylo
         {"BLOCK": layout_in.block_size, "BITS_IN": layout_in.bits,
          "UNPACK": _packs_in_kernel(layout_in), "QMAX_OUT": qmax_for_bits(layout_out.bits),
          "BITS_OUT": layout_out.bits, "PACK": pack and layout_out.bits < 8,
-         "K": payloads, "UNROLL": _unroll(payloads), "ROWS": tile.rows, "COLS": tile.cols,
-         "SINGLE_PASS": tile.single_pass, **_masks(layout_in.block_size, tile, even),
+         "K": payloads, "UNROLL": _unroll(payloads, layout_in.block_size), "ROWS": tile.rows,
+         "COLS": tile.cols, "SINGLE_PASS": tile.single_pass, **_masks(layout_in.block_size, tile, even),
          "SCALES_F32_IN": scales_f32_in,
          "SCALES_F32_OUT": pack and scales_are_words(layout_out)},
         tile.num_warps, f"dequantize-reduce-quantize {payloads} x int{layout_in.bits} -> "

@@ -447,9 +447,11 @@ def _check_pieces(parts: int, numel: int, bits: int, block_size: int) -> Payload
 
 
 @cache
-def _even(numel: int, layout: PayloadLayout, bits: int | None = None) -> bool:
+def _even(numel: int, layout: PayloadLayout, bits: int | None = None,
+          reduction: bool = False) -> bool:
     return is_even(numel, layout.block_size,
-                   tile_config(layout.block_size, bits if bits is not None else layout.bits))
+                   tile_config(layout.block_size, bits if bits is not None else layout.bits,
+                               reduction))
 
 
 # ---- quantize ------------------------------------------------------------------------------
@@ -565,7 +567,7 @@ def dequantize_blockwise_many(
 def _reduce_launch(payloads: Tensor, total: Tensor, layout: PayloadLayout,
                    prepare: bool = False) -> bool:
     spec = _spec_dequantize_reduce(layout, total.dtype, payloads.shape[0],
-                                   _even(layout.numel, layout),
+                                   _even(layout.numel, layout, reduction=True),
                                    _scales_readable_as_words(payloads, layout))
     run = _prepare if prepare else _launch
     return run(spec, layout.nblocks, payloads, total, payloads.stride(0), layout.numel,
@@ -597,7 +599,7 @@ def _requantize_launch(payloads: Tensor, codes_target: Tensor, payload: Tensor,
     (one slice of the whole output when its codes are packed on the host)."""
     spec = _spec_dequantize_reduce_quantize(
         layout_in, layout_out, payloads.shape[0],
-        _even(piece.numel, layout_in, min(layout_in.bits, layout_out.bits)),
+        _even(piece.numel, layout_in, min(layout_in.bits, layout_out.bits), True),
         _scales_readable_as_words(payloads, layout_in))
     run = _prepare if prepare else _launch
     return run(spec, piece.nblocks, payloads, codes_target, payload, piece.data_nbytes,
