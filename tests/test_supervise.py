@@ -15,7 +15,7 @@ import pytest
 
 from tests.test_pretrain_cli import ROOT, read_metrics
 from tests.test_resilience import data_prefix, train_args  # noqa: F401 (module fixture)
-from zeropp.comm.flight_recorder import read_dumps
+from zeropp.comm.flight_recorder import divergence, read_dumps
 
 SUPERVISE = [sys.executable, "-m", "megatron_lite.supervise"]
 # As tests.test_pretrain_cli.run: one thread, so losses compare bit for bit between runs.
@@ -73,6 +73,9 @@ def test_a_failed_job_is_relaunched_and_ends_as_if_uninterrupted(data_prefix, tm
         dumps = read_dumps(ckpt)
         assert 0 in dumps and victim not in dumps  # a stopped rank writes nothing
         assert dumps[0]["verdict"].startswith(f"rank {victim} hung at iteration 6")
+        lines = divergence(dumps, world_size=2)  # what python -m megatron_lite.watchdog says
+        assert lines[0] == f"no dump from rank {victim} (hung or dead: it could not write)"
+        assert "  entered, not finished, by rank 0" in lines, lines
     last = {}
     for record in read_metrics(metrics)[0]:  # the relaunch repeats iteration 5: keep the last
         last[record["iteration"]] = record["lm_loss"]

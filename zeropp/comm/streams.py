@@ -38,6 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from zeropp.comm import flight_recorder
+
 # issue(async_op) -> a torch Work (or None when it completed synchronously)
 IssueFn = Callable[[bool], object | None]
 
@@ -51,7 +53,9 @@ class Pending:
     """
 
     def __init__(self, work: object | None = None, finish: Callable[[], None] | None = None,
-                 *, event: object | None = None, keep: tuple = ()) -> None:
+                 *, event: object | None = None, keep: tuple = (),
+                 record=flight_recorder.NO_RECORD) -> None:
+        self._record = record  # [Note: flight recorder]
         self._work = work
         self._finish = finish
         self._event = event
@@ -61,6 +65,7 @@ class Pending:
     def wait(self) -> None:
         if self.done:
             return
+        self._record.waiting()
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
         if self._work is not None:
@@ -72,6 +77,7 @@ class Pending:
             self._finish()
         self._keep = ()
         self.done = True
+        self._record.finished()
 
 
 class Execution(abc.ABC):
@@ -130,6 +136,7 @@ class InlineExecution(Execution):
     name = "inline"
 
     def launch(self, lane, issue, *, finish=None, keep=(), sequence=False) -> Pending:
+        record = flight_recorder.issued(lane, issue, keep)
         # Allocations come from the lane, as CudaExecution's side stream would make them
         # (``allocating_on``, inlined: this runs for every collective).
         previous = getattr(_lanes, "current", COMPUTE_LANE)
@@ -142,7 +149,7 @@ class InlineExecution(Execution):
                 finish()
         finally:
             _lanes.current = previous
-        return Pending(keep=keep)
+        return Pending(keep=keep, record=record)
 
 
 # CUDA's stream priorities: lower is higher; -1 is the highest torch's API exposes everywhere.
@@ -172,6 +179,7 @@ class CudaExecution(Execution):
             yield
 
     def launch(self, lane, issue, *, finish=None, keep=(), sequence=False) -> Pending:
+        record = flight_recorder.issued(lane, issue, keep)
         stream = self.streams[lane]
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -179,7 +187,7 @@ class CudaExecution(Execution):
             if finish is not None:
                 finish()
             event = stream.record_event()
-        return Pending(event=event, keep=keep)
+        return Pending(event=event, keep=keep, record=record)
 
 
 class HostThreadExecution(Execution):
@@ -191,11 +199,12 @@ class HostThreadExecution(Execution):
         self._worker: ThreadPoolExecutor | None = None
 
     def launch(self, lane, issue, *, finish=None, keep=(), sequence=False) -> Pending:
+        record = flight_recorder.issued(lane, issue, keep)
         if not sequence:
-            return Pending(issue(True), finish, keep=keep)
+            return Pending(issue(True), finish, keep=keep, record=record)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-reduce")
-        return Pending(self._worker.submit(issue, False), finish, keep=keep)
+        return Pending(self._worker.submit(issue, False), finish, keep=keep, record=record)
 
     def close(self) -> None:
         if self._worker is not None:
