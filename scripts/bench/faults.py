@@ -131,6 +131,9 @@ def run_case(work: Path, case: str, fault: str | None, extra: list[str], model: 
                                                                        FAULT_AFTER + 4))),
         "losses": last_losses(records),
         "saves": [line for _, line in stamped if "save" in line and "fault" in line],
+        # What the ranks said where a run failed without a fault asking for it.
+        "errors": [line for _, line in stamped if "Error" in line or "error:" in line
+                   or "exitcode" in line or "Signal" in line][:20],
     }
 
 
