@@ -68,7 +68,7 @@ from megatron_lite.ds_config import read_ds_config
 from megatron_lite.model import GPTConfig, GPTModel, describe_count
 from megatron_lite.model.gpt import LOSS_CHUNK_ELEMENTS
 from zeropp.config import ConfigError, EngineConfig, ZeroConfig
-from zeropp.planner import (
+from zeropp.planning.planner import (
     SystemPlan,
     plan_zero3_and_zeropp,
     unit_parameter_counts,
@@ -174,7 +174,7 @@ def planned_cluster(args: argparse.Namespace) -> PlannedCluster:
 
 def named_cluster(args: argparse.Namespace):
     """The built-in cluster (zeropp.step_time.CLUSTERS) ``--dry-run-cluster`` names, or None."""
-    from zeropp.step_time import CLUSTERS
+    from zeropp.planning.step_time import CLUSTERS
 
     name = getattr(args, "dry_run_cluster", None)
     if name is not None and name not in CLUSTERS:
@@ -188,7 +188,7 @@ def predicted_clusters(args: argparse.Namespace, ranks_per_node: int,
     """The clusters to predict the step time on: the one ``--dry-run-cluster`` names, else
     every built-in one with ``ranks_per_node`` GPUs per node; with ``kernel_rates``
     (``zeropp.step_time.MeasuredKernelRates``) their kernels run at the measured rates."""
-    from zeropp.step_time import CLUSTERS, with_kernel_rates
+    from zeropp.planning.step_time import CLUSTERS, with_kernel_rates
 
     named = named_cluster(args)
     clusters = ([named] if named is not None
@@ -205,7 +205,7 @@ def predicted_clusters(args: argparse.Namespace, ranks_per_node: int,
 def measured_kernel_rates(args: argparse.Namespace):
     """The GPU check's kernel rates ``--dry-run-kernel-rates`` names, or None (raises
     ``zeropp.step_time.KernelRatesError``, a ValueError, with one line)."""
-    from zeropp.step_time import load_kernel_rates
+    from zeropp.planning.step_time import load_kernel_rates
 
     path = getattr(args, "dry_run_kernel_rates", None)
     return None if path is None else load_kernel_rates(path)
@@ -495,7 +495,7 @@ def predicted_lines(report: DryRunReport, measurements: list, clusters: list,
     """Seconds per iteration and TFLOPs per GPU of each plan's traced iteration, replayed on
     each cluster by zeropp.step_time.predict (datasheet rates, or the measured kernel rates
     where given; see its notes)."""
-    from zeropp.step_time import predict
+    from zeropp.planning.step_time import predict
 
     header = [label for plan in report.plans for label in (f"{plan.name} s", "TFLOPs")]
     lines = [_row("predicted per iteration, per GPU", header)]

@@ -16,4 +16,4 @@ if [[ ! -x "$PYTHON" ]]; then
   exit 2
 fi
 cd "$ROOT"
-exec "$PYTHON" -m scripts.bench.gpu_check "$@"
+exec "$PYTHON" -m scripts.gpu_check.run "$@"

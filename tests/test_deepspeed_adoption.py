@@ -39,7 +39,7 @@ def adopt_and_train(rank, world):
     from transformers.integrations import HfDeepSpeedConfig
 
     import zeropp
-    from zeropp.param_face import _DeepSpeedCall
+    from zeropp.deepspeed_params.param_face import _DeepSpeedCall
 
     keep_alive = HfDeepSpeedConfig(DS_CONFIG)  # noqa: F841 (Hugging Face reads it globally)
     torch.manual_seed(0)

@@ -88,7 +88,7 @@ def test_a_deepspeed_chat_style_save_gathers_sharded_parameters_and_reads_them_w
 def test_zero_param_status_equals_deepspeeds_member_of_the_same_name():
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus as DeepSpeeds
 
-    from zeropp.param_face import ZeroParamStatus
+    from zeropp.deepspeed_params.param_face import ZeroParamStatus
 
     for ours in ZeroParamStatus:
         theirs = DeepSpeeds[ours.name]

@@ -18,9 +18,8 @@ from megatron_lite.dry_run import (
     predicted_lines,
     run_dry_run,
 )
-from scripts.bench.gpu_check_report import SectionResult, build_report, write_report
-from zeropp.simulation.trace import Collective, ComputeOp, IterationTrace, Launch, Wait
-from zeropp.step_time import (
+from scripts.gpu_check.report import SectionResult, build_report, write_report
+from zeropp.planning.step_time import (
     CLUSTERS,
     DEFAULT_HOST_SECONDS_PER_OP,
     KernelRatesError,
@@ -28,6 +27,7 @@ from zeropp.step_time import (
     predict,
     with_kernel_rates,
 )
+from zeropp.simulation.trace import Collective, ComputeOp, IterationTrace, Launch, Wait
 
 QUANTIZE_OP = "zeropp.quantize_blockwise.default"
 DEQUANTIZE_MANY_OP = "zeropp.dequantize_blockwise_many.default"

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from scripts.bench import gpu_side_by_side as bench
+from scripts.gpu_check import side_by_side as bench
 
 
 def test_cpu_smoke_runs_every_system_and_the_losses_agree(tmp_path, capsys):

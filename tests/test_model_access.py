@@ -61,7 +61,7 @@ def _modify(model, rank):
 
 def access_run(rank, world):
     import zeropp
-    from zeropp.zero import GatheredParameters
+    from zeropp.deepspeed_api.zero import GatheredParameters
 
     out = {}
     for name, zero in CONFIGS:
@@ -140,7 +140,7 @@ def test_gathered_parameters_read_discard_and_modify():
 
 
 def test_parameters_no_engine_manages_pass_through():
-    from zeropp.zero import GatheredParameters
+    from zeropp.deepspeed_api.zero import GatheredParameters
 
     linear = nn.Linear(3, 2)
     before = linear.weight.detach().clone()
@@ -243,7 +243,7 @@ def tiny_gpt2():
 
 
 def hf_run(rank, world, out_dir):
-    from zeropp.zero import GatheredParameters
+    from zeropp.deepspeed_api.zero import GatheredParameters
 
     model = tiny_gpt2()
     engine = _engine(model, {"stage": 3, "stage3_param_persistence_threshold": 0})

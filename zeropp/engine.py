@@ -76,7 +76,7 @@ class ZeroEngine:
 
     def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None) -> None:
         """DeepSpeed's ``engine.compile``: each block's forward compiled, hooks left eager."""
-        from zeropp.compiled_blocks import compile_blocks
+        from zeropp.acceleration.compiled_blocks import compile_blocks
 
         if self.compiled_blocks is None:
             self.compiled_blocks = compile_blocks(self.sharded, backend, compile_kwargs)
@@ -206,7 +206,7 @@ class ZeroEngine:
         options = None if self.config is None else self.config.cuda_graph
         if options is None or not options.enabled:
             return None
-        from zeropp.cuda_graph import CudaGraphOptions, IterationGraph
+        from zeropp.acceleration.cuda_graph import CudaGraphOptions, IterationGraph
 
         graph = IterationGraph(self, fn, CudaGraphOptions(True, options.warmup_iterations),
                                log=log, extra_blockers=extra_blockers)
@@ -499,7 +499,7 @@ class ZeroEngine:
         thread writes them, and ``finish_checkpoint`` publishes the checkpoint
         ([Note: asynchronous checkpoint saves]). Until then ``latest`` names the previous one.
         """
-        from zeropp import checkpoint
+        from zeropp.checkpoints import checkpoint
 
         return checkpoint.save(self, save_dir, tag or f"global_step{self.global_steps}",
                                client_state, async_save=async_save)
@@ -509,7 +509,7 @@ class ZeroEngine:
         iteration boundary) publishes only if every rank's writer is done. Returns the
         published directory, or None. A failed writer raises here on every rank
         (``CheckpointStorageError`` where storage failed)."""
-        from zeropp import checkpoint
+        from zeropp.checkpoints import checkpoint
 
         path = checkpoint.finish_pending(self, wait=wait)
         return None if path is None else str(path)
@@ -523,7 +523,7 @@ class ZeroEngine:
         """The tag a load of ``load_dir`` without one takes: ``latest``'s if every file
         verifies, else (``fallback``) the newest checkpoint that does, said in one line
         through ``log`` (rank 0 prints by default). Collective."""
-        from zeropp import checkpoint, checkpoint_integrity
+        from zeropp.checkpoints import checkpoint, checkpoint_integrity
 
         root = Path(load_dir)
         latest = checkpoint.read_latest(root, must_exist=False)
@@ -544,7 +544,7 @@ class ZeroEngine:
         against its checksum first; without ``tag``, a latest checkpoint that fails falls
         back to the newest one that verifies (``load_fallback=False``: raise instead).
         """
-        from zeropp import checkpoint, checkpoint_integrity
+        from zeropp.checkpoints import checkpoint, checkpoint_integrity
 
         if not load_module_strict:
             raise ValueError("load_checkpoint(load_module_strict=False) is not supported: "

@@ -32,9 +32,13 @@ from torch import nn
 from zeropp.comm import CommGroup, CommStats, Pending, all_gather
 from zeropp.comm.collectives import AllGather, Collective
 from zeropp.comm.streams import Execution
+from zeropp.deepspeed_params.param_face import (
+    ZeroParamStatus,
+    mirror_status,
+    present_as_partitioned,
+)
 from zeropp.flat_layout import FlatLayout
 from zeropp.offload import GradientDelivery
-from zeropp.param_face import ZeroParamStatus, mirror_status, present_as_partitioned
 
 
 class ShardState(enum.Enum):

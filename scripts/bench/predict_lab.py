@@ -44,11 +44,11 @@ from pathlib import Path
 import torch
 
 from megatron_lite.model import GPTConfig, GPTModel, lm_loss
-from zeropp.simulation.trace import ComputeOp
-from zeropp.step_time import (
+from zeropp.planning.step_time import (
     lab_cluster,
     predict,
 )
+from zeropp.simulation.trace import ComputeOp
 
 # Seconds per iteration (median) at the link rates unlimited, 1gbit, 100mbit, measured on
 # 2026-11-24 on the quiet reference machine right before the rates below were measured:

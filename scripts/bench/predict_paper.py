@@ -78,14 +78,14 @@ from megatron_lite.arguments import parse_args
 from megatron_lite.dry_run import baseline_ds_config
 from megatron_lite.ds_config import read_ds_config
 from scripts.bench.paper_memory import GPUS_PER_NODE, program_argv  # the paper's flags
-from zeropp.simulation.trace import IterationTrace, Launch
-from zeropp.step_time import (
+from zeropp.planning.step_time import (
     CLUSTERS,
     V100_GEMM_FRACTION,
     V100_NETWORK_EFFICIENCY,
     ClusterSpec,
     predict,
 )
+from zeropp.simulation.trace import IterationTrace, Launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = ("ZeRO-3", "ZeRO++")

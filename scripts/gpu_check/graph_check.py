@@ -34,7 +34,7 @@ HOST_FRACTION_TARGET = 0.10
 
 
 def _train(engine, batches: torch.Tensor, runner) -> dict:
-    from scripts.bench.gpu_check_engine import train_iteration
+    from scripts.gpu_check.engine import train_iteration
 
     def one_iteration(tokens):
         return train_iteration(engine, tokens)
@@ -76,14 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: no CUDA device: the graph check needs one", file=sys.stderr)
         return 3
-    from scripts.bench.gpu_check_engine import (
+    from scripts.gpu_check.engine import (
         GPT2_VOCAB,
         build_18b_block_engine,
         ensure_process_group,
         free_memory,
         token_batches,
     )
-    from zeropp.cuda_graph import CudaGraphOptions, IterationGraph, capture_blockers
+    from zeropp.acceleration.cuda_graph import CudaGraphOptions, IterationGraph, capture_blockers
 
     args.out.mkdir(parents=True, exist_ok=True)
     ensure_process_group("nccl")

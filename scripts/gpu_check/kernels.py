@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scripts.bench.gpu_check_report import (
+from scripts.gpu_check.report import (
     BANDWIDTH_TARGET,
     Outcome,
     bytes_per_second,
@@ -269,7 +269,7 @@ PAYLOADS_PER_CALL = 8  # ranks per node on DGX machines: qgZ's first hop, qwZ's 
 
 
 def _engine_block_size() -> int:
-    from zeropp.initialize import QuantizationOptions
+    from zeropp.deepspeed_api.initialize import QuantizationOptions
 
     return QuantizationOptions().block_size
 
@@ -592,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     import json
     from pathlib import Path
 
-    from scripts.bench.gpu_check_report import json_safe
+    from scripts.gpu_check.report import json_safe
 
     parser = argparse.ArgumentParser(prog="python -m scripts.bench.gpu_check_kernels",
                                      description=main.__doc__.split("\n")[0])
@@ -603,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: no CUDA device", file=sys.stderr)
         return 2
-    from scripts.bench.gpu_check import describe_device
+    from scripts.gpu_check.run import describe_device
 
     device_facts, environment = describe_device()
     started = time.perf_counter()

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.bench.gpu_check_report import (
+from scripts.gpu_check.report import (
     SECTIONS,
     Outcome,
     SectionResult,
@@ -181,8 +181,8 @@ def nccl_version() -> str | None:
 
 def section_function(key: str, out_dir: Path, quick: bool, limit_s: float | None):
     """The call that runs section `key` with the sizes of a full or a quick check."""
-    from scripts.bench import gpu_check_engine as engine_sections
-    from scripts.bench import gpu_check_kernels as kernel_sections
+    from scripts.gpu_check import engine as engine_sections
+    from scripts.gpu_check import kernels as kernel_sections
 
     work_s = None if limit_s is None else max(limit_s - SECTION_GRACE_S, 1.0)
     if key == "a":
@@ -209,7 +209,7 @@ def section_function(key: str, out_dir: Path, quick: bool, limit_s: float | None
         return lambda: engine_sections.check_host_vs_gpu(
             out_dir, num_layers=1 if quick else 2, micro_batch=1 if quick else 2,
             timed_iterations=2 if quick else 3)
-    from scripts.bench import gpu_check_nccl as nccl_sections
+    from scripts.gpu_check import nccl as nccl_sections
 
     if key == "f":
         return lambda: nccl_sections.check_under_sanitizer(steps=2 if quick else 3)
@@ -262,14 +262,14 @@ def run_section_in_child(key: str, args: argparse.Namespace, limit_s: float) -> 
     path = result_path(args.out, key)
     path.unlink(missing_ok=True)
     log_path = path.with_suffix(".log")
-    command = [sys.executable, "-m", "scripts.bench.gpu_check", "--out", str(args.out),
+    command = [sys.executable, "-m", "scripts.gpu_check.run", "--out", str(args.out),
                "--run-section", key, "--section-limit-s", f"{limit_s:.1f}"]
     if args.quick:
         command.append("--quick")
     start = time.perf_counter()
     with open(log_path, "w") as log:
         # Its own session: on timeout the whole group goes, section c's CPU worker included.
-        from scripts.bench.gpu_check_nccl import section_env
+        from scripts.gpu_check.nccl import section_env
 
         child = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True,

@@ -42,7 +42,7 @@ for p in $PARTS; do
         --out "$WORK/gc"
       cp "$WORK/gc/gpu_check.json" "$OUTDIR/gpu_check.json" 2>/dev/null ;;
     graph)
-      part graph 150 python3 -m scripts.bench.gpu_graph_check --out "$WORK/graph" --iterations 20
+      part graph 150 python3 -m scripts.gpu_check.graph_check --out "$WORK/graph" --iterations 20
       cp "$WORK/graph/gpu_graph_check.json" "$OUTDIR/" 2>/dev/null ;;
     train)
       ARGS=(--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
@@ -74,7 +74,7 @@ EOF
         | tee -a "$OUTDIR/session.log"
       mkdir -p "$WORK/side"
       part side 380 env PYTHONPATH="/tmp/ds_site${PYTHONPATH:+:$PYTHONPATH}" \
-        python3 -m scripts.bench.gpu_side_by_side --out "$WORK/side/side_by_side.json" \
+        python3 -m scripts.gpu_check.side_by_side --out "$WORK/side/side_by_side.json" \
         --budget 360 --system-timeout 180
       cp "$WORK/side/"*.json "$OUTDIR/" 2>/dev/null ;;
     profile)

@@ -208,7 +208,7 @@ class ZeroppSystem:
     def __init__(self, shape: RunShape, device, compiled: bool) -> None:
         import torch
 
-        from zeropp.initialize import build_engine
+        from zeropp.deepspeed_api.initialize import build_engine
 
         model = _gpt(shape)
         self.engine = build_engine(model, lr=LR, betas=BETAS, eps=EPS,
@@ -258,7 +258,7 @@ class Fsdp2System:
     def compile_seconds(self) -> float | None:
         if self._timers is None:
             return None
-        from zeropp.compiled_blocks import compile_timers
+        from zeropp.acceleration.compiled_blocks import compile_timers
 
         now = compile_timers()
         return sum(now.values()) - sum(self._timers.values())
@@ -302,7 +302,7 @@ class DeepSpeedSystem:
 
 
 def _compile_timer_snapshot() -> dict[str, float]:
-    from zeropp.compiled_blocks import compile_timers
+    from zeropp.acceleration.compiled_blocks import compile_timers
 
     return compile_timers()
 
@@ -433,7 +433,7 @@ def _run_in_subprocess(name: str, shape: RunShape, timeout: float, smoke: bool,
                    TORCHINDUCTOR_CACHE_DIR=inductor_cache or str(Path(scratch) / "inductor"))
         if smoke:
             env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-        command = [sys.executable, "-m", "scripts.bench.gpu_side_by_side", "--worker", name,
+        command = [sys.executable, "-m", "scripts.gpu_check.side_by_side", "--worker", name,
                    "--worker-shape", json.dumps(asdict(shape)), "--worker-out", str(result_path)]
         root = Path(__file__).resolve().parents[2]
         started = time.perf_counter()

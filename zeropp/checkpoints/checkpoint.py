@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zeropp.checkpoint_files import CheckpointError, CheckpointStorageError, shard_file
-from zeropp.checkpoint_integrity import gather_checksums
-from zeropp.checkpoint_io import save_to_file
+from zeropp.checkpoints.checkpoint_files import CheckpointError, CheckpointStorageError, shard_file
+from zeropp.checkpoints.checkpoint_integrity import gather_checksums
+from zeropp.checkpoints.checkpoint_io import save_to_file
 from zeropp.flat_layout import FlatLayout
 
 SHARD_FORMAT = "zeropp-shard-v1"
@@ -180,7 +180,7 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
     thread writes the file, and ``finish_pending`` publishes the checkpoint
     ([Note: asynchronous checkpoint saves]). A save still in flight is finished first.
     """
-    from zeropp.checkpoint_async import PendingSave, staging_for
+    from zeropp.checkpoints.checkpoint_async import PendingSave, staging_for
 
     finish_pending(engine, wait=True)
     root = Path(save_dir)

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zeropp.checkpoint_io import save_to_file
+from zeropp.checkpoints.checkpoint_io import save_to_file
 from zeropp.offload import HostMemory
 
 

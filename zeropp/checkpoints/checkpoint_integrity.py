@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zeropp.checkpoint_files import CheckpointError, shard_file
-from zeropp.checkpoint_io import file_checksum
+from zeropp.checkpoints.checkpoint_files import CheckpointError, shard_file
+from zeropp.checkpoints.checkpoint_io import file_checksum
 from zeropp.comm.collectives import all_gather_into_tensor
 
 

@@ -23,16 +23,16 @@ from pathlib import Path
 
 import torch
 
-from zeropp import checkpoint
-from zeropp.checkpoint_files import CheckpointError
-from zeropp.config.json_reading import ConfigError
-from zeropp.config.optimizer import OptimizerConfig
-from zeropp.deepspeed_checkpoint import (
+from zeropp.checkpoints import checkpoint
+from zeropp.checkpoints.checkpoint_files import CheckpointError
+from zeropp.checkpoints.deepspeed_checkpoint import (
     MOMENTS,
     DeepSpeedCheckpoint,
     DeepSpeedCheckpointError,
     open_checkpoint,
 )
+from zeropp.config.json_reading import ConfigError
+from zeropp.config.optimizer import OptimizerConfig
 from zeropp.flat_layout import FlatLayout
 
 # The whole model as one unit: the load finds parameters by name, whatever its units are.

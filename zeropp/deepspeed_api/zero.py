@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from zeropp.param_face import answer_deepspeed_calls
+from zeropp.deepspeed_params.param_face import answer_deepspeed_calls
 from zeropp.sharded_model import ShardedModel, find_unit
 from zeropp.unit import ShardedUnit, ShardState
 
