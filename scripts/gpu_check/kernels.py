@@ -603,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: no CUDA device", file=sys.stderr)
         return 2
-    from scripts.gpu_check.run import describe_device
+    from scripts.gpu_check.report import describe_device
 
     device_facts, environment = describe_device()
     started = time.perf_counter()

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -49,7 +48,7 @@ from scripts.gpu_check.report import (
     Outcome,
     SectionResult,
     build_report,
-    device_peak_bandwidth,
+    describe_device,
     json_safe,
     one_line,
     render_table,
@@ -138,42 +137,6 @@ def no_cuda_reason() -> str | None:
         return ("TRITON_INTERPRET=1 would run the Triton kernels in its interpreter: unset it "
                 "for the GPU check")
     return None
-
-
-def describe_device() -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the device's properties and peak memory bandwidth, the software versions)."""
-    import torch
-
-    props = torch.cuda.get_device_properties(0)
-    clock_khz = getattr(props, "memory_clock_rate", None)
-    bus_bits = getattr(props, "memory_bus_width", None)
-    peak = device_peak_bandwidth(props.name, clock_khz, bus_bits)
-    device = {
-        "name": props.name, "capability": [props.major, props.minor],
-        "total_memory_bytes": props.total_memory,
-        "multi_processor_count": props.multi_processor_count,
-        "memory_clock_khz": clock_khz, "memory_bus_width_bits": bus_bits,
-        "peak_memory_bandwidth": peak._asdict() if peak else None,
-        "device_count": torch.cuda.device_count(),
-    }
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    environment = {"python": platform.python_version(), "torch": torch.__version__,
-                   "cuda": torch.version.cuda, "triton": triton_version, "nccl": nccl_version()}
-    return device, environment
-
-
-def nccl_version() -> str | None:
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_nccl_available():
-        return None
-    version = torch.cuda.nccl.version()  # a tuple in torch 2.x, an int before
-    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
 # ---- one section, in this process --------------------------------------------------------------
