@@ -1,5 +1,5 @@
-"""Compiled blocks ([Note: compiled blocks] in zeropp/compiled_blocks.py) against the eager
-engine they replace: the same losses on 2 x 2 gloo ranks with qwZ + hpZ + qgZ, one graph
+"""Compiled blocks ([Note: compiled blocks] in zeropp/acceleration/compiled_blocks.py) against the
+eager engine they replace: the same losses on 2 x 2 gloo ranks with qwZ + hpZ + qgZ, one graph
 for all blocks and no recompiles; the config's ``compile`` block and its refusals.
 
 Inductor's C++ backend compiles slowly on two cores, so each test makes as few distinct

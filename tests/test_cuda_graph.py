@@ -1,4 +1,5 @@
-"""The iteration graph ([Note: iteration graphs] in zeropp/cuda_graph.py) without a GPU.
+"""The iteration graph ([Note: iteration graphs] in zeropp/acceleration/cuda_graph.py) without a
+GPU.
 
 A CUDA graph cannot run here, so its two effects are stood in for: a capture that runs the
 iteration once (as the engine's Python runs once during a real capture) and a replay that

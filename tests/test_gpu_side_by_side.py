@@ -1,4 +1,4 @@
-"""scripts/bench/gpu_side_by_side.py's --cpu-smoke: every system of the GPU comparison
+"""scripts/gpu_check/side_by_side.py's --cpu-smoke: every system of the GPU comparison
 (this engine eager and compiled, FSDP2 eager and compiled, DeepSpeed ZeRO-3) trains the same
 tiny GPT on the CPU in its own subprocess, and they agree on the loss, so the script runs
 as it is when a GPU session calls it."""

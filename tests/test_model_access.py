@@ -35,7 +35,8 @@ def _engine(model, zero: dict):
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}})
     sharded = engine.sharded
     # The optimizer's fp32 masters follow shards written by GatheredParameters(modifier_rank).
-    # build_engine does not register this yet (zeropp/initialize.py), so the test does.
+    # build_engine does not register this yet (zeropp/deepspeed_api/initialize.py), so the test
+    # does.
     if not sharded.shard_write_listeners:
         sharded.shard_write_listeners.append(
             lambda i: engine.optimizer.load_shard(i, sharded.units[i].shard))

@@ -52,13 +52,13 @@ class ZeroEngine:
         self._last_grad_norm: float | torch.Tensor | None = None
         self._last_overflow: bool | torch.Tensor = False
         # This rank's random streams from the last load_checkpoint (restored by whoever wants
-        # them: zeropp.checkpoint.restore_rng_state), None before a load or across worlds.
+        # them: zeropp.checkpoints.restore_rng_state), None before a load or across worlds.
         self.loaded_rng_state: dict | None = None
         # (directory, tag) that checkpoint_to_load has just verified: load_checkpoint does
         # not read its files a second time.
         self._verified_checkpoint: tuple[Path, str] | None = None
-        # The asynchronous save in flight (zeropp.checkpoint_async.PendingSave), and the host
-        # buffers every save stages the shards in (kept: reused by the next save).
+        # The asynchronous save in flight (zeropp.checkpoints.checkpoint_async.PendingSave), and
+        # the host buffers every save stages the shards in (kept: reused by the next save).
         self._pending_checkpoint = None
         self._checkpoint_staging = None
         # DeepSpeed's own printouts and monitors (steps_per_print, wall_clock_breakdown, ...).
@@ -69,7 +69,8 @@ class ZeroEngine:
             self.reports = EngineReports(config, sharded.topology.rank, sharded.device)
         self.tput_timer = ThroughputTimer.for_engine(config, sharded.topology.rank,
                                                      sharded.device)
-        # [Note: compiled blocks] (zeropp/compiled_blocks.py): the config's compile block.
+        # [Note: compiled blocks] (zeropp/acceleration/compiled_blocks.py): the config's
+        # compile block.
         self.compiled_blocks = None
         if config is not None and config.compile.enabled:
             self.compile(config.compile.backend, config.compile.kwargs)
@@ -201,7 +202,8 @@ class ZeroEngine:
         """How a training loop should call ``fn``, one whole iteration (forward, backward and
         step of each micro-batch, on inputs already on the device, no host read): as an
         ``IterationGraph`` that captures it once where the config's ``cuda_graph`` block asks
-        for it ([Note: iteration graphs] in zeropp/cuda_graph.py), else None: call ``fn``.
+        for it ([Note: iteration graphs] in zeropp/acceleration/cuda_graph.py), else None: call
+        ``fn``.
         ``extra_blockers``: what the caller knows stops a capture (its model's randomness)."""
         options = None if self.config is None else self.config.cuda_graph
         if options is None or not options.enabled:
@@ -490,7 +492,7 @@ class ZeroEngine:
             torch.save(state, path)
         return True
 
-    # ---- checkpoints (zeropp/checkpoint.py, [Note: checkpoint layout]) --------------------
+    # ---- checkpoints (zeropp/checkpoints/checkpoint.py, [Note: checkpoint layout]) ---------------
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None,
                         async_save: bool = False):
         """Atomic sharded save; every rank calls it. Returns the checkpoint directory.

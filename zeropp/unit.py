@@ -181,7 +181,7 @@ class ShardedUnit:
         # or writes them until the context exits, so the engine's own releases leave them.
         self.holds = 0
         # Whole weights handed to a user, who may keep tensors of them: freed by rebinding
-        # ``full`` ([Note: storage lent to the user] in zeropp/zero.py).
+        # ``full`` ([Note: storage lent to the user] in zeropp/deepspeed_api/zero.py).
         self.lent_to_user = False
 
         self.params: list[nn.Parameter] = []
@@ -404,7 +404,7 @@ class ShardedUnit:
             self.state = ShardState.SHARDED
             # A persistent unit is gathered again at once into the same memory: an
             # iteration then ends with its weights where it began ([Note: iteration graphs]
-            # in zeropp/cuda_graph.py: a replayed forward reads them there).
+            # in zeropp/acceleration/cuda_graph.py: a replayed forward reads them there).
             if not (self.replicated or self.persistent):
                 self._free_full()
         if self.persistent and regather:

@@ -12,7 +12,7 @@ e. Host time against GPU time per iteration for the 18B's block shape
    (configs/models/gpt_18b.args) with few layers, so it fits one GPU: wall clock and CUDA
    events per iteration, and the GPU's busy time from one profiled iteration.
 
-`python -m scripts.bench.gpu_check_engine cpu-losses --steps N --out FILE` is section c's
+`python -m scripts.gpu_check.engine cpu-losses --steps N --out FILE` is section c's
 CPU reference (run by the section itself).
 """
 

@@ -1,13 +1,13 @@
 """The whole iteration as one CUDA graph against the same iteration eager, on one GPU.
 
-    python -m scripts.bench.gpu_graph_check --out DIR [--layers 2] [--micro-batch 2]
+    python -m scripts.gpu_check.graph_check --out DIR [--layers 2] [--micro-batch 2]
         [--iterations 20]
 
 Two engines of the GPU check's section e (the 18B's block shape, bf16 ZeRO++ with qwZ and
 qgZ, activation checkpointing; one rank on NCCL) are built from the same initial values
 and trained on the same token batches: one eagerly, one through ``IterationGraph``
-([Note: iteration graphs] in zeropp/cuda_graph.py). Per iteration it records the loss, the
-host's time to issue it (until the call returns) and the GPU's time (CUDA events). It
+([Note: iteration graphs] in zeropp/acceleration/cuda_graph.py). Per iteration it records the loss,
+the host's time to issue it (until the call returns) and the GPU's time (CUDA events). It
 writes DIR/gpu_graph_check.json and prints a table:
 - losses equal to rounding (largest relative difference; CUDA's atomics in the embedding's
   backward make two eager runs differ in the last bits too);
@@ -65,7 +65,7 @@ def _steady(values: list[float], skip: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.bench.gpu_graph_check",
+    parser = argparse.ArgumentParser(prog="python -m scripts.gpu_check.graph_check",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--layers", type=int, default=2)

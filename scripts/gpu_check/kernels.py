@@ -13,7 +13,7 @@ b. Each kernel's bandwidth on 64 MiB tensors (and, reported besides, 1 MiB and 8
    with the reference on the CPU (as in a), to check the large grids. The per-op rates become
    the report's `kernel_rates`, keyed by the trace's op names. Then the host's microseconds
    per call of each kernel, through the cached launcher and the plain `kernel[grid]` path.
-   On its own, in under a minute: `python -m scripts.bench.gpu_check_kernels --section b
+   On its own, in under a minute: `python -m scripts.gpu_check.kernels --section b
    --out DIR`.
 
 The functions take a device and sizes, so the tests run their plumbing on CPU (reference
@@ -586,7 +586,7 @@ def format_section_b(figures: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m scripts.bench.gpu_check_kernels --section b --out DIR`: one section of the
+    """`python -m scripts.gpu_check.kernels --section b --out DIR`: one section of the
     GPU check on its own (under a minute on an H100/H200), its JSON in DIR/kernels_<s>.json."""
     import argparse
     import json
@@ -594,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from scripts.gpu_check.report import json_safe
 
-    parser = argparse.ArgumentParser(prog="python -m scripts.bench.gpu_check_kernels",
+    parser = argparse.ArgumentParser(prog="python -m scripts.gpu_check.kernels",
                                      description=main.__doc__.split("\n")[0])
     parser.add_argument("--section", choices=("a", "b"), default="b")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here (a folder)")

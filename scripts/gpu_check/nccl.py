@@ -10,7 +10,7 @@
      on its own GPU (LOCAL_RANK's), and both ranks must see the same losses. Skipped, with
      the reason, on a machine with one GPU.
 
-    python -m scripts.bench.gpu_check_nccl rank --steps N --out FILE   (one rank of section g)
+    python -m scripts.gpu_check.nccl rank --steps N --out FILE   (one rank of section g)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The GPU check's report and arithmetic: everything of it that runs without a GPU.
 
-`scripts.bench.gpu_check` runs five sections on a CUDA device (see its docstring); this module
+`scripts.gpu_check.run` runs five sections on a CUDA device (see its docstring); this module
 holds what they share and what the tests exercise on fake data:
 
 - a section's result (`Outcome` from the section, `SectionResult` once timed) and the runner
@@ -12,7 +12,7 @@ holds what they share and what the tests exercise on fake data:
 - the report (`gpu_check.json`): its schema, writer, validation and the printed table.
 
 The report's `kernel_rates` maps the step-time trace's op names ("zeropp.quantize_blockwise.
-default", ...) to measured bytes/s; `zeropp.step_time.load_kernel_rates` reads it back.
+default", ...) to measured bytes/s; `zeropp.planning.step_time.load_kernel_rates` reads it back.
 """
 
 from __future__ import annotations

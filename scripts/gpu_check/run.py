@@ -1,22 +1,22 @@
 """The GPU check: one command, under 10 minutes on one GPU, for the moment a GPU is at hand.
 
     scripts/gpu_check.sh [--out DIR] [--quick] [--sections abcdefg] [--budget-s 570]
-    (= .venv/bin/python -m scripts.bench.gpu_check ...)
+    (= .venv/bin/python -m scripts.gpu_check.run ...)
 
 Sections (each timed, each pass / fail / skip with its figures; a failing one does not stop
 the others):
   a. the Triton kernels on CUDA equal the torch reference bit for bit
-     (scripts/bench/gpu_check_kernels.py);
+     (scripts/gpu_check/kernels.py);
   b. each kernel's bandwidth on 64 MiB tensors against the device's peak (target 70%); the
      per-op rates become the report's `kernel_rates`, which the step-time model reads
      (`pretrain_zeropp_gpt.py --dry-run --dry-run-kernel-rates DIR/gpu_check.json`);
   c. the engine on NCCL (one rank, CUDA execution model) trains a tiny GPT to the losses of
-     the same run on CPU/gloo (scripts/bench/gpu_check_engine.py);
+     the same run on CPU/gloo (scripts/gpu_check/engine.py);
   d. a profiled iteration shows the gather and reduce streams overlapping compute (the
      chrome trace is kept in DIR);
   e. host time against GPU time per iteration at the 18B's block shape, few layers;
   f. the engine at world size 1 under PyTorch's CUDA sanitizer: no cross-stream race
-     (scripts/bench/gpu_check_nccl.py);
+     (scripts/gpu_check/nccl.py);
   g. two processes on two GPUs over NCCL, started as torchrun starts them: one GPU each by
      LOCAL_RANK, equal losses (skipped on a one-GPU machine).
 

@@ -3,7 +3,7 @@
 Systems, each in a subprocess of its own with a time limit (one OOM or failure does not stop
 the others), one process per system on the one GPU (world size 1):
 
-    zeropp_compiled   this engine, ZeRO-3 (zeropp.initialize.build_engine), with compiled
+    zeropp_compiled   this engine, ZeRO-3 (zeropp.build_engine), with compiled
                       blocks (engine.compile(): [Note: compiled blocks])
     fsdp2_compiled    torch.distributed.fsdp.fully_shard on every block, then the root,
                       MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), each
@@ -52,7 +52,7 @@ device call carries ``.whl_ds`` and runs, from the repository root:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl_ds/*.whl && \\
     export PYTHONPATH=/tmp/site && \\
-    python3 -m scripts.bench.gpu_side_by_side --out $OUT/side_by_side.json
+    python3 -m scripts.gpu_check.side_by_side --out $OUT/side_by_side.json
 
 Only the DeepSpeed subprocess imports deepspeed; without it that system reports the import
 error and the others run.

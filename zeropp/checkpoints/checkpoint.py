@@ -9,7 +9,7 @@
 
 Every file is checksummed as it is written and verified before a load; ``--load`` falls
 back to the newest checkpoint that verifies ([Note: checkpoint checksums] in
-``zeropp/checkpoint_integrity.py``). A save writes everything under ``DIR/TAG.tmp``; after every rank has written (a barrier),
+``zeropp/checkpoints/checkpoint_integrity.py``). A save writes everything under ``DIR/TAG.tmp``; after every rank has written (a barrier),
 rank 0 renames the directory to ``DIR/TAG`` and only then replaces ``latest`` (temp file +
 rename). A crash at any point leaves ``latest`` naming the previous complete checkpoint.
 

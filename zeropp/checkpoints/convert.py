@@ -4,8 +4,8 @@
     python -m zeropp.convert --to-fp32 DIR --out FILE [--tag TAG]
 
 ``--from-deepspeed`` reads a DeepSpeed ZeRO-1/2/3 checkpoint ([Note: DeepSpeed's checkpoint
-layout] in ``zeropp/deepspeed_checkpoint.py``) and writes this engine's ([Note: checkpoint
-layout]) through its own writer: fp32 masters, Adam's moments and step, the param groups'
+layout] in ``zeropp/checkpoints/deepspeed_checkpoint.py``) and writes this engine's ([Note:
+checkpoint layout]) through its own writer: fp32 masters, Adam's moments and step, the param groups'
 hyperparameters, the loss scale, the step counters, the lr schedule and the client state.
 ``engine.load_checkpoint`` then resumes the job. The written world size only sets how many
 rank files there are: this engine's load reshards to any world size, so ``--world-size``
