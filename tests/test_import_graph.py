@@ -273,6 +273,7 @@ def test_old_module_paths_still_import_for_users():
 
     import zeropp
 
+    assert set(MOVED) == set(zeropp.MOVED_MODULES)
     for old, new in MOVED.items():
         assert importlib.import_module(old) is importlib.import_module(new)
     assert zeropp.checkpoint is importlib.import_module("zeropp.checkpoints.checkpoint")
