@@ -43,8 +43,8 @@ __all__ = [
     "parse_split", "validate_args",
 ]
 SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
-# zeropp.lr_schedules.AnnealingLR's styles, named here so that parsing the command line
-# imports no engine (tests/test_arguments.py checks the two agree).
+# zeropp.deepspeed_api.lr_schedules.AnnealingLR's styles, named here so that parsing the
+# command line imports no engine (tests/test_arguments.py checks the two agree).
 DECAY_STYLES = ("constant", "linear", "cosine")
 
 _REQUIRED_MODEL_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
@@ -391,7 +391,7 @@ def _add_dry_run_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--dry-run-cluster", default=None, metavar="NAME",
                        help="Also predict the seconds per iteration and TFLOPs per GPU of "
                        "ZeRO-3 and the configured ZeRO++ on this built-in cluster "
-                       "(zeropp.step_time.CLUSTERS: dgx2_100g, dgx2_200g, dgx2_400g, "
+                       "(zeropp.planning.step_time.CLUSTERS: dgx2_100g, dgx2_200g, dgx2_400g, "
                        "dgx2_800g, dgx_a100, dgx_h100), by replaying the simulated rank's "
                        "iteration (needs --dry-run-simulate). Default: every built-in cluster "
                        "with as many GPUs per node as planned.")

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.watchdog import Watchdog, WatchdogConfig
-from zeropp.checkpoint import CheckpointError, CheckpointStorageError, client_state
+from zeropp.checkpoints.checkpoint import CheckpointError, CheckpointStorageError, client_state
 
 
 class SaveFailed(RuntimeError):
@@ -162,7 +162,7 @@ class RunControl:
         )
         trainer.load_state_dict(client)
         if not self.config.no_load_rng:  # as Megatron: the run's random streams continue
-            from zeropp.checkpoint import restore_rng_state
+            from zeropp.checkpoints.checkpoint import restore_rng_state
 
             restore_rng_state(getattr(self.engine, "loaded_rng_state", None))
         if not weights_only and client.get("lr_scheduler"):

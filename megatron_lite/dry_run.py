@@ -7,7 +7,7 @@
 
 One process, no GPU, no process group: the GPT is built on the meta device (an 18B model in
 about a second), its units are counted the way the engine groups them, and
-``zeropp.planner`` replays the engine's layout, prefetch and collectives for the planned
+``zeropp.planning.planner`` replays the engine's layout, prefetch and collectives for the planned
 cluster. Printed: the parameter count, each GPU's memory by kind (parameters, gradients,
 optimizer state, hpZ secondary shards, activations) against the GPU's memory, and the bytes
 each GPU sends per iteration by phase and locality, for the ZeRO-3 baseline and for the
@@ -68,7 +68,7 @@ from megatron_lite.ds_config import read_ds_config
 from megatron_lite.model import GPTConfig, GPTModel, describe_count
 from megatron_lite.model.gpt import LOSS_CHUNK_ELEMENTS
 from zeropp.config import ConfigError, EngineConfig, ZeroConfig
-from zeropp.planner import (
+from zeropp.planning.planner import (
     SystemPlan,
     plan_zero3_and_zeropp,
     unit_parameter_counts,
@@ -173,8 +173,9 @@ def planned_cluster(args: argparse.Namespace) -> PlannedCluster:
 
 
 def named_cluster(args: argparse.Namespace):
-    """The built-in cluster (zeropp.step_time.CLUSTERS) ``--dry-run-cluster`` names, or None."""
-    from zeropp.step_time import CLUSTERS
+    """The built-in cluster (zeropp.planning.step_time.CLUSTERS) ``--dry-run-cluster`` names, or
+    None."""
+    from zeropp.planning.step_time import CLUSTERS
 
     name = getattr(args, "dry_run_cluster", None)
     if name is not None and name not in CLUSTERS:
@@ -187,8 +188,8 @@ def predicted_clusters(args: argparse.Namespace, ranks_per_node: int,
                        kernel_rates=None) -> list:
     """The clusters to predict the step time on: the one ``--dry-run-cluster`` names, else
     every built-in one with ``ranks_per_node`` GPUs per node; with ``kernel_rates``
-    (``zeropp.step_time.MeasuredKernelRates``) their kernels run at the measured rates."""
-    from zeropp.step_time import CLUSTERS, with_kernel_rates
+    (``zeropp.planning.step_time.MeasuredKernelRates``) their kernels run at the measured rates."""
+    from zeropp.planning.step_time import CLUSTERS, with_kernel_rates
 
     named = named_cluster(args)
     clusters = ([named] if named is not None
@@ -196,7 +197,8 @@ def predicted_clusters(args: argparse.Namespace, ranks_per_node: int,
     if kernel_rates is not None:
         clusters = [with_kernel_rates(c, kernel_rates) for c in clusters]
     if getattr(args, "cuda_graph", False):
-        # One graph launch per iteration ([Note: iteration graphs] in zeropp/cuda_graph.py):
+        # One graph launch per iteration ([Note: iteration graphs] in
+        # zeropp/acceleration/cuda_graph.py):
         # the host no longer issues each kernel and collective.
         clusters = [dataclasses.replace(c, host_seconds_per_op=0.0) for c in clusters]
     return clusters
@@ -204,8 +206,8 @@ def predicted_clusters(args: argparse.Namespace, ranks_per_node: int,
 
 def measured_kernel_rates(args: argparse.Namespace):
     """The GPU check's kernel rates ``--dry-run-kernel-rates`` names, or None (raises
-    ``zeropp.step_time.KernelRatesError``, a ValueError, with one line)."""
-    from zeropp.step_time import load_kernel_rates
+    ``zeropp.planning.step_time.KernelRatesError``, a ValueError, with one line)."""
+    from zeropp.planning.step_time import load_kernel_rates
 
     path = getattr(args, "dry_run_kernel_rates", None)
     return None if path is None else load_kernel_rates(path)
@@ -493,9 +495,9 @@ def simulate_plans(argv: list[str], report: DryRunReport) -> list:
 def predicted_lines(report: DryRunReport, measurements: list, clusters: list,
                     kernel_rates=None) -> list[str]:
     """Seconds per iteration and TFLOPs per GPU of each plan's traced iteration, replayed on
-    each cluster by zeropp.step_time.predict (datasheet rates, or the measured kernel rates
+    each cluster by zeropp.planning.step_time.predict (datasheet rates, or the measured kernel rates
     where given; see its notes)."""
-    from zeropp.step_time import predict
+    from zeropp.planning.step_time import predict
 
     header = [label for plan in report.plans for label in (f"{plan.name} s", "TFLOPs")]
     lines = [_row("predicted per iteration, per GPU", header)]
@@ -512,8 +514,8 @@ def predicted_lines(report: DryRunReport, measurements: list, clusters: list,
     if not clusters:
         lines.append(f"  no built-in cluster has {report.cluster.ranks_per_node} GPUs per node; "
                      "name one with --dry-run-cluster")
-    lines.append("  replay of rank 0's traced iteration (zeropp.step_time) with datasheet rates "
-                 "and assumed efficiencies: a comparison, not a promise")
+    lines.append("  replay of rank 0's traced iteration (zeropp.planning.step_time) with datasheet "
+                 "rates and assumed efficiencies: a comparison, not a promise")
     if host_lines:
         lines.append("  the host issuing the iteration ([Note: host in the step-time model]):")
         lines += host_lines

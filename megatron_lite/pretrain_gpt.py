@@ -56,7 +56,7 @@ from megatron_lite.training import (
     pretrain,
 )
 from zeropp.config import EngineConfig
-from zeropp.lr_schedules import AnnealingLR
+from zeropp.deepspeed_api.lr_schedules import AnnealingLR
 
 USAGE_ERRORS = (ArgumentError, zeropp.ConfigError, zeropp.TopologyError)
 

@@ -159,7 +159,7 @@ def _stand_in_for_rank_0(save_dir: Path, rank: int, iterations: int, before: boo
     is created before this rank writes, and its shard moved into the published tag after.
     """
     from megatron_lite.checkpointing import checkpoint_tag
-    from zeropp.checkpoint import shard_file
+    from zeropp.checkpoints.checkpoint import shard_file
 
     tag = checkpoint_tag(iterations)
     staging = save_dir / f"{tag}.tmp"

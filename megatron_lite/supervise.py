@@ -86,7 +86,7 @@ def checkpoint_dir(command: list[str]) -> Path:
 
 def resume_point(root: Path) -> str:
     """'iteration N' of the newest checkpoint in ``root`` that verifies, else 'scratch'."""
-    from zeropp.checkpoint_integrity import newest_verified
+    from zeropp.checkpoints.checkpoint_integrity import newest_verified
 
     tag = newest_verified(root)
     if tag is None:

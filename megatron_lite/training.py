@@ -47,7 +47,7 @@ from megatron_lite.metrics import (
 from megatron_lite.model import GPTConfig, flops_per_token, lm_loss
 
 if TYPE_CHECKING:  # for annotations only: the loop runs whatever schedule it is handed
-    from zeropp.lr_schedules import AnnealingLR
+    from zeropp.deepspeed_api.lr_schedules import AnnealingLR
 
 # (logits, labels, loss_mask) -> scalar mean loss of one micro-batch.
 LossFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -2,7 +2,7 @@
 # The GPU check (docs/results.md): the Triton kernels against the reference and at HBM
 # rate, the engine on NCCL against CPU/gloo, its streams' overlap and its host overhead, the
 # engine under the CUDA sanitizer, and two ranks on two GPUs (when there are two), in under
-# 10 minutes. Arguments go to scripts/bench/gpu_check.py:
+# 10 minutes. Arguments go to scripts/gpu_check/run.py:
 #   scripts/gpu_check.sh [--out DIR] [--quick] [--sections abcdefg] [--budget-s S]
 # No set-up here: the GPU machine may have no network. PYTHON overrides the interpreter
 # (default: the repository's .venv, which needs a CUDA build of torch and triton).
@@ -16,4 +16,4 @@ if [[ ! -x "$PYTHON" ]]; then
   exit 2
 fi
 cd "$ROOT"
-exec "$PYTHON" -m scripts.bench.gpu_check "$@"
+exec "$PYTHON" -m scripts.gpu_check.run "$@"

@@ -433,6 +433,6 @@ def test_module_imports_neither_zeropp_nor_deepspeed() -> None:
 
 
 def test_decay_styles_are_the_schedules() -> None:
-    from zeropp.lr_schedules import DECAY_STYLES
+    from zeropp.deepspeed_api.lr_schedules import DECAY_STYLES
 
     assert arguments.DECAY_STYLES == DECAY_STYLES

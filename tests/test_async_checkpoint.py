@@ -21,7 +21,7 @@ STEPS = 6
 
 
 def _engine():
-    from zeropp.initialize import build_engine
+    from zeropp.deepspeed_api.initialize import build_engine
     from zeropp.sharded_model import ShardingOptions
 
     return build_engine(toy_model(hidden=43), lr=3e-3, weight_decay=0.1,
@@ -92,7 +92,8 @@ def test_async_save_writes_the_sync_files_and_resumes_bit_exactly(tmp_path):
 def disk_fills_during_async_write(rank, world, root, failing_rank):
     """A good synchronous save, then an asynchronous one whose writer finds the disk full on
     one rank: the error comes at the next boundary, on every rank, as a storage error."""
-    from zeropp import CheckpointError, CheckpointStorageError, checkpoint_io
+    from zeropp import CheckpointError, CheckpointStorageError
+    from zeropp.checkpoints import checkpoint_io
 
     engine = _engine()
     _train(engine, rank, world, range(2))
@@ -122,7 +123,7 @@ def disk_fills_during_async_write(rank, world, root, failing_rank):
     finally:
         checkpoint_io.write_chunk = real_write
     in_flight = engine.checkpoint_in_flight
-    from zeropp.checkpoint_integrity import newest_verified
+    from zeropp.checkpoints.checkpoint_integrity import newest_verified
 
     latest = (Path(root) / "latest").read_text()
     resumable = newest_verified(Path(root))
@@ -136,7 +137,7 @@ def disk_fills_during_async_write(rank, world, root, failing_rank):
 @pytest.mark.parametrize("failing_rank", [0, 1])
 def test_a_full_disk_during_an_async_write_is_one_storage_error_on_every_rank(tmp_path,
                                                                              failing_rank):
-    from zeropp.checkpoint_integrity import newest_verified
+    from zeropp.checkpoints.checkpoint_integrity import newest_verified
 
     results = run_ranks(disk_fills_during_async_write, 2, str(tmp_path), failing_rank)
     for rank, (outcome, in_flight, latest, resumable) in enumerate(results):
@@ -152,7 +153,7 @@ def test_a_full_disk_during_an_async_write_is_one_storage_error_on_every_rank(tm
 
 
 def test_writer_output_is_torch_save_byte_for_byte(tmp_path):
-    from zeropp.checkpoint_io import CHUNK_BYTES, file_checksum, save_to_file
+    from zeropp.checkpoints.checkpoint_io import CHUNK_BYTES, file_checksum, save_to_file
 
     # Larger than two chunks, with a tail that is not a multiple of the alignment.
     state = {"big": torch.arange(CHUNK_BYTES // 2 + 12345, dtype=torch.float64),
@@ -169,7 +170,7 @@ def test_writer_output_is_torch_save_byte_for_byte(tmp_path):
 
 
 def test_writer_falls_back_to_the_page_cache_where_direct_io_is_refused(tmp_path, monkeypatch):
-    from zeropp import checkpoint_io
+    from zeropp.checkpoints import checkpoint_io
 
     real_write = checkpoint_io.write_chunk
     refused = []
@@ -232,7 +233,7 @@ def close_with_a_save_in_flight(rank, world, root):
 
 
 def test_close_publishes_the_save_in_flight(tmp_path):
-    from zeropp.checkpoint_integrity import newest_verified
+    from zeropp.checkpoints.checkpoint_integrity import newest_verified
 
     for in_flight, path, client, equal in run_ranks(close_with_a_save_in_flight, 2,
                                                     str(tmp_path)):
@@ -254,7 +255,7 @@ __all__ = ["data_prefix"]  # the module-scoped fixture, shared with the CLI test
 
 def test_async_save_at_the_last_iteration_is_waited_for_and_resumes_bit_exactly(
         data_prefix, tmp_path):  # noqa: F811
-    from zeropp.checkpoint_integrity import newest_verified
+    from zeropp.checkpoints.checkpoint_integrity import newest_verified
 
     full, resumed, ckpt = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
     assert run(train_args(data_prefix, tmp_path, 6, "--metrics-file", str(full))).returncode == 0
@@ -291,7 +292,7 @@ def test_async_save_failure_stops_or_continues(data_prefix, tmp_path):  # noqa: 
 STALL_ONCE = """
 import os, runpy, sys, time
 from pathlib import Path
-from zeropp import checkpoint_io
+from zeropp.checkpoints import checkpoint_io
 
 stall_note, entry_point = Path(sys.argv[1]), sys.argv[2]
 real_write = checkpoint_io.write_chunk
@@ -319,7 +320,7 @@ def test_a_rank_killed_mid_write_leaves_latest_and_the_relaunch_resumes_exactly(
 
     from tests.test_pretrain_cli import ENTRY_POINT, ROOT
     from tests.test_supervise import ENV, SUPERVISE, TORCHRUN
-    from zeropp.checkpoint_integrity import newest_verified
+    from zeropp.checkpoints.checkpoint_integrity import newest_verified
 
     full, metrics, ckpt = tmp_path / "full.jsonl", tmp_path / "run.jsonl", tmp_path / "ckpt"
     args = train_args(data_prefix, tmp_path, 8)[2:]

@@ -1,5 +1,5 @@
-"""Compiled blocks ([Note: compiled blocks] in zeropp/compiled_blocks.py) against the eager
-engine they replace: the same losses on 2 x 2 gloo ranks with qwZ + hpZ + qgZ, one graph
+"""Compiled blocks ([Note: compiled blocks] in zeropp/acceleration/compiled_blocks.py) against the
+eager engine they replace: the same losses on 2 x 2 gloo ranks with qwZ + hpZ + qgZ, one graph
 for all blocks and no recompiles; the config's ``compile`` block and its refusals.
 
 Inductor's C++ backend compiles slowly on two cores, so each test makes as few distinct
@@ -40,7 +40,7 @@ def train_eager_then_compiled(rank, world, config_fields, steps, micro, batch, d
     and what dynamo did for the compiled one."""
     from torch._dynamo.utils import counters
 
-    from zeropp.initialize import QuantizationOptions, build_engine, make_loss_scaler
+    from zeropp.deepspeed_api.initialize import QuantizationOptions, build_engine, make_loss_scaler
     from zeropp.sharded_model import ShardingOptions
 
     dtype = getattr(torch, dtype_name)
@@ -127,7 +127,7 @@ def test_compile_block_refuses_in_one_line(block, named):
 
 
 def test_cuda_graphs_and_unknown_backends_are_refused():
-    from zeropp.compiled_blocks import CompileRefused, check_compile_settings
+    from zeropp.acceleration.compiled_blocks import CompileRefused, check_compile_settings
 
     with pytest.raises(CompileRefused, match="CUDA graphs"):
         check_compile_settings("inductor", {"mode": "reduce-overhead"})
@@ -139,7 +139,7 @@ def test_cuda_graphs_and_unknown_backends_are_refused():
 def compiled_resume(rank, world, config_fields, dtype_name, root):
     """Compiled blocks in ``dtype`` on one node of 2 ranks with ZeRO++: 4 steps straight,
     then 2 steps, a checkpoint, a new engine that loads it and 2 more steps."""
-    from zeropp.initialize import QuantizationOptions, build_engine, make_loss_scaler
+    from zeropp.deepspeed_api.initialize import QuantizationOptions, build_engine, make_loss_scaler
     from zeropp.sharded_model import ShardingOptions
 
     dtype = getattr(torch, dtype_name)
@@ -228,8 +228,8 @@ def test_compile_flag_trains_as_the_eager_command_line(data_prefix, tmp_path):
 def split_blocks(rank, world, config_fields):
     """Blocks split into attention and MLP units: which forwards are compiled, and two steps
     compiled (dynamo's aot_eager: no inductor build) against eager."""
-    from zeropp.compiled_blocks import compiled_modules
-    from zeropp.initialize import build_engine
+    from zeropp.acceleration.compiled_blocks import compiled_modules
+    from zeropp.deepspeed_api.initialize import build_engine
     from zeropp.sharded_model import ShardingOptions
 
     data = torch.randint(0, VOCAB, (2, 2, SEQ + 1), generator=torch.Generator().manual_seed(9))

@@ -1,4 +1,5 @@
-"""The iteration graph ([Note: iteration graphs] in zeropp/cuda_graph.py) without a GPU.
+"""The iteration graph ([Note: iteration graphs] in zeropp/acceleration/cuda_graph.py) without a
+GPU.
 
 A CUDA graph cannot run here, so its two effects are stood in for: a capture that runs the
 iteration once (as the engine's Python runs once during a real capture) and a replay that
@@ -77,7 +78,7 @@ def _iteration(engine):
 
 
 def graphed_against_eager(rank, world):
-    from zeropp.cuda_graph import CudaGraphOptions, IterationGraph
+    from zeropp.acceleration.cuda_graph import CudaGraphOptions, IterationGraph
 
     data = toy_batches(6, 2, 3 * world)[:, :, rank * 3:(rank + 1) * 3]
     eager, graphed = _engine(), _engine()
@@ -119,7 +120,7 @@ def test_a_replayed_iteration_trains_and_counts_as_an_eager_one():
 
 
 def blockers_on_cpu(rank, world):
-    from zeropp.cuda_graph import IterationGraph, capture_blockers
+    from zeropp.acceleration.cuda_graph import IterationGraph, capture_blockers
 
     engine = _engine()
     lines = []
@@ -140,7 +141,7 @@ def test_on_the_cpu_the_engine_says_why_and_trains_eagerly():
 
 
 def test_changed_input_shapes_after_the_capture_are_refused_in_one_line():
-    from zeropp.cuda_graph import _check_same_inputs
+    from zeropp.acceleration.cuda_graph import _check_same_inputs
 
     with pytest.raises(ValueError, match=r"changed shape or dtype after the capture"):
         _check_same_inputs((torch.zeros(2, 5),), (torch.zeros(3, 5),))
@@ -150,8 +151,8 @@ def test_changed_input_shapes_after_the_capture_are_refused_in_one_line():
 def test_the_cuda_graph_block_and_its_flags():
     from megatron_lite.arguments import ArgumentError, parse_args, validate_args
     from megatron_lite.ds_config import engine_config, reconcile_with_ds_config
+    from zeropp.acceleration.cuda_graph import CudaGraphOptions
     from zeropp.config import ConfigError, EngineConfig
-    from zeropp.cuda_graph import CudaGraphOptions
 
     assert EngineConfig.from_json({"cuda_graph": {"enabled": True}}).cuda_graph.enabled
     assert EngineConfig().cuda_graph.enabled is False
@@ -182,7 +183,7 @@ def test_the_cuda_graph_block_and_its_flags():
 def test_the_device_schedule_writes_a_held_lr_tensor_in_place():
     """A captured step reads the lr tensor it was captured with: the schedule must write the
     next lr into that tensor, not bind a new one."""
-    from zeropp.lr_schedules import AnnealingLR
+    from zeropp.deepspeed_api.lr_schedules import AnnealingLR
 
     held = torch.tensor(0.0, dtype=torch.float64)
     groups = [{"lr": held}]

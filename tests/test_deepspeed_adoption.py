@@ -1,5 +1,5 @@
 """A model DeepSpeed's own zero.Init partitioned is adopted ([Note: adopting DeepSpeed's
-partitions] in zeropp/deepspeed_adoption.py): a Hugging Face GPT-2 built under
+partitions] in zeropp/deepspeed_params/deepspeed_adoption.py): a Hugging Face GPT-2 built under
 ``HfDeepSpeedConfig`` (so ``from_config`` runs inside DeepSpeed 0.19.8's ``zero.Init``, as
 ``from_pretrained`` does) is handed to ``zeropp.initialize`` and trains as the same model built
 plainly with the same values (2 ranks, gloo, fp32). Before, its first forward failed with
@@ -39,7 +39,7 @@ def adopt_and_train(rank, world):
     from transformers.integrations import HfDeepSpeedConfig
 
     import zeropp
-    from zeropp.param_face import _DeepSpeedCall
+    from zeropp.deepspeed_params.param_face import _DeepSpeedCall
 
     keep_alive = HfDeepSpeedConfig(DS_CONFIG)  # noqa: F841 (Hugging Face reads it globally)
     torch.manual_seed(0)

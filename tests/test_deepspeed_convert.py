@@ -151,7 +151,7 @@ def resumed_here(deepspeed_runs):
     converted = {3: str(root / "converted_stage3"), 2: str(root / "converted_stage2")}
     done = convert("--from-deepspeed", str(root / "deepspeed_stage3"), "--out", converted[3])
     assert done.returncode == 0, done.stderr
-    from zeropp import convert as converter
+    from zeropp.checkpoints import convert as converter
 
     converter.from_deepspeed(root / "deepspeed_stage2", converted[2], world_size=3)
     return converted, run_ranks(zeropp_rank, 2, converted, str(root / "ours"))
@@ -183,8 +183,8 @@ def test_checkpoint_written_by_deepspeed_converts_to_its_own_fp32_weights(deepsp
     ZeRO-1, 2 and 3, frozen parameters included."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from zeropp import checkpoint
-    from zeropp import convert as converter
+    from zeropp.checkpoints import checkpoint
+    from zeropp.checkpoints import convert as converter
 
     root, _ = deepspeed_runs
     converted, _ = resumed_here
@@ -250,7 +250,7 @@ def tied_rank(rank, world, save_dir):
 
 
 def test_to_fp32_names_a_tied_parameter_as_state_dict_does(tmp_path):
-    from zeropp import convert as converter
+    from zeropp.checkpoints import convert as converter
 
     weights = run_ranks(tied_rank, 2, str(tmp_path / "ckpt"))[0]
     out = converter.to_fp32(tmp_path / "ckpt", tmp_path / "fp32.bin")
@@ -263,7 +263,7 @@ def test_to_fp32_names_a_tied_parameter_as_state_dict_does(tmp_path):
 # ---- one-line errors ---------------------------------------------------------------------
 
 def run_main(capsys, *args: str) -> str:
-    from zeropp import convert as converter
+    from zeropp.checkpoints import convert as converter
 
     assert converter.main(list(args)) == 2
     err = capsys.readouterr().err
@@ -344,8 +344,11 @@ def test_out_must_not_be_the_deepspeed_checkpoint(capsys, deepspeed_runs):
 def test_fused_adams_mode_is_asked_for_where_the_checkpoint_does_not_say_it(tmp_path):
     """DeepSpeed's FusedAdam built by the script keeps adam_w_mode off the checkpoint: its
     groups carry bias_correction, not torch's decoupled_weight_decay."""
-    from zeropp.convert import optimizer_type
-    from zeropp.deepspeed_checkpoint import DeepSpeedCheckpoint, DeepSpeedCheckpointError
+    from zeropp.checkpoints.convert import optimizer_type
+    from zeropp.checkpoints.deepspeed_checkpoint import (
+        DeepSpeedCheckpoint,
+        DeepSpeedCheckpointError,
+    )
 
     def fused_adam_checkpoint(weight_decay: float) -> DeepSpeedCheckpoint:
         state = {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4), "step": 3}

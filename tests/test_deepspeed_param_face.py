@@ -1,6 +1,6 @@
 """Sharded parameters answer as DeepSpeed's ZeRO-3 parameters do ([Note: DeepSpeed's parameter
-attributes] in zeropp/param_face.py), so a script written for DeepSpeed gathers them before
-reading them (2 ranks, gloo, ZeRO-3).
+attributes] in zeropp/deepspeed_params/param_face.py), so a script written for DeepSpeed gathers
+them before reading them (2 ranks, gloo, ZeRO-3).
 
 The script protocol is DeepSpeed-Chat's ``save_zero_three_model`` and ``_z3_params_to_fetch``
 (DeepSpeedExamples, applications/DeepSpeed-Chat/dschat/utils/utils.py): a parameter with a
@@ -88,7 +88,7 @@ def test_a_deepspeed_chat_style_save_gathers_sharded_parameters_and_reads_them_w
 def test_zero_param_status_equals_deepspeeds_member_of_the_same_name():
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus as DeepSpeeds
 
-    from zeropp.param_face import ZeroParamStatus
+    from zeropp.deepspeed_params.param_face import ZeroParamStatus
 
     for ours in ZeroParamStatus:
         theirs = DeepSpeeds[ours.name]
@@ -99,7 +99,7 @@ def test_zero_param_status_equals_deepspeeds_member_of_the_same_name():
 def deepspeeds_own_gathered_parameters(rank, world):
     """DeepSpeed-Chat's dschat package keeps ``import deepspeed``: its save gathers this
     engine's parameters with DeepSpeed's own ``GatheredParameters`` ([Note: DeepSpeed's
-    GatheredParameters on this engine's parameters] in zeropp/zero.py)."""
+    GatheredParameters on this engine's parameters] in zeropp/deepspeed_api/zero.py)."""
     import deepspeed
     import deepspeed.comm
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -157,7 +157,7 @@ def test_deepspeeds_own_gathered_parameters_reads_and_writes_this_engines_parame
         assert result["stepped_from_written"]
 
 
-# ---- [Note: storage lent to the user] in zeropp/zero.py ------------------------------------
+# ---- [Note: storage lent to the user] in zeropp/deepspeed_api/zero.py ----------------------------
 DSCHAT = __import__("pathlib").Path(__file__).parent / "material" / "deepspeed_chat"
 
 

@@ -14,7 +14,7 @@ from megatron_lite.dry_run import build_report, layer_activation_bytes, run_dry_
 from megatron_lite.model import GPTConfig, GPTModel
 from tests.distributed import run_ranks
 from zeropp.config import ZeroConfig
-from zeropp.planner import (
+from zeropp.planning.planner import (
     ClusterShape,
     kept_for_backward,
     peak_gathered_numel,
@@ -60,7 +60,7 @@ def measure_case(rank, per_node, zero_block, checkpoint):
     """Bytes of the last step, memory after a forward, and the gathered-parameter peak seen
     at each block's forward, for one engine configuration."""
     from megatron_lite.model.gpt import lm_loss
-    from zeropp.initialize import build_engine, make_loss_scaler, options_from_config
+    from zeropp.deepspeed_api.initialize import build_engine, make_loss_scaler, options_from_config
 
     sharding, quantization = options_from_config(ZeroConfig.from_mapping(zero_block))
     with torch.device("meta"):

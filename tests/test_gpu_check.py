@@ -15,8 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from scripts.bench import gpu_check, gpu_check_engine, gpu_check_kernels
-from scripts.bench.gpu_check_report import (
+from scripts.gpu_check import engine as gpu_check_engine
+from scripts.gpu_check import kernels as gpu_check_kernels
+from scripts.gpu_check import run as gpu_check
+from scripts.gpu_check.report import (
     REPORT_NAME,
     SECTIONS,
     GpuEvent,
@@ -564,7 +566,7 @@ def test_run_check_writes_the_report_after_every_section(tmp_path, monkeypatch, 
 def test_section_c_reference_worker_trains_on_cpu(tmp_path):
     out = tmp_path / "losses.json"
     result = subprocess.run(
-        [sys.executable, "-m", "scripts.bench.gpu_check_engine", "cpu-losses", "--steps", "2",
+        [sys.executable, "-m", "scripts.gpu_check.engine", "cpu-losses", "--steps", "2",
          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 0, result.stderr[-2000:]
@@ -573,7 +575,7 @@ def test_section_c_reference_worker_trains_on_cpu(tmp_path):
     for system in losses.values():
         assert system["execution"] == "HostThreadExecution" and len(system["losses"]) == 2
         assert all(math.isfinite(v) and 5 < v < 8 for v in system["losses"])  # ln(512) = 6.2
-    bad = subprocess.run([sys.executable, "-m", "scripts.bench.gpu_check_engine", "cpu-losses",
+    bad = subprocess.run([sys.executable, "-m", "scripts.gpu_check.engine", "cpu-losses",
                           "--steps", "0", "--out", str(out)], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "--steps must be at least 1" in bad.stderr
@@ -658,7 +660,7 @@ def test_gpu_check_quick_writes_a_valid_report(tmp_path):
 
 
 def test_the_sanitizer_section_runs_in_a_process_with_the_sanitizer_on():
-    from scripts.bench import gpu_check_nccl
+    from scripts.gpu_check import nccl as gpu_check_nccl
 
     assert gpu_check_nccl.section_env("f") == {"TORCH_CUDA_SANITIZER": "1"}
     assert gpu_check_nccl.section_env("a") == {}
@@ -669,7 +671,7 @@ def test_the_sanitizer_section_runs_in_a_process_with_the_sanitizer_on():
 
 @pytest.mark.skipif(HAS_CUDA, reason="on a CPU machine the two-GPU section is skipped")
 def test_the_two_gpu_section_is_skipped_with_its_reason_on_fewer_gpus(tmp_path):
-    from scripts.bench import gpu_check_nccl
+    from scripts.gpu_check import nccl as gpu_check_nccl
 
     outcome = gpu_check_nccl.check_two_ranks(tmp_path)
     assert outcome.status == "skip"
@@ -677,7 +679,7 @@ def test_the_two_gpu_section_is_skipped_with_its_reason_on_fewer_gpus(tmp_path):
 
 
 def test_two_ranks_pass_only_on_their_own_gpus_with_equal_losses():
-    from scripts.bench.gpu_check_nccl import rank_env, two_rank_verdict
+    from scripts.gpu_check.nccl import rank_env, two_rank_verdict
 
     good = [{"device": "cuda:0", "losses": [5.1, 4.9]}, {"device": "cuda:1", "losses": [5.1, 4.9]}]
     assert two_rank_verdict(good).status == "pass"

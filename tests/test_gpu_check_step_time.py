@@ -1,5 +1,5 @@
 """The step-time model with the GPU check's measured kernel rates: the report's
-`kernel_rates` read by `zeropp.step_time.load_kernel_rates`, slower rates lengthening the
+`kernel_rates` read by `zeropp.planning.step_time.load_kernel_rates`, slower rates lengthening the
 quantization ops, and the dry run's --dry-run-kernel-rates."""
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from megatron_lite.dry_run import (
     predicted_lines,
     run_dry_run,
 )
-from scripts.bench.gpu_check_report import SectionResult, build_report, write_report
-from zeropp.simulation.trace import Collective, ComputeOp, IterationTrace, Launch, Wait
-from zeropp.step_time import (
+from scripts.gpu_check.report import SectionResult, build_report, write_report
+from zeropp.planning.step_time import (
     CLUSTERS,
     DEFAULT_HOST_SECONDS_PER_OP,
     KernelRatesError,
@@ -28,6 +27,7 @@ from zeropp.step_time import (
     predict,
     with_kernel_rates,
 )
+from zeropp.simulation.trace import Collective, ComputeOp, IterationTrace, Launch, Wait
 
 QUANTIZE_OP = "zeropp.quantize_blockwise.default"
 DEQUANTIZE_MANY_OP = "zeropp.dequantize_blockwise_many.default"

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from tests.distributed import run_ranks
 
 # The module (the package's ``zeropp.initialize`` is the function of that name).
-init_module = importlib.import_module("zeropp.initialize")
+init_module = importlib.import_module("zeropp.deepspeed_api.initialize")
 
 
 class FakeCuda:

@@ -1,4 +1,4 @@
-"""scripts/bench/gpu_side_by_side.py's --cpu-smoke: every system of the GPU comparison
+"""scripts/gpu_check/side_by_side.py's --cpu-smoke: every system of the GPU comparison
 (this engine eager and compiled, FSDP2 eager and compiled, DeepSpeed ZeRO-3) trains the same
 tiny GPT on the CPU in its own subprocess, and they agree on the loss, so the script runs
 as it is when a GPU session calls it."""
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from scripts.bench import gpu_side_by_side as bench
+from scripts.gpu_check import side_by_side as bench
 
 
 def test_cpu_smoke_runs_every_system_and_the_losses_agree(tmp_path, capsys):

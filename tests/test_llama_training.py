@@ -78,7 +78,7 @@ def reference_run(config: GPTConfig, steps: int, micro: int, batch: int):
 
 
 def sharded_run(rank, world, config_fields, steps, micro, batch, per_node, quant, repeat):
-    from zeropp.initialize import QuantizationOptions, build_engine
+    from zeropp.deepspeed_api.initialize import QuantizationOptions, build_engine
     from zeropp.sharded_model import ShardingOptions
 
     with torch.device("meta"):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zeropp.lr_schedules import AnnealingLR
+from zeropp.deepspeed_api.lr_schedules import AnnealingLR
 
 MAX_LR, MIN_LR, WARMUP, DECAY = 1e-3, 1e-4, 10, 110
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from zeropp.lr_schedules import WarmupSchedule
+from zeropp.deepspeed_api.lr_schedules import WarmupSchedule
 
 
 def make(kind, **params):

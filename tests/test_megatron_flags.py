@@ -44,7 +44,7 @@ from megatron_lite.model import config as model_config
 from tests.distributed import run_ranks
 from tests.test_pretrain_cli import ENTRY_POINT, ROOT, run
 from zeropp.config import EngineConfig
-from zeropp.lr_schedules import AnnealingLR
+from zeropp.deepspeed_api.lr_schedules import AnnealingLR
 
 SHAPE = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32"
 TRAIN = "--micro-batch-size 2 --train-iters 10 --lr 1e-3"
@@ -514,7 +514,7 @@ def _main(argv: list[str]) -> tuple[int, str, str]:
 def llama_runs(rank: int, world_size: int, directory: str) -> dict:
     from megatron_lite.checkpointing import checkpoint_tag
     from pretrain_zeropp_gpt import build_training
-    from zeropp.checkpoint import client_state
+    from zeropp.checkpoints.checkpoint import client_state
 
     results = {"llama": _main([*LLAMA, "--train-iters", "3", "--save", f"{directory}/llama"])}
     results["saved_config"] = client_state(f"{directory}/llama")["model_config"]

@@ -35,7 +35,8 @@ def _engine(model, zero: dict):
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}})
     sharded = engine.sharded
     # The optimizer's fp32 masters follow shards written by GatheredParameters(modifier_rank).
-    # build_engine does not register this yet (zeropp/initialize.py), so the test does.
+    # build_engine does not register this yet (zeropp/deepspeed_api/initialize.py), so the test
+    # does.
     if not sharded.shard_write_listeners:
         sharded.shard_write_listeners.append(
             lambda i: engine.optimizer.load_shard(i, sharded.units[i].shard))
@@ -61,7 +62,7 @@ def _modify(model, rank):
 
 def access_run(rank, world):
     import zeropp
-    from zeropp.zero import GatheredParameters
+    from zeropp.deepspeed_api.zero import GatheredParameters
 
     out = {}
     for name, zero in CONFIGS:
@@ -140,7 +141,7 @@ def test_gathered_parameters_read_discard_and_modify():
 
 
 def test_parameters_no_engine_manages_pass_through():
-    from zeropp.zero import GatheredParameters
+    from zeropp.deepspeed_api.zero import GatheredParameters
 
     linear = nn.Linear(3, 2)
     before = linear.weight.detach().clone()
@@ -243,7 +244,7 @@ def tiny_gpt2():
 
 
 def hf_run(rank, world, out_dir):
-    from zeropp.zero import GatheredParameters
+    from zeropp.deepspeed_api.zero import GatheredParameters
 
     model = tiny_gpt2()
     engine = _engine(model, {"stage": 3, "stage3_param_persistence_threshold": 0})

@@ -308,7 +308,7 @@ def test_pcie_plan_formulas():
     16-bit weights back once per step; parameter offload: each world gather's shard to the
     device instead (hpZ's backward reads its secondary shard on the device)."""
     from zeropp.config import ZeroConfig
-    from zeropp.planner import ClusterShape, plan_system
+    from zeropp.planning.planner import ClusterShape, plan_system
 
     counts = [50_000, 40_000, 40_000, 8_000]  # root, two blocks, a small persistent unit
 
@@ -333,8 +333,8 @@ def test_pcie_plan_formulas():
 
 
 def test_step_time_times_the_host_step_and_the_bus():
+    from zeropp.planning.step_time import CLUSTERS, predict
     from zeropp.simulation.trace import ComputeOp, HostSync, IterationTrace
-    from zeropp.step_time import CLUSTERS, predict
 
     cluster = CLUSTERS["dgx2_100g"]
     trace = IterationTrace(rank=0, world_size=16, ranks_per_node=16, tokens_per_iteration=1,

@@ -3,8 +3,8 @@
 import pytest
 
 from scripts.bench import predict_paper
+from zeropp.planning.step_time import CLUSTERS, DEFAULT_HOST_SECONDS_PER_OP, predict
 from zeropp.simulation.trace import Collective, ComputeOp, IterationTrace, Launch, Wait
-from zeropp.step_time import CLUSTERS, DEFAULT_HOST_SECONDS_PER_OP, predict
 
 WORLD = 64  # 4 DGX-2 nodes
 

@@ -27,7 +27,7 @@ FAILURES = {
 
 def failing_save(rank, world, save_dir, failure, failing_rank):
     import zeropp
-    from zeropp.initialize import build_engine
+    from zeropp.deepspeed_api.initialize import build_engine
 
     engine = build_engine(toy_model(), lr=1e-3)
     engine.save_checkpoint(save_dir, tag="good")

@@ -172,7 +172,7 @@ def test_a_collective_off_the_training_thread_is_caught(monkeypatch, tmp_path):
     from zeropp.comm.streams import HostThreadExecution
 
     # (the package's ``initialize`` function shadows its module of the same name)
-    monkeypatch.setattr(importlib.import_module("zeropp.initialize"), "execution_for",
+    monkeypatch.setattr(importlib.import_module("zeropp.deepspeed_api.initialize"), "execution_for",
                         lambda device, overlap: HostThreadExecution())
     argv = [a.format(layers=2) for a in SMALL] + [
         "--deepspeed_config", ds_config(tmp_path, zero_hpz_partition_size=2)]

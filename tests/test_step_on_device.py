@@ -195,7 +195,7 @@ def test_the_device_loss_scaler_follows_deepspeeds_rules():
 def test_the_megatron_schedule_follows_a_device_count_of_applied_updates():
     """``AnnealingLR.step_on_device``: the lr each param group gets from a device count is the
     one ``step`` gives for that count, also past the decay and for a group's own bounds."""
-    from zeropp.lr_schedules import AnnealingLR
+    from zeropp.deepspeed_api.lr_schedules import AnnealingLR
 
     groups = [{"lr": 0.0}, {"lr": 0.0, "max_lr": 1e-2, "min_lr": 1e-4}]
 

@@ -5,15 +5,7 @@ import math
 
 import pytest
 
-from zeropp.simulation.trace import (
-    Collective,
-    ComputeOp,
-    HostSync,
-    IterationTrace,
-    Launch,
-    Wait,
-)
-from zeropp.step_time import (
+from zeropp.planning.step_time import (
     CLUSTERS,
     DEFAULT_HOST_SECONDS_PER_OP,
     V100_GEMM_FRACTION,
@@ -24,6 +16,14 @@ from zeropp.step_time import (
     host_transport_bytes,
     lab_cluster,
     predict,
+)
+from zeropp.simulation.trace import (
+    Collective,
+    ComputeOp,
+    HostSync,
+    IterationTrace,
+    Launch,
+    Wait,
 )
 
 GB = 1e9

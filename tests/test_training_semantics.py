@@ -67,7 +67,7 @@ def reference_run(freeze_rule, checkpoint, rank_dependent_skip):
 
 
 def sharded_run(rank, world, freeze_rule, checkpoint, rank_dependent_skip):
-    from zeropp.initialize import build_engine
+    from zeropp.deepspeed_api.initialize import build_engine
     from zeropp.sharded_model import ShardingOptions
 
     model = toy_model(checkpoint=checkpoint)
@@ -149,7 +149,7 @@ def test_reentrant_checkpointing_keeps_hpz_inside_the_node():
 
 
 def reuse_run(rank, world, max_reuse_distance):
-    from zeropp.initialize import QuantizationOptions, build_engine
+    from zeropp.deepspeed_api.initialize import QuantizationOptions, build_engine
     from zeropp.sharded_model import ShardingOptions
 
     engine = build_engine(

@@ -12,8 +12,8 @@ from tests.distributed import run_ranks
 from tests.test_zero3_parity import CLIP, LR, WD, reference_run, sharded_run
 from tests.toy_models import toy_batches, toy_loss, toy_model
 from zeropp.config import ZeroConfig
-from zeropp.initialize import max_unit_numel, options_from_config
-from zeropp.planner import unit_parameter_counts
+from zeropp.deepspeed_api.initialize import max_unit_numel, options_from_config
+from zeropp.planning.planner import unit_parameter_counts
 from zeropp.unit_modules import default_unit_modules, unit_parameters
 
 
@@ -94,7 +94,7 @@ def test_the_cap_is_a_quarter_of_the_live_budget_not_the_prefetch_window():
 
 
 def _engine(unit_modules=None, **options):
-    from zeropp.initialize import build_engine
+    from zeropp.deepspeed_api.initialize import build_engine
     from zeropp.sharded_model import ShardingOptions
 
     model = toy_model(checkpoint=options.pop("checkpoint", False))

@@ -155,7 +155,7 @@ def test_a_checkpoint_from_another_topology_starts_the_bases_again(tmp_path):
 def edit_then_forward(rank, world):
     import torch.distributed as dist
 
-    from zeropp.zero import GatheredParameters
+    from zeropp.deepspeed_api.zero import GatheredParameters
 
     engine = build(_config())
     train_steps(engine, rank, world, 2)
@@ -185,7 +185,7 @@ def test_weights_edited_by_hand_are_gathered_exactly():
 
 def test_config_keys_and_errors():
     from zeropp.config import ConfigError, EngineConfig
-    from zeropp.initialize import options_from_config
+    from zeropp.deepspeed_api.initialize import options_from_config
 
     config = EngineConfig.from_json(_config(zero_quantized_weight_deltas_bits=8))
     _, quant = options_from_config(config.zero_optimization)

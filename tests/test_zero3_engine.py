@@ -61,7 +61,7 @@ def test_engine_matches_fsdp2_fully_shard():
 
 
 def memory(rank, world):
-    from zeropp.initialize import build_engine
+    from zeropp.deepspeed_api.initialize import build_engine
     from zeropp.sharded_model import ShardingOptions
 
     model = toy_model(vocab=512, width=64, hidden=256, layers=4)

@@ -38,7 +38,7 @@ def reference_run(steps, micro, global_batch, checkpoint=False):
 def sharded_run(rank, world, steps, micro, global_batch, checkpoint, meta, options,
                 unit_modules=None):
     """``unit_modules``: a function of the model naming its units (None: the default)."""
-    from zeropp.initialize import build_engine
+    from zeropp.deepspeed_api.initialize import build_engine
     from zeropp.sharded_model import ShardingOptions
 
     reference = toy_model(checkpoint=checkpoint)

@@ -15,8 +15,8 @@ STEPS, SPLIT = 6, 3
 
 def train(rank, world, ckpt, mode, per_node, hpz, crash_rank=None, stage=3):
     """mode: 'full' (STEPS steps), 'first' (SPLIT steps, save), 'resume' (load, rest)."""
-    from zeropp import checkpoint
-    from zeropp.initialize import QuantizationOptions, build_engine
+    from zeropp.checkpoints import checkpoint
+    from zeropp.deepspeed_api.initialize import QuantizationOptions, build_engine
     from zeropp.sharded_model import ShardingOptions
 
     engine = build_engine(
@@ -96,7 +96,7 @@ def test_failed_save_keeps_latest_valid(tmp_path):
 
 
 def test_load_errors(tmp_path):
-    from zeropp import checkpoint
+    from zeropp.checkpoints import checkpoint
 
     with pytest.raises(checkpoint.CheckpointError, match="does not exist"):
         checkpoint.read_latest(tmp_path / "nope")
@@ -109,8 +109,8 @@ def test_load_errors(tmp_path):
 
 
 def mismatched(rank, world, ckpt):
-    from zeropp import checkpoint
-    from zeropp.initialize import build_engine
+    from zeropp.checkpoints import checkpoint
+    from zeropp.deepspeed_api.initialize import build_engine
 
     engine = build_engine(toy_model(hidden=45), lr=1e-3)
     with pytest.raises(checkpoint.CheckpointError,
@@ -122,13 +122,13 @@ def mismatched(rank, world, ckpt):
 def test_shape_mismatch_names_tensor_and_shapes(tmp_path):
     run_ranks(train, 1, str(tmp_path), "first", 1, 1)
     assert run_ranks(mismatched, 1, str(tmp_path)) == [True]
-    consolidated = __import__("zeropp.checkpoint", fromlist=["x"]).consolidate(tmp_path)
+    consolidated = __import__("zeropp.checkpoints.checkpoint", fromlist=["x"]).consolidate(tmp_path)
     assert consolidated["layers.0.up.weight"].shape == (43, 17)
 
 
 def rng_after_load(rank, world, ckpt):
-    from zeropp import checkpoint
-    from zeropp.initialize import build_engine
+    from zeropp.checkpoints import checkpoint
+    from zeropp.deepspeed_api.initialize import build_engine
 
     engine = build_engine(toy_model(hidden=43), lr=3e-3)
     tokens = toy_batches(1, 1, 8)[0, 0, rank * 4:(rank + 1) * 4]

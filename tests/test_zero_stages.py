@@ -37,7 +37,7 @@ def test_residency_of_each_stage():
 
 
 def _engine(stage: int, micro: int, **sharding):
-    from zeropp.initialize import build_engine
+    from zeropp.deepspeed_api.initialize import build_engine
     from zeropp.sharded_model import ShardingOptions
 
     return build_engine(

@@ -28,7 +28,7 @@ def train_and_save(rank, world, save_dir):
 
 
 def test_fp32_state_dict_and_converted_file_hold_the_masters(tmp_path):
-    from zeropp.zero_to_fp32 import (
+    from zeropp.checkpoints.zero_to_fp32 import (
         convert_zero_checkpoint_to_fp32_state_dict,
         get_fp32_state_dict_from_zero_checkpoint,
         load_state_dict_from_zero_checkpoint,
@@ -53,7 +53,7 @@ def test_fp32_state_dict_and_converted_file_hold_the_masters(tmp_path):
 def test_a_shard_limit_splits_the_file_with_an_index(tmp_path):
     import json
 
-    from zeropp.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+    from zeropp.checkpoints.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
 
     run_ranks(train_and_save, 2, str(tmp_path / "ckpt"))
     convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "out",

@@ -213,7 +213,7 @@ def test_bad_values_name_key_path_and_value(raw, message):
 
 def test_inter_node_gradient_width():
     """qgZ's inter-node hop may be narrower; int2 only with error feedback."""
-    from zeropp.initialize import options_from_config
+    from zeropp.deepspeed_api.initialize import options_from_config
 
     key = "zero_optimization.zero_quantized_gradients_inter_node_bits"
     qgz = {"stage": 3, "zero_quantized_gradients": True}

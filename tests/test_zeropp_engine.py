@@ -13,7 +13,7 @@ LR = 3e-3
 
 def train(rank, world, per_node, quant, steps, micro, checkpoint, dtype_name, model_kwargs,
           sharding=None):
-    from zeropp.initialize import QuantizationOptions, build_engine, make_loss_scaler
+    from zeropp.deepspeed_api.initialize import QuantizationOptions, build_engine, make_loss_scaler
     from zeropp.sharded_model import ShardingOptions
 
     dtype = getattr(torch, dtype_name)
@@ -144,7 +144,7 @@ def test_inter_node_bytes_match_theory_and_ratio():
 
 
 def half_precision(rank, world, dtype_name, poison_step):
-    from zeropp.initialize import QuantizationOptions, build_engine
+    from zeropp.deepspeed_api.initialize import QuantizationOptions, build_engine
     from zeropp.loss_scaler import DynamicLossScaler, LossScaler
     from zeropp.sharded_model import ShardingOptions
 

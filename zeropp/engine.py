@@ -52,13 +52,13 @@ class ZeroEngine:
         self._last_grad_norm: float | torch.Tensor | None = None
         self._last_overflow: bool | torch.Tensor = False
         # This rank's random streams from the last load_checkpoint (restored by whoever wants
-        # them: zeropp.checkpoint.restore_rng_state), None before a load or across worlds.
+        # them: zeropp.checkpoints.restore_rng_state), None before a load or across worlds.
         self.loaded_rng_state: dict | None = None
         # (directory, tag) that checkpoint_to_load has just verified: load_checkpoint does
         # not read its files a second time.
         self._verified_checkpoint: tuple[Path, str] | None = None
-        # The asynchronous save in flight (zeropp.checkpoint_async.PendingSave), and the host
-        # buffers every save stages the shards in (kept: reused by the next save).
+        # The asynchronous save in flight (zeropp.checkpoints.checkpoint_async.PendingSave), and
+        # the host buffers every save stages the shards in (kept: reused by the next save).
         self._pending_checkpoint = None
         self._checkpoint_staging = None
         # DeepSpeed's own printouts and monitors (steps_per_print, wall_clock_breakdown, ...).
@@ -69,14 +69,15 @@ class ZeroEngine:
             self.reports = EngineReports(config, sharded.topology.rank, sharded.device)
         self.tput_timer = ThroughputTimer.for_engine(config, sharded.topology.rank,
                                                      sharded.device)
-        # [Note: compiled blocks] (zeropp/compiled_blocks.py): the config's compile block.
+        # [Note: compiled blocks] (zeropp/acceleration/compiled_blocks.py): the config's
+        # compile block.
         self.compiled_blocks = None
         if config is not None and config.compile.enabled:
             self.compile(config.compile.backend, config.compile.kwargs)
 
     def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None) -> None:
         """DeepSpeed's ``engine.compile``: each block's forward compiled, hooks left eager."""
-        from zeropp.compiled_blocks import compile_blocks
+        from zeropp.acceleration.compiled_blocks import compile_blocks
 
         if self.compiled_blocks is None:
             self.compiled_blocks = compile_blocks(self.sharded, backend, compile_kwargs)
@@ -201,12 +202,13 @@ class ZeroEngine:
         """How a training loop should call ``fn``, one whole iteration (forward, backward and
         step of each micro-batch, on inputs already on the device, no host read): as an
         ``IterationGraph`` that captures it once where the config's ``cuda_graph`` block asks
-        for it ([Note: iteration graphs] in zeropp/cuda_graph.py), else None: call ``fn``.
+        for it ([Note: iteration graphs] in zeropp/acceleration/cuda_graph.py), else None: call
+        ``fn``.
         ``extra_blockers``: what the caller knows stops a capture (its model's randomness)."""
         options = None if self.config is None else self.config.cuda_graph
         if options is None or not options.enabled:
             return None
-        from zeropp.cuda_graph import CudaGraphOptions, IterationGraph
+        from zeropp.acceleration.cuda_graph import CudaGraphOptions, IterationGraph
 
         graph = IterationGraph(self, fn, CudaGraphOptions(True, options.warmup_iterations),
                                log=log, extra_blockers=extra_blockers)
@@ -490,7 +492,7 @@ class ZeroEngine:
             torch.save(state, path)
         return True
 
-    # ---- checkpoints (zeropp/checkpoint.py, [Note: checkpoint layout]) --------------------
+    # ---- checkpoints (zeropp/checkpoints/checkpoint.py, [Note: checkpoint layout]) ---------------
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None,
                         async_save: bool = False):
         """Atomic sharded save; every rank calls it. Returns the checkpoint directory.
@@ -499,7 +501,7 @@ class ZeroEngine:
         thread writes them, and ``finish_checkpoint`` publishes the checkpoint
         ([Note: asynchronous checkpoint saves]). Until then ``latest`` names the previous one.
         """
-        from zeropp import checkpoint
+        from zeropp.checkpoints import checkpoint
 
         return checkpoint.save(self, save_dir, tag or f"global_step{self.global_steps}",
                                client_state, async_save=async_save)
@@ -509,7 +511,7 @@ class ZeroEngine:
         iteration boundary) publishes only if every rank's writer is done. Returns the
         published directory, or None. A failed writer raises here on every rank
         (``CheckpointStorageError`` where storage failed)."""
-        from zeropp import checkpoint
+        from zeropp.checkpoints import checkpoint
 
         path = checkpoint.finish_pending(self, wait=wait)
         return None if path is None else str(path)
@@ -523,7 +525,7 @@ class ZeroEngine:
         """The tag a load of ``load_dir`` without one takes: ``latest``'s if every file
         verifies, else (``fallback``) the newest checkpoint that does, said in one line
         through ``log`` (rank 0 prints by default). Collective."""
-        from zeropp import checkpoint, checkpoint_integrity
+        from zeropp.checkpoints import checkpoint, checkpoint_integrity
 
         root = Path(load_dir)
         latest = checkpoint.read_latest(root, must_exist=False)
@@ -544,7 +546,7 @@ class ZeroEngine:
         against its checksum first; without ``tag``, a latest checkpoint that fails falls
         back to the newest one that verifies (``load_fallback=False``: raise instead).
         """
-        from zeropp import checkpoint, checkpoint_integrity
+        from zeropp.checkpoints import checkpoint, checkpoint_integrity
 
         if not load_module_strict:
             raise ValueError("load_checkpoint(load_module_strict=False) is not supported: "

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from zeropp.deepspeed_adoption import DeepSpeedValues
+from zeropp.deepspeed_params.deepspeed_adoption import DeepSpeedValues
 from zeropp.flat_layout import ParamSlot
 
 

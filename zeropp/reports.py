@@ -259,8 +259,8 @@ class EngineReports:
     def after_micro_step(self, engine, boundary: bool) -> None:
         """After ``engine.step()``: every micro-step, and the optimizer step at a boundary.
         Nothing while a CUDA graph captures the iteration ([Note: iteration graphs] in
-        zeropp/cuda_graph.py): these lines read the host's clock and the device's values,
-        which a replay would neither update nor allow."""
+        zeropp/acceleration/cuda_graph.py): these lines read the host's clock and the device's
+        values, which a replay would neither update nor allow."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return
         if self.timing:

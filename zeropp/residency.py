@@ -27,7 +27,7 @@ Per-rank bytes of model states, with d bytes per working element and Psi paramet
 stage 0: 2d Psi + K Psi, stage 1: 2d Psi + K Psi / N, stage 2: d Psi + (d + K) Psi / N,
 stage 3: (2d + K) Psi / N. Here gradient shards are in the working dtype when each step has
 one micro-batch (the formula) and fp32 when micro-batches accumulate into them
-(``zeropp.initialize.gradient_shard_dtype``): then, with d = 2, stages 2 and 3 hold
+(``zeropp.deepspeed_api.initialize.gradient_shard_dtype``): then, with d = 2, stages 2 and 3 hold
 (4 - d) Psi / N more than the formula.
 """
 

@@ -53,7 +53,7 @@ from zeropp.comm import CommGroup, CommStats
 from zeropp.comm.delta import DeltaWeightGather
 from zeropp.comm.registry import Collectives
 from zeropp.comm.streams import Execution
-from zeropp.deepspeed_adoption import DeepSpeedValues, stand_in_for_deepspeed
+from zeropp.deepspeed_params.deepspeed_adoption import DeepSpeedValues, stand_in_for_deepspeed
 from zeropp.flat_layout import FlatLayout
 from zeropp.initial_values import UnitInitialValues, reset_parameters_values
 from zeropp.offload import GradientDelivery, HostMemory

@@ -32,9 +32,13 @@ from torch import nn
 from zeropp.comm import CommGroup, CommStats, Pending, all_gather
 from zeropp.comm.collectives import AllGather, Collective
 from zeropp.comm.streams import Execution
+from zeropp.deepspeed_params.param_face import (
+    ZeroParamStatus,
+    mirror_status,
+    present_as_partitioned,
+)
 from zeropp.flat_layout import FlatLayout
 from zeropp.offload import GradientDelivery
-from zeropp.param_face import ZeroParamStatus, mirror_status, present_as_partitioned
 
 
 class ShardState(enum.Enum):
@@ -180,7 +184,7 @@ class ShardedUnit:
         # or writes them until the context exits, so the engine's own releases leave them.
         self.holds = 0
         # Whole weights handed to a user, who may keep tensors of them: freed by rebinding
-        # ``full`` ([Note: storage lent to the user] in zeropp/zero.py).
+        # ``full`` ([Note: storage lent to the user] in zeropp/deepspeed_api/zero.py).
         self.lent_to_user = False
 
         self.params: list[nn.Parameter] = []
@@ -405,7 +409,7 @@ class ShardedUnit:
             self.state = ShardState.SHARDED
             # A persistent unit is gathered again at once into the same memory: an
             # iteration then ends with its weights where it began ([Note: iteration graphs]
-            # in zeropp/cuda_graph.py: a replayed forward reads them there).
+            # in zeropp/acceleration/cuda_graph.py: a replayed forward reads them there).
             if not (self.replicated or self.persistent):
                 self._free_full()
         if self.persistent and regather:

@@ -117,7 +117,7 @@ def rank_main(rank: int, world: int, options: argparse.Namespace, results) -> No
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{options.dir}/store", rank=rank,
                             world_size=world)
-    from zeropp.initialize import build_engine
+    from zeropp.deepspeed_api.initialize import build_engine
     from zeropp.sharded_model import ShardingOptions
 
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.bench.gpu_check_engine import (
+from scripts.gpu_check.engine import (
     WARMUP_ITERATIONS,
     build_18b_block_engine,
     ensure_process_group,

@@ -102,7 +102,7 @@ def by_owner(profile: cProfile.Profile, iterations: int) -> dict[str, float]:
 
 def probe_argv(overrides: list[str] | None = None) -> list[str]:
     """The tutorial's flags at the probe's width (``overrides`` replace flags)."""
-    from scripts.bench.host_ops import program_argv
+    from scripts.bench.host_setup import program_argv
 
     return program_argv(["--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
                          *(overrides or [])])
@@ -111,7 +111,7 @@ def probe_argv(overrides: list[str] | None = None) -> list[str]:
 def probe_ds_config(argv: list[str], system: str) -> dict:
     """``system``'s DeepSpeed JSON with the 18B's unit split at this width and the inline
     execution (module docstring)."""
-    from scripts.bench.host_ops import engine_ds_config
+    from scripts.bench.host_setup import engine_ds_config
 
     config = engine_ds_config(argv, system)
     config.setdefault("zero_optimization", {}).update(
@@ -159,7 +159,7 @@ def fsdp2_run(argv: list[str], warmup: int, profiled: int) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from megatron_lite.model import lm_loss
-    from scripts.bench.host_ops import build_model, math_attention, one_batch
+    from scripts.bench.host_setup import build_model, math_attention, one_batch
 
     with fake_world(NODES * GPUS_PER_NODE), math_attention("cpu"):
         args, model = build_model(argv, "cpu", NODES, GPUS_PER_NODE)
@@ -183,7 +183,7 @@ def fsdp2_run(argv: list[str], warmup: int, profiled: int) -> dict:
 def engine_run(argv: list[str], system: str, warmup: int, profiled: int) -> dict:
     from megatron_lite.model import lm_loss
     from megatron_lite.pretrain_gpt import build_engine, build_meta_model
-    from scripts.bench.host_ops import math_attention, one_batch
+    from scripts.bench.host_setup import math_attention, one_batch
 
     with tempfile.TemporaryDirectory(prefix="zeropp-host-python-") as folder, \
             fake_world(NODES * GPUS_PER_NODE), math_attention("cpu"):
@@ -229,7 +229,7 @@ def _vocab_size(args) -> int:
 def measure(systems: tuple[str, ...] = SYSTEMS, runs: int = 3, warmup: int = WARMUP,
             profiled: int = PROFILED, overrides: list[str] | None = None) -> list[PythonTime]:
     """Each system's Python time per iteration over ``runs`` fresh runs."""
-    from scripts.bench.host_ops import optimizers_as_on_cuda
+    from scripts.bench.host_setup import optimizers_as_on_cuda
 
     argv = probe_argv(overrides)
     results = {system: PythonTime(system, []) for system in systems}

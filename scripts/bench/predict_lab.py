@@ -14,13 +14,13 @@ three link rates (MEASURED below, or run_lab's JSON with ``--measured``). Here:
      world collective sends each rank's piece to every peer separately, see docs/lab.md);
    - gloo itself, 4 ranks on this machine's cores: a world all-gather plus reduce-scatter at
      two sizes gives the latency per collective and the bytes per second a rank's cores move
-     (zeropp/step_time.py [Note: host-driven transports]);
+     (zeropp/planning/step_time.py [Note: host-driven transports]);
    - the CPU kernels, each in 4 concurrent single-thread processes (the lab's 4 ranks on 2
      cores): an fp32 add_ (the memory-bound ops) and each quantization kernel as the lab
      runs it (bytes counted as the trace counts them);
    - one compute rate: the same model unsharded in 4 concurrent processes, its FLOPs over its
      seconds less the time its memory-bound ops take at the measured rate;
-3. the trace is replayed on that cluster (zeropp.step_time.predict) for every cell.
+3. the trace is replayed on that cluster (zeropp.planning.step_time.predict) for every cell.
 
 Nothing is fitted, per cell or otherwise. The rates are measurements of this machine now, so
 the unthrottled cells move with its load, as the lab's own figures do (10% between repeats);
@@ -44,11 +44,11 @@ from pathlib import Path
 import torch
 
 from megatron_lite.model import GPTConfig, GPTModel, lm_loss
-from zeropp.simulation.trace import ComputeOp
-from zeropp.step_time import (
+from zeropp.planning.step_time import (
     lab_cluster,
     predict,
 )
+from zeropp.simulation.trace import ComputeOp
 
 # Seconds per iteration (median) at the link rates unlimited, 1gbit, 100mbit, measured on
 # 2026-11-24 on the quiet reference machine right before the rates below were measured:

@@ -11,7 +11,7 @@ runs of the 18B on 4 x 16 V100 (512 tokens per GPU) at 100 Gbit/s: ZeRO-3 9956 m
 The predicted side: each setup's iteration is recorded on the simulated GPU cluster as rank
 0's trace (the real program, meta tensors, the paper's flags: configs/models/gpt_*.args,
 sequence 512, fp16, activation checkpointing, configs/ds_zeropp_config.json for ZeRO++ and
-the dry run's ZeRO-3 baseline of it), then replayed by zeropp.step_time.predict on the
+the dry run's ZeRO-3 baseline of it), then replayed by zeropp.planning.step_time.predict on the
 DGX-2 descriptions (CLUSTERS["dgx2_400g"], ["dgx2_100g"]) with the V100 calibration applied
 (``calibrated``). Traces are cached in ``--traces`` (recording the 138B takes minutes);
 ``--record-only`` fills the cache and stops.
@@ -25,8 +25,8 @@ unit] in zeropp/unit.py), so its trace holds a few hundred reductions per iterat
 DeepSpeed's held thousands (the tutorial's 1e7 bucket: about 1,800 for the 18B). The bytes
 are the same; the latency is not: a reduce-scatter over 384 ranks costs 360 intra-node and
 23 inter-node ring steps, about 1.4 ms, and a cross-node collective holds the node's NICs
-(the contention rule of zeropp/step_time.py). So the figures are predicted from the engine's
-trace with each reduction launch replayed as DeepSpeed issues it
+(the contention rule of zeropp/planning/step_time.py). So the figures are predicted from the
+engine's trace with each reduction launch replayed as DeepSpeed issues it
 (``as_deepspeed_reduces``): the launch's collectives repeated once per bucket, each carrying
 its share of the bytes. The bucket count is the reduction's elements over the bucket size,
 the elements read from the first collective's input (the exact reduce-scatter's dtype, or
@@ -34,8 +34,8 @@ qgZ's first-hop bits). What this engine itself would take, one reduction per uni
 printed beside it; the dry run predicts that.
 
 [Note: the V100 calibration]
-Two constants, zeropp.step_time.V100_GEMM_FRACTION and V100_NETWORK_EFFICIENCY, used by every
-DGX-2 description:
+Two constants, zeropp.planning.step_time.V100_GEMM_FRACTION and V100_NETWORK_EFFICIENCY, used by
+every DGX-2 description:
 - ``gemm_fraction``: the fraction of the V100's 125 TFLOP/s fp16 peak the model's kernels
   reach (0.37);
 - ``network_efficiency``: the fraction of the NICs' line rate a collective gets (0.95; the
@@ -44,7 +44,7 @@ They were chosen by ``--fit``: a pattern search (steps 0.08 down to 0.01) minimi
 squared log error over all 18 published figures (16 paper cells and the tutorial's two step
 times) at once, on the traces of 2026-11-27 replayed at DeepSpeed's reduction granularity
 ([Note: DeepSpeed's granularity in the replay]); rms log error 0.150. Every other DGX-2
-figure is a datasheet number (zeropp/step_time.py). Before the replay issued reductions as
+figure is a datasheet number (zeropp/planning/step_time.py). Before the replay issued reductions as
 DeepSpeed does, the fit gave 0.36 / 0.77 and 25 of 34 cells within 20%: the model's ZeRO-3
 paid no per-bucket latency, so at 400 Gbit/s it ran 28-36% above DeepSpeed's published
 figures, and a lower network efficiency stood in for the latency it lacked at 100 Gbit/s.
@@ -78,14 +78,14 @@ from megatron_lite.arguments import parse_args
 from megatron_lite.dry_run import baseline_ds_config
 from megatron_lite.ds_config import read_ds_config
 from scripts.bench.paper_memory import GPUS_PER_NODE, program_argv  # the paper's flags
-from zeropp.simulation.trace import IterationTrace, Launch
-from zeropp.step_time import (
+from zeropp.planning.step_time import (
     CLUSTERS,
     V100_GEMM_FRACTION,
     V100_NETWORK_EFFICIENCY,
     ClusterSpec,
     predict,
 )
+from zeropp.simulation.trace import IterationTrace, Launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = ("ZeRO-3", "ZeRO++")

@@ -36,7 +36,7 @@ def _rebind(deepspeed) -> None:
     import importlib
 
     import zeropp
-    import zeropp.zero_to_fp32
+    import zeropp.checkpoints.zero_to_fp32 as zero_to_fp32
 
     deepspeed.initialize = zeropp.initialize
     deepspeed.DeepSpeedConfigError = zeropp.ConfigError  # what a bad config raises
@@ -44,7 +44,7 @@ def _rebind(deepspeed) -> None:
     deepspeed.zero.GatheredParameters = zeropp.zero.GatheredParameters
     theirs = importlib.import_module("deepspeed.utils.zero_to_fp32")
     for name in ZERO_TO_FP32:
-        setattr(theirs, name, getattr(zeropp.zero_to_fp32, name))
+        setattr(theirs, name, getattr(zero_to_fp32, name))
     deepspeed.served_by_zeropp = True
 
 

@@ -1,8 +1,8 @@
 """The ZeRO++ switches a configuration chooses (``QuantizationOptions``).
 
-A leaf module: the collectives registry reads these options and ``zeropp.initialize`` builds
-them from a config, so both import them from here (``zeropp.initialize`` and ``zeropp``
-re-export the class).
+A leaf module: the collectives registry reads these options and
+``zeropp.deepspeed_api.initialize`` builds them from a config, so both import them from here
+(``zeropp.deepspeed_api.initialize`` and ``zeropp`` re-export the class).
 """
 
 from __future__ import annotations

@@ -119,7 +119,8 @@ class BF16Config(_Section):
 
 @dataclass(frozen=True)
 class CudaGraphConfig(_Section):
-    """The whole iteration as one CUDA graph ([Note: iteration graphs] in zeropp/cuda_graph.py)."""
+    """The whole iteration as one CUDA graph ([Note: iteration graphs] in
+    zeropp/acceleration/cuda_graph.py)."""
 
     SECTION: ClassVar[str] = "cuda_graph"
     enabled: bool = _field(False, "capture forward, backward and step once, then replay them "
@@ -357,9 +358,9 @@ def _compile_kwargs(path: str, value: Any) -> dict[str, Any]:
 @dataclass(frozen=True)
 class CompileConfig(_Section):
     """torch.compile of each block's computation, the engine's gathers and reductions left
-    outside ([Note: compiled blocks] in zeropp/compiled_blocks.py). The keys of DeepSpeed's
-    earlier ``compile`` block (0.14-0.16: enabled, backend, kwargs; 0.13: disable), whose
-    meaning this is; DeepSpeed 0.19's DeepCompile keys are in ``zeropp.config.keys``."""
+    outside ([Note: compiled blocks] in zeropp/acceleration/compiled_blocks.py). The keys of
+    DeepSpeed's earlier ``compile`` block (0.14-0.16: enabled, backend, kwargs; 0.13: disable),
+    whose meaning this is; DeepSpeed 0.19's DeepCompile keys are in ``zeropp.config.keys``."""
 
     SECTION: ClassVar[str] = "compile"
     enabled: bool = _field(False, "compile each block's forward (and so its backward)", _boolean)

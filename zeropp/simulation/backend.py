@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from zeropp.initialize import SIMULATED_BACKEND
+from zeropp.deepspeed_api.initialize import SIMULATED_BACKEND
 
 # zeropp.initialize puts the engine on the meta device when the process group is this one.
 BACKEND_NAME = SIMULATED_BACKEND

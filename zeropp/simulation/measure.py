@@ -74,7 +74,7 @@ CATEGORY_RULES: list[Rule] = [
     _rule("zeropp/comm/collectives.py", "gradients in flight"),
     _rule("zeropp/comm/streams.py", "gradients in flight"),
     _rule("zeropp/optimizer.py", "model states"),
-    _rule("zeropp/checkpoint.py", "model states"),
+    _rule("zeropp/checkpoints/checkpoint.py", "model states"),
     _rule("zeropp/unit.py", "model states", "__init__"),
     _rule("zeropp/sharded_model.py", "model states", "_build_units"),
 ]

@@ -17,10 +17,10 @@ inline), in the order the training thread issues things:
   compute stream has run everything issued before, and issues nothing meanwhile.
 
 The host issues every kernel and collective, in this order: [Note: host in the step-time
-model] in zeropp/step_time.py says what that costs.
+model] in zeropp/planning/step_time.py says what that costs.
 
 The trace holds no times: a cluster description turns FLOPs and bytes into seconds
-(zeropp.step_time). ``zeropp.simulation.tracing.TraceRecorder`` records one (its rules:
+(zeropp.planning.step_time). ``zeropp.simulation.tracing.TraceRecorder`` records one (its rules:
 [Note: trace recording rules]); ``megatron_lite.simulate`` records a steady iteration
 (``--trace FILE.json``), ``IterationTrace.to_json``/``from_json`` store it.
 """

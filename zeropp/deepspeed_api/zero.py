@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from zeropp.param_face import answer_deepspeed_calls
+from zeropp.deepspeed_params.param_face import answer_deepspeed_calls
 from zeropp.sharded_model import ShardedModel, find_unit
 from zeropp.unit import ShardedUnit, ShardState
 
@@ -205,8 +205,8 @@ class GatheredParameters:
 # calls ``params[0].all_gather(param_list=params)`` and on exit
 # ``params[0].partition(param_list=params, has_been_updated=...)``, methods DeepSpeed's
 # ``zero.Init`` puts on each parameter. The stage-3 parameters here answer those two calls
-# (``zeropp.param_face``, to which this module hands the two functions below) by opening and
-# closing this module's ``GatheredParameters`` on the same list, held in
+# (``zeropp.deepspeed_params.param_face``, to which this module hands the two functions below) by
+# opening and closing this module's ``GatheredParameters`` on the same list, held in
 # ``_HELD_FOR_DEEPSPEED`` between the two. With ``modifier_rank=r``
 # DeepSpeed broadcasts rank r's whole values itself before ``partition(has_been_updated=True)``,
 # so every rank holds r's values then, and writing back any rank's (0's) is writing r's.

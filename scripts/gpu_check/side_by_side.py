@@ -3,7 +3,7 @@
 Systems, each in a subprocess of its own with a time limit (one OOM or failure does not stop
 the others), one process per system on the one GPU (world size 1):
 
-    zeropp_compiled   this engine, ZeRO-3 (zeropp.initialize.build_engine), with compiled
+    zeropp_compiled   this engine, ZeRO-3 (zeropp.build_engine), with compiled
                       blocks (engine.compile(): [Note: compiled blocks])
     fsdp2_compiled    torch.distributed.fsdp.fully_shard on every block, then the root,
                       MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), each
@@ -52,7 +52,7 @@ device call carries ``.whl_ds`` and runs, from the repository root:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl_ds/*.whl && \\
     export PYTHONPATH=/tmp/site && \\
-    python3 -m scripts.bench.gpu_side_by_side --out $OUT/side_by_side.json
+    python3 -m scripts.gpu_check.side_by_side --out $OUT/side_by_side.json
 
 Only the DeepSpeed subprocess imports deepspeed; without it that system reports the import
 error and the others run.
@@ -208,7 +208,7 @@ class ZeroppSystem:
     def __init__(self, shape: RunShape, device, compiled: bool) -> None:
         import torch
 
-        from zeropp.initialize import build_engine
+        from zeropp.deepspeed_api.initialize import build_engine
 
         model = _gpt(shape)
         self.engine = build_engine(model, lr=LR, betas=BETAS, eps=EPS,
@@ -258,7 +258,7 @@ class Fsdp2System:
     def compile_seconds(self) -> float | None:
         if self._timers is None:
             return None
-        from zeropp.compiled_blocks import compile_timers
+        from zeropp.acceleration.compiled_blocks import compile_timers
 
         now = compile_timers()
         return sum(now.values()) - sum(self._timers.values())
@@ -302,7 +302,7 @@ class DeepSpeedSystem:
 
 
 def _compile_timer_snapshot() -> dict[str, float]:
-    from zeropp.compiled_blocks import compile_timers
+    from zeropp.acceleration.compiled_blocks import compile_timers
 
     return compile_timers()
 
@@ -433,7 +433,7 @@ def _run_in_subprocess(name: str, shape: RunShape, timeout: float, smoke: bool,
                    TORCHINDUCTOR_CACHE_DIR=inductor_cache or str(Path(scratch) / "inductor"))
         if smoke:
             env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-        command = [sys.executable, "-m", "scripts.bench.gpu_side_by_side", "--worker", name,
+        command = [sys.executable, "-m", "scripts.gpu_check.side_by_side", "--worker", name,
                    "--worker-shape", json.dumps(asdict(shape)), "--worker-out", str(result_path)]
         root = Path(__file__).resolve().parents[2]
         started = time.perf_counter()

@@ -12,7 +12,7 @@ e. Host time against GPU time per iteration for the 18B's block shape
    (configs/models/gpt_18b.args) with few layers, so it fits one GPU: wall clock and CUDA
    events per iteration, and the GPU's busy time from one profiled iteration.
 
-`python -m scripts.bench.gpu_check_engine cpu-losses --steps N --out FILE` is section c's
+`python -m scripts.gpu_check.engine cpu-losses --steps N --out FILE` is section c's
 CPU reference (run by the section itself).
 """
 
@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_lite.model import GPTConfig, GPTModel
-from scripts.bench.gpu_check_report import (
+from scripts.gpu_check.report import (
     TRACE_NAME,
     Outcome,
     analyse_streams,
@@ -46,7 +46,7 @@ from scripts.bench.gpu_check_report import (
     merge_intervals,
     one_line,
 )
-from zeropp.initialize import QuantizationOptions, build_engine, make_loss_scaler
+from zeropp.deepspeed_api.initialize import QuantizationOptions, build_engine, make_loss_scaler
 from zeropp.sharded_model import ShardingOptions
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -186,7 +186,7 @@ def start_cpu_reference(out_path: Path, steps: int) -> subprocess.Popen:
     """The CPU/gloo run of section c, in a subprocess that sees no GPU."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.Popen(
-        [sys.executable, "-m", "scripts.bench.gpu_check_engine", "cpu-losses",
+        [sys.executable, "-m", "scripts.gpu_check.engine", "cpu-losses",
          "--steps", str(steps), "--out", str(out_path)],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -464,7 +464,7 @@ def worker_main(argv: list[str] | None, module: str, description: str, command: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    return worker_main(argv, "scripts.bench.gpu_check_engine",
+    return worker_main(argv, "scripts.gpu_check.engine",
                        "GPU check section c's CPU/gloo reference run", "cpu-losses",
                        "train the tiny GPT on CPU with gloo", cpu_reference_main)
 

@@ -190,7 +190,7 @@ def build_engine(
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(partitioned)  # DeepSpeed's callable: optimizer -> schedule
     elif lr_scheduler is not None:
-        from zeropp.lr_schedules import bind_client_schedule
+        from zeropp.deepspeed_api.lr_schedules import bind_client_schedule
 
         lr_scheduler = bind_client_schedule(lr_scheduler, partitioned)
     return ZeroEngine(
@@ -354,7 +354,7 @@ def engine_from_config(
         offload=OffloadOptions.from_zero_config(zero),
     )
     if lr_scheduler is None and cfg.scheduler is not None:
-        from zeropp.lr_schedules import WarmupSchedule
+        from zeropp.deepspeed_api.lr_schedules import WarmupSchedule
 
         engine.lr_scheduler = WarmupSchedule(engine.optimizer, cfg.scheduler.type, cfg.scheduler.params)
     return engine

@@ -9,7 +9,7 @@
 
 Every file is checksummed as it is written and verified before a load; ``--load`` falls
 back to the newest checkpoint that verifies ([Note: checkpoint checksums] in
-``zeropp/checkpoint_integrity.py``). A save writes everything under ``DIR/TAG.tmp``; after every rank has written (a barrier),
+``zeropp/checkpoints/checkpoint_integrity.py``). A save writes everything under ``DIR/TAG.tmp``; after every rank has written (a barrier),
 rank 0 renames the directory to ``DIR/TAG`` and only then replaces ``latest`` (temp file +
 rename). A crash at any point leaves ``latest`` naming the previous complete checkpoint.
 
@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zeropp.checkpoint_files import CheckpointError, CheckpointStorageError, shard_file
-from zeropp.checkpoint_integrity import gather_checksums
-from zeropp.checkpoint_io import save_to_file
+from zeropp.checkpoints.checkpoint_files import CheckpointError, CheckpointStorageError, shard_file
+from zeropp.checkpoints.checkpoint_integrity import gather_checksums
+from zeropp.checkpoints.checkpoint_io import save_to_file
 from zeropp.flat_layout import FlatLayout
 
 SHARD_FORMAT = "zeropp-shard-v1"
@@ -182,7 +182,7 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
     thread writes the file, and ``finish_pending`` publishes the checkpoint
     ([Note: asynchronous checkpoint saves]). A save still in flight is finished first.
     """
-    from zeropp.checkpoint_async import PendingSave, staging_for
+    from zeropp.checkpoints.checkpoint_async import PendingSave, staging_for
 
     if save_dir is None or not os.fspath(save_dir):  # "" would be the working directory
         raise ValueError(f"save_checkpoint: save_dir must name a directory, got {save_dir!r}")

@@ -1,8 +1,7 @@
 """What both sides of a checkpoint share: its errors and the name of a rank's shard file.
 
-``zeropp.checkpoint`` (saves and loads) and ``zeropp.checkpoint_integrity`` (checksums and the
-fallback choice) both import from here; ``zeropp.checkpoint`` and ``zeropp`` re-export the
-names.
+``checkpoint`` (saves and loads) and ``checkpoint_integrity`` (checksums and the fallback
+choice) both import from here; ``zeropp.checkpoints`` and ``zeropp`` re-export the names.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """The whole iteration as one CUDA graph against the same iteration eager, on one GPU.
 
-    python -m scripts.bench.gpu_graph_check --out DIR [--layers 2] [--micro-batch 2]
+    python -m scripts.gpu_check.graph_check --out DIR [--layers 2] [--micro-batch 2]
         [--iterations 20]
 
 Two engines of the GPU check's section e (the 18B's block shape, bf16 ZeRO++ with qwZ and
 qgZ, activation checkpointing; one rank on NCCL) are built from the same initial values
 and trained on the same token batches: one eagerly, one through ``IterationGraph``
-([Note: iteration graphs] in zeropp/cuda_graph.py). Per iteration it records the loss, the
-host's time to issue it (until the call returns) and the GPU's time (CUDA events). It
+([Note: iteration graphs] in zeropp/acceleration/cuda_graph.py). Per iteration it records the loss,
+the host's time to issue it (until the call returns) and the GPU's time (CUDA events). It
 writes DIR/gpu_graph_check.json and prints a table:
 - losses equal to rounding (largest relative difference; CUDA's atomics in the embedding's
   backward make two eager runs differ in the last bits too);
@@ -34,7 +34,7 @@ HOST_FRACTION_TARGET = 0.10
 
 
 def _train(engine, batches: torch.Tensor, runner) -> dict:
-    from scripts.bench.gpu_check_engine import train_iteration
+    from scripts.gpu_check.engine import train_iteration
 
     def one_iteration(tokens):
         return train_iteration(engine, tokens)
@@ -65,7 +65,7 @@ def _steady(values: list[float], skip: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.bench.gpu_graph_check",
+    parser = argparse.ArgumentParser(prog="python -m scripts.gpu_check.graph_check",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--layers", type=int, default=2)
@@ -76,14 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: no CUDA device: the graph check needs one", file=sys.stderr)
         return 3
-    from scripts.bench.gpu_check_engine import (
+    from scripts.gpu_check.engine import (
         GPT2_VOCAB,
         build_18b_block_engine,
         ensure_process_group,
         free_memory,
         token_batches,
     )
-    from zeropp.cuda_graph import CudaGraphOptions, IterationGraph, capture_blockers
+    from zeropp.acceleration.cuda_graph import CudaGraphOptions, IterationGraph, capture_blockers
 
     args.out.mkdir(parents=True, exist_ok=True)
     ensure_process_group("nccl")

@@ -1,22 +1,22 @@
 """The GPU check: one command, under 10 minutes on one GPU, for the moment a GPU is at hand.
 
     scripts/gpu_check.sh [--out DIR] [--quick] [--sections abcdefg] [--budget-s 570]
-    (= .venv/bin/python -m scripts.bench.gpu_check ...)
+    (= .venv/bin/python -m scripts.gpu_check.run ...)
 
 Sections (each timed, each pass / fail / skip with its figures; a failing one does not stop
 the others):
   a. the Triton kernels on CUDA equal the torch reference bit for bit
-     (scripts/bench/gpu_check_kernels.py);
+     (scripts/gpu_check/kernels.py);
   b. each kernel's bandwidth on 64 MiB tensors against the device's peak (target 70%); the
      per-op rates become the report's `kernel_rates`, which the step-time model reads
      (`pretrain_zeropp_gpt.py --dry-run --dry-run-kernel-rates DIR/gpu_check.json`);
   c. the engine on NCCL (one rank, CUDA execution model) trains a tiny GPT to the losses of
-     the same run on CPU/gloo (scripts/bench/gpu_check_engine.py);
+     the same run on CPU/gloo (scripts/gpu_check/engine.py);
   d. a profiled iteration shows the gather and reduce streams overlapping compute (the
      chrome trace is kept in DIR);
   e. host time against GPU time per iteration at the 18B's block shape, few layers;
   f. the engine at world size 1 under PyTorch's CUDA sanitizer: no cross-stream race
-     (scripts/bench/gpu_check_nccl.py);
+     (scripts/gpu_check/nccl.py);
   g. two processes on two GPUs over NCCL, started as torchrun starts them: one GPU each by
      LOCAL_RANK, equal losses (skipped on a one-GPU machine).
 
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -44,12 +43,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.bench.gpu_check_report import (
+from scripts.gpu_check.report import (
     SECTIONS,
     Outcome,
     SectionResult,
     build_report,
-    device_peak_bandwidth,
+    describe_device,
     json_safe,
     one_line,
     render_table,
@@ -140,49 +139,13 @@ def no_cuda_reason() -> str | None:
     return None
 
 
-def describe_device() -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the device's properties and peak memory bandwidth, the software versions)."""
-    import torch
-
-    props = torch.cuda.get_device_properties(0)
-    clock_khz = getattr(props, "memory_clock_rate", None)
-    bus_bits = getattr(props, "memory_bus_width", None)
-    peak = device_peak_bandwidth(props.name, clock_khz, bus_bits)
-    device = {
-        "name": props.name, "capability": [props.major, props.minor],
-        "total_memory_bytes": props.total_memory,
-        "multi_processor_count": props.multi_processor_count,
-        "memory_clock_khz": clock_khz, "memory_bus_width_bits": bus_bits,
-        "peak_memory_bandwidth": peak._asdict() if peak else None,
-        "device_count": torch.cuda.device_count(),
-    }
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    environment = {"python": platform.python_version(), "torch": torch.__version__,
-                   "cuda": torch.version.cuda, "triton": triton_version, "nccl": nccl_version()}
-    return device, environment
-
-
-def nccl_version() -> str | None:
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_nccl_available():
-        return None
-    version = torch.cuda.nccl.version()  # a tuple in torch 2.x, an int before
-    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-
-
 # ---- one section, in this process --------------------------------------------------------------
 
 
 def section_function(key: str, out_dir: Path, quick: bool, limit_s: float | None):
     """The call that runs section `key` with the sizes of a full or a quick check."""
-    from scripts.bench import gpu_check_engine as engine_sections
-    from scripts.bench import gpu_check_kernels as kernel_sections
+    from scripts.gpu_check import engine as engine_sections
+    from scripts.gpu_check import kernels as kernel_sections
 
     work_s = None if limit_s is None else max(limit_s - SECTION_GRACE_S, 1.0)
     if key == "a":
@@ -209,7 +172,7 @@ def section_function(key: str, out_dir: Path, quick: bool, limit_s: float | None
         return lambda: engine_sections.check_host_vs_gpu(
             out_dir, num_layers=1 if quick else 2, micro_batch=1 if quick else 2,
             timed_iterations=2 if quick else 3)
-    from scripts.bench import gpu_check_nccl as nccl_sections
+    from scripts.gpu_check import nccl as nccl_sections
 
     if key == "f":
         return lambda: nccl_sections.check_under_sanitizer(steps=2 if quick else 3)
@@ -262,14 +225,14 @@ def run_section_in_child(key: str, args: argparse.Namespace, limit_s: float) -> 
     path = result_path(args.out, key)
     path.unlink(missing_ok=True)
     log_path = path.with_suffix(".log")
-    command = [sys.executable, "-m", "scripts.bench.gpu_check", "--out", str(args.out),
+    command = [sys.executable, "-m", "scripts.gpu_check.run", "--out", str(args.out),
                "--run-section", key, "--section-limit-s", f"{limit_s:.1f}"]
     if args.quick:
         command.append("--quick")
     start = time.perf_counter()
     with open(log_path, "w") as log:
         # Its own session: on timeout the whole group goes, section c's CPU worker included.
-        from scripts.bench.gpu_check_nccl import section_env
+        from scripts.gpu_check.nccl import section_env
 
         child = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True,

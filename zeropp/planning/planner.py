@@ -40,8 +40,8 @@ from zeropp.comm.accounting import LOCALITIES, PHASES, all_reduce_bytes, localit
 from zeropp.comm.collectives import CommGroup, all_gather
 from zeropp.comm.registry import Collectives, collectives_for
 from zeropp.config import ZeroConfig
+from zeropp.deepspeed_api.initialize import gradient_shard_dtype, options_from_config
 from zeropp.flat_layout import FlatLayout
-from zeropp.initialize import gradient_shard_dtype, options_from_config
 from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
 from zeropp.residency import Residency, shard_alignment, stays_gathered
 from zeropp.sharded_model import ShardingOptions

@@ -9,7 +9,8 @@ EMA update, Hugging Face's ZeRO-3 code. Without these attributes such a script t
 sharded parameter for an ordinary one and reads storage the engine has released. Where the
 script gathers with DeepSpeed's own ``GatheredParameters`` (its helpers still
 ``import deepspeed``), that context calls ``all_gather`` and ``partition`` on the parameters,
-and they answer with this engine's gather (zeropp/zero.py) and carry ``ds_process_group``.
+and they answer with this engine's gather (zeropp/deepspeed_api/zero.py) and carry
+``ds_process_group``.
 
 This is the one place the engine writes onto ``nn.Parameter`` (STYLE: explicit states,
 nothing patched onto parameters). The state itself still lives in the unit
@@ -55,8 +56,8 @@ _next_id = itertools.count()
 
 
 # The engine's answers to DeepSpeed's two calls, ``(gather, partition)``, each taking the list
-# of parameters: registered by zeropp.zero when it is imported (the package's __init__ imports
-# it), because zeropp.zero imports the units that import this module.
+# of parameters: registered by zeropp.deepspeed_api.zero when it is imported (the package's
+# __init__ imports it), because that module imports the units that import this one.
 _deepspeed_answers: tuple[Callable, Callable] | None = None
 
 
@@ -68,8 +69,8 @@ def answer_deepspeed_calls(gather: Callable, partition: Callable) -> None:
 class _DeepSpeedCall:
     """``param.all_gather(param_list=...)`` or ``param.partition(param_list=...)``, the two
     calls DeepSpeed's own ``GatheredParameters`` makes on a parameter ([Note: DeepSpeed's
-    GatheredParameters on this engine's parameters] in zeropp/zero.py). Holds its parameter
-    weakly: a parameter does not keep itself alive through its own attribute."""
+    GatheredParameters on this engine's parameters] in zeropp/deepspeed_api/zero.py). Holds its
+    parameter weakly: a parameter does not keep itself alive through its own attribute."""
 
     def __init__(self, param: nn.Parameter, gather: bool) -> None:
         self._param = weakref.ref(param)

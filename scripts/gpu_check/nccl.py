@@ -10,7 +10,7 @@
      on its own GPU (LOCAL_RANK's), and both ranks must see the same losses. Skipped, with
      the reason, on a machine with one GPU.
 
-    python -m scripts.bench.gpu_check_nccl rank --steps N --out FILE   (one rank of section g)
+    python -m scripts.gpu_check.nccl rank --steps N --out FILE   (one rank of section g)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from scripts.bench.gpu_check_engine import (
+from scripts.gpu_check.engine import (
     REPO_ROOT,
     TINY_BATCH,
     TINY_GPT,
@@ -39,7 +39,7 @@ from scripts.bench.gpu_check_engine import (
     train_iteration,
     worker_main,
 )
-from scripts.bench.gpu_check_report import Outcome, one_line
+from scripts.gpu_check.report import Outcome, one_line
 
 SANITIZER_ENV = {"TORCH_CUDA_SANITIZER": "1"}  # the environment of section f's process
 RANKS = 2
@@ -136,7 +136,7 @@ def check_two_ranks(out_dir: Path, steps: int = 3, timeout_s: float = 120) -> Ou
     for rank, path in enumerate(paths):
         path.unlink(missing_ok=True)
         workers.append(subprocess.Popen(
-            [sys.executable, "-m", "scripts.bench.gpu_check_nccl", "rank", "--steps",
+            [sys.executable, "-m", "scripts.gpu_check.nccl", "rank", "--steps",
              str(steps), "--out", str(path)],
             cwd=REPO_ROOT, env=rank_env(rank, port), stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True))
@@ -166,7 +166,7 @@ def rank_main(steps: int, out_path: Path) -> int:
     """One rank of section g, started as torchrun would start it."""
     import torch.distributed as dist
 
-    from zeropp.initialize import init_distributed
+    from zeropp.deepspeed_api.initialize import init_distributed
 
     init_distributed()  # LOCAL_RANK's GPU, the NCCL group created for it
     device = torch.device("cuda", torch.cuda.current_device())
@@ -190,7 +190,7 @@ def rank_main(steps: int, out_path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return worker_main(argv, "scripts.bench.gpu_check_nccl",
+    return worker_main(argv, "scripts.gpu_check.nccl",
                        "one rank of the GPU check's section g", "rank",
                        "train the tiny GPT as one of two NCCL ranks", rank_main)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from zeropp.checkpoint import consolidate
+from zeropp.checkpoints.checkpoint import consolidate
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
            "load_state_dict_from_zero_checkpoint"]

@@ -13,7 +13,7 @@ b. Each kernel's bandwidth on 64 MiB tensors (and, reported besides, 1 MiB and 8
    with the reference on the CPU (as in a), to check the large grids. The per-op rates become
    the report's `kernel_rates`, keyed by the trace's op names. Then the host's microseconds
    per call of each kernel, through the cached launcher and the plain `kernel[grid]` path.
-   On its own, in under a minute: `python -m scripts.bench.gpu_check_kernels --section b
+   On its own, in under a minute: `python -m scripts.gpu_check.kernels --section b
    --out DIR`.
 
 The functions take a device and sizes, so the tests run their plumbing on CPU (reference
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scripts.bench.gpu_check_report import (
+from scripts.gpu_check.report import (
     BANDWIDTH_TARGET,
     Outcome,
     bytes_per_second,
@@ -269,7 +269,7 @@ PAYLOADS_PER_CALL = 8  # ranks per node on DGX machines: qgZ's first hop, qwZ's 
 
 
 def _engine_block_size() -> int:
-    from zeropp.initialize import QuantizationOptions
+    from zeropp.deepspeed_api.initialize import QuantizationOptions
 
     return QuantizationOptions().block_size
 
@@ -586,15 +586,15 @@ def format_section_b(figures: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m scripts.bench.gpu_check_kernels --section b --out DIR`: one section of the
+    """`python -m scripts.gpu_check.kernels --section b --out DIR`: one section of the
     GPU check on its own (under a minute on an H100/H200), its JSON in DIR/kernels_<s>.json."""
     import argparse
     import json
     from pathlib import Path
 
-    from scripts.bench.gpu_check_report import json_safe
+    from scripts.gpu_check.report import json_safe
 
-    parser = argparse.ArgumentParser(prog="python -m scripts.bench.gpu_check_kernels",
+    parser = argparse.ArgumentParser(prog="python -m scripts.gpu_check.kernels",
                                      description=main.__doc__.split("\n")[0])
     parser.add_argument("--section", choices=("a", "b"), default="b")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here (a folder)")
@@ -603,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: no CUDA device", file=sys.stderr)
         return 2
-    from scripts.bench.gpu_check import describe_device
+    from scripts.gpu_check.report import describe_device
 
     device_facts, environment = describe_device()
     started = time.perf_counter()

@@ -3,8 +3,9 @@ the newest checkpoint that verifies.
 
 [Note: checkpoint checksums]
 Each rank's shard file is checksummed while ``torch.save`` writes it (``DirectFileWriter``,
-``zeropp/checkpoint_io.py``: CRC-32 and byte count of the stream, nothing read back); rank 0
-gathers every rank's pair and records them in ``meta.json`` under ``"checksums"``. CRC-32 because it runs at several GB/s
+``zeropp/checkpoints/checkpoint_io.py``: CRC-32 and byte count of the stream, nothing read back);
+rank 0 gathers every rank's pair and records them in ``meta.json`` under ``"checksums"``. CRC-32
+because it runs at several GB/s
 and catches any error burst up to 32 bits and all but 2^-32 of the rest: this guards against
 bad disk blocks and torn copies, not against someone forging a file.
 
@@ -29,8 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zeropp.checkpoint_files import CheckpointError, shard_file
-from zeropp.checkpoint_io import file_checksum
+from zeropp.checkpoints.checkpoint_files import CheckpointError, shard_file
+from zeropp.checkpoints.checkpoint_io import file_checksum
 from zeropp.comm.collectives import all_gather_into_tensor
 
 

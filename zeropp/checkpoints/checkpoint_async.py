@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zeropp.checkpoint_io import save_to_file
+from zeropp.checkpoints.checkpoint_io import save_to_file
 from zeropp.offload import HostMemory
 
 
@@ -102,7 +102,7 @@ def staging_for(engine) -> ShardStaging:
 
 class PendingSave:
     """One rank's shard of a save: staged, written (here or on a background thread), then
-    committed by ``zeropp.checkpoint._commit``."""
+    committed by ``zeropp.checkpoints.checkpoint._commit``."""
 
     def __init__(self, engine, staging: ShardStaging, state: dict, path: Path, tmp_dir: Path,
                  final_dir: Path, tag: str) -> None:

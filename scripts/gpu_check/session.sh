@@ -2,13 +2,13 @@
 # Everything a lent GPU should measure, in one call, each part under its own time limit, so
 # one that fails or overruns leaves the others their results:
 #
-#   OUT=DIR bash scripts/bench/gpu_session.sh [PARTS]      (PARTS default: check graph train side)
+#   OUT=DIR bash scripts/gpu_check/session.sh [PARTS]      (PARTS default: check graph train side)
 #
 #   check  the GPU check's sections a (kernels bit-exact), b (kernel bandwidth at 1, 8 and
 #          64 MiB, host us per launch) and e (host against GPU at the 18B's block shape)
-#   graph  the iteration as one CUDA graph against eager (scripts.bench.gpu_graph_check)
+#   graph  the iteration as one CUDA graph against eager (scripts.gpu_check.graph_check)
 #   train  the application with --cuda-graph against without (torchrun, bf16 ZeRO++, mock data)
-#   side   one GPU side by side: this engine, FSDP2, DeepSpeed (scripts.bench.gpu_side_by_side;
+#   side   one GPU side by side: this engine, FSDP2, DeepSpeed (scripts.gpu_check.side_by_side;
 #          DeepSpeed's wheels carried in .whl_ds/, see that script's docstring)
 #   profile  the host's Python profile of one iteration (scripts.bench.host_profile)
 #
@@ -42,7 +42,7 @@ for p in $PARTS; do
         --out "$WORK/gc"
       cp "$WORK/gc/gpu_check.json" "$OUTDIR/gpu_check.json" 2>/dev/null ;;
     graph)
-      part graph 150 python3 -m scripts.bench.gpu_graph_check --out "$WORK/graph" --iterations 20
+      part graph 150 python3 -m scripts.gpu_check.graph_check --out "$WORK/graph" --iterations 20
       cp "$WORK/graph/gpu_graph_check.json" "$OUTDIR/" 2>/dev/null ;;
     train)
       ARGS=(--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
@@ -67,14 +67,14 @@ EOF
       ;;
     side)
       # DeepSpeed and what it needs travel as wheels (WHEELS, default .whl_ds/: see
-      # scripts/bench/gpu_side_by_side.py); only the side-by-side run sees them.
+      # scripts/gpu_check/side_by_side.py); only the side-by-side run sees them.
       WHEELS=${WHEELS:-$ROOT/.whl_ds}
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ds_site \
         "$WHEELS"/*.whl >> "$OUTDIR/session.log" 2>&1 || echo "side: wheels did not install" \
         | tee -a "$OUTDIR/session.log"
       mkdir -p "$WORK/side"
       part side 380 env PYTHONPATH="/tmp/ds_site${PYTHONPATH:+:$PYTHONPATH}" \
-        python3 -m scripts.bench.gpu_side_by_side --out "$WORK/side/side_by_side.json" \
+        python3 -m scripts.gpu_check.side_by_side --out "$WORK/side/side_by_side.json" \
         --budget 360 --system-timeout 180
       cp "$WORK/side/"*.json "$OUTDIR/" 2>/dev/null ;;
     profile)

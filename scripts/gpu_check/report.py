@@ -1,6 +1,6 @@
 """The GPU check's report and arithmetic: everything of it that runs without a GPU.
 
-`scripts.bench.gpu_check` runs five sections on a CUDA device (see its docstring); this module
+`scripts.gpu_check.run` runs five sections on a CUDA device (see its docstring); this module
 holds what they share and what the tests exercise on fake data:
 
 - a section's result (`Outcome` from the section, `SectionResult` once timed) and the runner
@@ -12,7 +12,7 @@ holds what they share and what the tests exercise on fake data:
 - the report (`gpu_check.json`): its schema, writer, validation and the printed table.
 
 The report's `kernel_rates` maps the step-time trace's op names ("zeropp.quantize_blockwise.
-default", ...) to measured bytes/s; `zeropp.step_time.load_kernel_rates` reads it back.
+default", ...) to measured bytes/s; `zeropp.planning.step_time.load_kernel_rates` reads it back.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import re
 import statistics
 import time
@@ -223,6 +224,42 @@ def device_peak_bandwidth(name: str, memory_clock_khz: int | None,
     if listed is not None:
         return PeakBandwidth(listed[0], "datasheet table", listed[1])
     return None
+
+
+def describe_device() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the device's properties and peak memory bandwidth, the software versions)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    clock_khz = getattr(props, "memory_clock_rate", None)
+    bus_bits = getattr(props, "memory_bus_width", None)
+    peak = device_peak_bandwidth(props.name, clock_khz, bus_bits)
+    device = {
+        "name": props.name, "capability": [props.major, props.minor],
+        "total_memory_bytes": props.total_memory,
+        "multi_processor_count": props.multi_processor_count,
+        "memory_clock_khz": clock_khz, "memory_bus_width_bits": bus_bits,
+        "peak_memory_bandwidth": peak._asdict() if peak else None,
+        "device_count": torch.cuda.device_count(),
+    }
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    environment = {"python": platform.python_version(), "torch": torch.__version__,
+                   "cuda": torch.version.cuda, "triton": triton_version, "nccl": nccl_version()}
+    return device, environment
+
+
+def nccl_version() -> str | None:
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        return None
+    version = torch.cuda.nccl.version()  # a tuple in torch 2.x, an int before
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
 # ---- streams ---------------------------------------------------------------------------------

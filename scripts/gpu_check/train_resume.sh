@@ -4,7 +4,7 @@
 # then a second run that resumes from iteration 20 and trains to 30. Compare the two
 # metrics files' iterations 25 and 30 (docs/gpu_runs.md has the H100's).
 #
-#   OUT=DIR bash scripts/bench/gpu_train_resume.sh
+#   OUT=DIR bash scripts/gpu_check/train_resume.sh
 #
 # Needs the tokenized sample corpus (scripts/quickstart.sh, or data.sample_corpus +
 # data.preprocess, writes cache/data/pile_sample_text_document.{bin,idx}); the GPU machine

@@ -316,7 +316,7 @@ def lab_cluster(compute_flops: float, memory_bandwidth: float, link_bits_per_sec
 
 # -- measured kernel rates -----------------------------------------------------------------
 
-KERNEL_RATES_SCHEMA = "zeropp-gpu-check"  # scripts/bench/gpu_check_report.py's report
+KERNEL_RATES_SCHEMA = "zeropp-gpu-check"  # scripts/gpu_check/report.py's report
 KERNEL_RATES_VERSION = 1
 
 
