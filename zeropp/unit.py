@@ -174,10 +174,10 @@ class ShardedUnit:
         # Stage 1's gradients held flat through the accumulation window, in the layout of
         # ``full``; the parameters' ``.grad`` are views of it ([Note: gradient buffer]).
         self._grad_flat: torch.Tensor | None = None
-        # The zeros after the last parameter in the flat buffer, made once.
-        padding = layout.padded_numel - layout.numel
-        self._grad_padding = (torch.zeros(padding, dtype=dtype, device=device) if padding
-                              else None)
+        # The zeros after the last parameter in the flat buffer. Made with each flattening,
+        # with the gradients: held for good they would be device memory an offloaded run
+        # does not plan for (its model states live on the host).
+        self._grad_padding_numel = layout.padded_numel - layout.numel
         # The unit's backward is over and its reduction started (ShardedModel._post_backward).
         self.backward_done = False
         # ``zeropp.zero.GatheredParameters`` contexts holding the whole weights: the user reads
@@ -439,8 +439,9 @@ class ShardedUnit:
             else:
                 param.grad = None
             pieces.append(grad.reshape(-1))
-        if self._grad_padding is not None:
-            pieces.append(self._grad_padding)
+        if self._grad_padding_numel:
+            pieces.append(torch.zeros(self._grad_padding_numel, dtype=self.dtype,
+                                      device=self.device))
         return torch.cat(pieces)
 
     def _unbind_gradients(self) -> None:
