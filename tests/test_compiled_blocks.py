@@ -9,29 +9,23 @@ graphs as it can: one model shape per test, all blocks of one class.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
-from pydoc_data.topics import topics
 
 import pytest
 import torch
 
-from data.preprocess import preprocess
-from data.tokenizers import build_tokenizer
 from megatron_lite.model import GPTConfig, GPTModel, lm_loss
 from tests.distributed import run_ranks
-from tests.test_pretrain_cli import ENTRY_POINT, TINY_RUN, read_metrics, run
+from tests.test_llama_training import LLAMA_STYLE, SEQ, VOCAB
+from tests.test_pretrain_cli import (  # noqa: F401 (data_prefix: a module fixture)
+    ENTRY_POINT,
+    TINY_RUN,
+    data_prefix,
+    read_metrics,
+    run,
+)
 from zeropp.config import ConfigError, EngineConfig
 
-VOCAB, SEQ = 203, 12
-LLAMA_STYLE = dict(
-    num_layers=3, hidden_size=40, num_attention_heads=5, vocab_size=VOCAB,
-    max_position_embeddings=SEQ, ffn_hidden_size=72, make_vocab_size_divisible_by=16,
-    hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-6, seed=7,
-    position_embedding_type="rope", rotary_base=500000.0, normalization="RMSNorm",
-    swiglu=True, num_query_groups=1, untie_embeddings_and_output_weights=True,
-    add_bias_linear=False,
-)
 ZEROPP = {"quantized_weights": True, "hpz_size": 2, "quantized_gradients": True}
 
 
@@ -195,19 +189,7 @@ def test_compiled_blocks_resume_from_a_checkpoint(dtype, tmp_path):
         assert resumed == straight
 
 
-@pytest.fixture(scope="module")
-def data_prefix(tmp_path_factory) -> str:
-    """A tiny tokenized corpus, as tests/test_pretrain_cli.py makes it."""
-    directory = tmp_path_factory.mktemp("compile-corpus")
-    jsonl = directory / "docs.jsonl"
-    with jsonl.open("w", encoding="utf-8") as out:
-        for name in sorted(topics)[:40]:
-            out.write(json.dumps({"text": topics[name][:2000]}) + "\n")
-    return preprocess(str(jsonl), str(directory / "pydoc"),
-                      build_tokenizer("GPT2BPETokenizer"))["text"]
-
-
-def test_compile_flag_trains_as_the_eager_command_line(data_prefix, tmp_path):
+def test_compile_flag_trains_as_the_eager_command_line(data_prefix, tmp_path):  # noqa: F811
     """``pretrain_zeropp_gpt.py --compile`` (ZeRO-3, activation checkpointing, 2 micro-batches,
     evaluation): the eager run's losses, and the compile time said once."""
     metrics = {}

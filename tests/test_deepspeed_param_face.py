@@ -104,17 +104,8 @@ def deepspeeds_own_gathered_parameters(rank, world):
     import deepspeed.comm
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    import zeropp
-
     deepspeed.comm.init_distributed(dist_backend="gloo")  # wraps the group the test made
-    model = toy_model()
-    config = {"train_micro_batch_size_per_gpu": 3, "zero_optimization": {
-        "stage": 3, "stage3_param_persistence_threshold": 0}}
-    engine, _, _, _ = zeropp.initialize(model, optimizer=torch.optim.AdamW(
-        model.parameters(), lr=1e-2), config=config)
-    tokens = toy_batches(1, 1, 3 * world)[0, 0, rank * 3:(rank + 1) * 3]
-    engine.backward(toy_loss(engine(tokens), tokens))
-    engine.step()
+    engine, tokens = _stage3_engine(rank, world)
     full = engine.full_state_dict()
     params = dict(engine.module.named_parameters())
     out = {"saved": {}, "inside": set()}

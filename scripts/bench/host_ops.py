@@ -89,6 +89,7 @@ from scripts.bench.host_setup import (  # noqa: F401 (program_argv, ROOT: this b
     ZEROPP_CONFIG,
     build_model,
     engine_ds_config,
+    fsdp2_training,
     math_attention,
     one_batch,
     optimizers_as_on_cuda,
@@ -206,8 +207,6 @@ def count_fsdp2(argv: list[str], nodes: int = NODES, gpus_per_node: int = GPUS_P
     """FSDP2 over the model at hidden ``FSDP2_HIDDEN``, rank 0 of a fake world, on the CPU;
     iteration ``measured`` of ``iterations`` counted (module docstring)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from megatron_lite.model import lm_loss
@@ -221,14 +220,7 @@ def count_fsdp2(argv: list[str], nodes: int = NODES, gpus_per_node: int = GPUS_P
     dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=world_size)
     progress = Progress(f"counting FSDP2 as rank {RANK} of {world_size} on the CPU")
     try:
-        args, model = build_model(small, "cpu", nodes, gpus_per_node)
-        model.train()
-        mesh = init_device_mesh("cpu", (world_size,))
-        policy = MixedPrecisionPolicy(param_dtype=torch.float16)
-        for block in model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        args, model, optimizer = fsdp2_training(small, nodes, gpus_per_node)
         tokens, labels, loss_mask = one_batch(args, "cpu")
         with progress, math_attention("cpu"):
             for iteration in range(1, iterations + 1):

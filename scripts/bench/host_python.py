@@ -43,8 +43,6 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import torch
-
 HIDDEN, HEADS = 64, 4
 NODES, GPUS_PER_NODE, RANK = 4, 16, 0
 WARMUP, PROFILED = 2, 3
@@ -155,21 +153,11 @@ def profile_iterations(step, warmup: int = WARMUP, profiled: int = PROFILED) -> 
 
 
 def fsdp2_run(argv: list[str], warmup: int, profiled: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     from megatron_lite.model import lm_loss
-    from scripts.bench.host_setup import build_model, math_attention, one_batch
+    from scripts.bench.host_setup import fsdp2_training, math_attention, one_batch
 
     with fake_world(NODES * GPUS_PER_NODE), math_attention("cpu"):
-        args, model = build_model(argv, "cpu", NODES, GPUS_PER_NODE)
-        model.train()
-        mesh = init_device_mesh("cpu", (NODES * GPUS_PER_NODE,))
-        policy = MixedPrecisionPolicy(param_dtype=torch.float16)
-        for block in model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        args, model, optimizer = fsdp2_training(argv, NODES, GPUS_PER_NODE)
         tokens, labels, loss_mask = one_batch(args, "cpu")
 
         def step() -> None:

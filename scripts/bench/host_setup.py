@@ -107,3 +107,20 @@ def engine_ds_config(argv: list[str], system: str) -> dict:
         config.setdefault("zero_optimization", {}).update(
             zero_quantized_weight_deltas=True, zero_quantized_weight_deltas_bits=2)
     return config
+
+
+def fsdp2_training(argv: list[str], nodes: int, gpus_per_node: int):
+    """(args, model, optimizer): the model as ``build_model`` builds it on the CPU, under
+    FSDP2 with one group per block and then the root (fp16 compute over fp32 shards), and
+    AdamW. A process group of ``nodes x gpus_per_node`` ranks must exist."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    args, model = build_model(argv, "cpu", nodes, gpus_per_node)
+    model.train()
+    mesh = init_device_mesh("cpu", (nodes * gpus_per_node,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return args, model, torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -21,6 +21,7 @@ Exit status 0 when all three hold, 1 otherwise, 3 without CUDA.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -33,13 +34,8 @@ LOSS_RTOL = 2e-3
 HOST_FRACTION_TARGET = 0.10
 
 
-def _train(engine, batches: torch.Tensor, runner) -> dict:
-    from scripts.gpu_check.engine import train_iteration
-
-    def one_iteration(tokens):
-        return train_iteration(engine, tokens)
-
-    call = one_iteration if runner is None else runner(one_iteration)
+def _train(engine, batches: torch.Tensor, call) -> dict:
+    """Train on ``batches`` through ``call(tokens) -> loss`` (one whole iteration)."""
     losses, host, gpu = [], [], []
     engine.comm_bytes(reset=True)
     for tokens in batches:
@@ -82,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         ensure_process_group,
         free_memory,
         token_batches,
+        train_iteration,
     )
     from zeropp.acceleration.cuda_graph import CudaGraphOptions, IterationGraph, capture_blockers
 
@@ -97,23 +94,19 @@ def main(argv: list[str] | None = None) -> int:
         engine, tokens, config = build_18b_block_engine(device, args.layers, args.micro_batch)
         seq = tokens.shape[1] - 1
         batches = token_batches(args.iterations, args.micro_batch, seq, GPT2_VOCAB).to(device)
-        runner = None
-        graph_holder = {}
+        call = functools.partial(train_iteration, engine)
+        graph = None
         if mode == "graphed":
             results["blockers"] = capture_blockers(engine)
-
-            def runner(fn, engine=engine, graph_holder=graph_holder):
-                graph = IterationGraph(engine, fn, CudaGraphOptions(True, args.warmup),
-                                       log=lambda line: print(line, flush=True))
-                graph_holder["graph"] = graph
-                return graph
+            graph = call = IterationGraph(engine, call, CudaGraphOptions(True, args.warmup),
+                                          log=lambda line: print(line, flush=True))
         torch.cuda.reset_peak_memory_stats()
         try:
-            results[mode] = _train(engine, batches, runner)
+            results[mode] = _train(engine, batches, call)
             results[mode]["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            if "graph" in graph_holder:
-                results[mode]["captured"] = graph_holder["graph"].captured
-                results[mode]["replays"] = graph_holder["graph"].replays
+            if graph is not None:
+                results[mode]["captured"] = graph.captured
+                results[mode]["replays"] = graph.replays
         except Exception as error:  # noqa: BLE001 (the report says what failed)
             results[mode] = {"error": f"{type(error).__name__}: {error}"}
             print(f"{mode}: {type(error).__name__}: {error}", flush=True)

@@ -279,3 +279,22 @@ def _tile(first, c0, nblocks, numel, BLOCK: tl.constexpr, ROWS: tl.constexpr,
     in_block = row_valid[:, None] & (cols[None, :] < BLOCK)
     left = tl.minimum(numel - first * BLOCK, ROWS * BLOCK).to(tl.int32)
     return rows, local, row_valid, in_block, in_block & (local < left)
+
+
+@_jit
+def _requantized_sum(payload_ptr, payload_stride, data_nbytes, first_in, first, c0, nblocks,
+                     numel, BLOCK: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr,
+                     K: tl.constexpr, UNROLL: tl.constexpr, ROWS: tl.constexpr,
+                     COLS: tl.constexpr, MASK_VALUES: tl.constexpr, MASK_ROWS: tl.constexpr,
+                     SCALES_F32: tl.constexpr):
+    """``_sum_chunk`` of columns c0..c0+COLS as the requantizing reduction reads it, with its
+    tile: (total, rows, local, row_valid, in_block). The reference requantizes a zero-padded
+    sum; NaN scales would leak into the padding, hence zeros outside the tensor."""
+    rows, local, row_valid, in_block, in_range = _tile(first, c0, nblocks, numel, BLOCK, ROWS,
+                                                       COLS)
+    total = _sum_chunk(payload_ptr, payload_stride, data_nbytes, first_in, rows, c0, local,
+                       in_block, row_valid, BLOCK, BITS, UNPACK, K, UNROLL, ROWS, COLS,
+                       MASK_VALUES, MASK_ROWS, SCALES_F32)
+    if MASK_VALUES:
+        total = tl.where(in_range, total, 0.0)
+    return total, rows, local, row_valid, in_block

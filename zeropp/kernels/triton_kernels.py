@@ -86,6 +86,7 @@ from zeropp.kernels.triton_device import (
     _load_codes,
     _load_scales,
     _max_keeping_nan,
+    _requantized_sum,
     _store_codes,
     _store_scales,
     _store_values,
@@ -277,44 +278,34 @@ def dequantize_reduce_quantize_kernel(
     first_in = part * nblocks + first
     codes_ptr += part * piece_nbytes
     scales_ptr = out_ptr + part * piece_nbytes + scale_offset
-    # The reference requantizes a zero-padded sum; NaN scales would leak into the padding,
-    # hence the where() on every masked sum.
     if SINGLE_PASS:
-        rows, local, row_valid, in_block, in_range = _tile(first, 0, nblocks, numel, BLOCK,
-                                                           ROWS, COLS)
-        total = _sum_chunk(payload_ptr, payload_stride, data_nbytes_in, first_in, rows, 0,
-                           local, in_block, row_valid, BLOCK, BITS_IN, UNPACK, K, UNROLL,
-                           ROWS, COLS, MASK_VALUES, MASK_ROWS, SCALES_F32_IN)
-        if MASK_VALUES:
-            total = tl.where(in_range, total, 0.0)
+        total, rows, local, row_valid, in_block = _requantized_sum(
+            payload_ptr, payload_stride, data_nbytes_in, first_in, first, 0, nblocks, numel,
+            BLOCK, BITS_IN, UNPACK, K, UNROLL, ROWS, COLS, MASK_VALUES, MASK_ROWS,
+            SCALES_F32_IN)
         scales = _block_scales(_absmax(total), QMAX_OUT)
         codes = _codes(total, scales, QMAX_OUT, QMAX_OUT + 1 if BITS_OUT < 8 else 0)
         _store_codes(codes_ptr, codes, first, rows, 0, local, in_block, row_valid, BLOCK,
                      BITS_OUT, PACK, ROWS, COLS, MASK_VALUES)
     else:
         # Two passes over the K payloads (see [Note: kernel tiles]): the sums are recomputed,
-        # in the same order, so both passes see the same fp32 values.
+        # in the same order, so both passes see the same fp32 values. (The tile before the
+        # loops defines what the loops carry.)
         rows, local, row_valid, in_block, in_range = _tile(first, 0, nblocks, numel, BLOCK,
                                                            ROWS, COLS)
         absmax = tl.zeros([ROWS], dtype=tl.float32)
         for c0 in range(0, BLOCK, COLS):
-            rows, local, row_valid, in_block, in_range = _tile(first, c0, nblocks, numel,
-                                                               BLOCK, ROWS, COLS)
-            total = _sum_chunk(payload_ptr, payload_stride, data_nbytes_in, first_in, rows,
-                               c0, local, in_block, row_valid, BLOCK, BITS_IN, UNPACK, K,
-                               UNROLL, ROWS, COLS, MASK_VALUES, MASK_ROWS, SCALES_F32_IN)
-            if MASK_VALUES:
-                total = tl.where(in_range, total, 0.0)
+            total, rows, local, row_valid, in_block = _requantized_sum(
+                payload_ptr, payload_stride, data_nbytes_in, first_in, first, c0, nblocks,
+                numel, BLOCK, BITS_IN, UNPACK, K, UNROLL, ROWS, COLS, MASK_VALUES, MASK_ROWS,
+                SCALES_F32_IN)
             absmax = _max_keeping_nan(absmax, _absmax(total))
         scales = _block_scales(absmax, QMAX_OUT)
         for c0 in range(0, BLOCK, COLS):
-            rows, local, row_valid, in_block, in_range = _tile(first, c0, nblocks, numel,
-                                                               BLOCK, ROWS, COLS)
-            total = _sum_chunk(payload_ptr, payload_stride, data_nbytes_in, first_in, rows,
-                               c0, local, in_block, row_valid, BLOCK, BITS_IN, UNPACK, K,
-                               UNROLL, ROWS, COLS, MASK_VALUES, MASK_ROWS, SCALES_F32_IN)
-            if MASK_VALUES:
-                total = tl.where(in_range, total, 0.0)
+            total, rows, local, row_valid, in_block = _requantized_sum(
+                payload_ptr, payload_stride, data_nbytes_in, first_in, first, c0, nblocks,
+                numel, BLOCK, BITS_IN, UNPACK, K, UNROLL, ROWS, COLS, MASK_VALUES, MASK_ROWS,
+                SCALES_F32_IN)
             codes = _codes(total, scales, QMAX_OUT, QMAX_OUT + 1 if BITS_OUT < 8 else 0)
             _store_codes(codes_ptr, codes, first, rows, c0, local, in_block, row_valid, BLOCK,
                          BITS_OUT, PACK, ROWS, COLS, MASK_VALUES)
