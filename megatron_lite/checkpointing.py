@@ -288,13 +288,28 @@ class RunControl:
                 f"(up to iteration {trainer.iteration}); stopping (--exit-on-nan {limit})"
             )
 
+    def _agreement_due(self, trainer) -> bool:
+        """Whether the stop flags cross ranks after this iteration.
+
+        The agreement is an all-reduce whose answer the host reads: a sync that drains the
+        device's queue. So it is made only where the host reads anyway (a log iteration, a
+        save, the last iteration, ``--exit-interval``); a SIGTERM or a spent time budget is
+        acted on there, at most ``--log-interval`` iterations later, on every rank at once.
+        """
+        config, iteration = trainer.config, trainer.iteration
+        every = [config.log_interval, self.config.save_interval if self.config.save else None,
+                 config.exit_interval]
+        return iteration >= config.train_iters or any(
+            interval and iteration % interval == 0 for interval in every)
+
     def should_stop(self, trainer, loss: torch.Tensor, applied: bool | torch.Tensor) -> bool:
         """Agree across ranks on SIGTERM, on the time budget and on a loss that stays
         non-finite.
 
         Reading the loss is a host sync, so it is read only when the update was skipped:
         a non-finite loss gives a non-finite gradient norm, which every rank's engine
-        agrees to skip. The flags cross ranks only when there is something to agree on.
+        agrees to skip. The flags cross ranks only when there is something to agree on, and
+        then only at iterations where the host reads anyway (``_agreement_due``).
         Where the device decided the skip (``applied`` a device flag), the streak of
         non-finite losses is kept on the device and read at the log interval
         (`check_nonfinite_streak`).
@@ -310,6 +325,8 @@ class RunControl:
         limit_minutes = self.config.exit_duration_in_mins
         if not (self.config.exit_signal_handler or check_loss or limit_minutes):
             self.nonfinite_streak = 0
+            return False
+        if not check_loss and not self._agreement_due(trainer):
             return False
         nonfinite = (~torch.isfinite(loss.detach().float())).float() if check_loss \
             else torch.zeros((), device=loss.device)

@@ -7,6 +7,7 @@ tests/material/megatron_scripts (SOURCES.md)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -41,6 +42,7 @@ from megatron_lite.ds_config import (
 )
 from megatron_lite.model import GPTModel
 from megatron_lite.model import config as model_config
+from megatron_lite.training import LoopConfig
 from tests.distributed import run_ranks
 from tests.test_pretrain_cli import ENTRY_POINT, ROOT, run
 from zeropp.config import EngineConfig
@@ -472,10 +474,29 @@ def test_null_tokenizer():
 
 class _Trainer:
     iteration = 1
+    config = LoopConfig(train_iters=10, global_batch_size=1, gradient_accumulation_steps=1,
+                        seq_length=8, log_interval=1, eval_iters=1)
     printed: list[str] = []
 
     def log(self, text):
         self.printed.append(text)
+
+
+def test_stop_flags_cross_ranks_only_where_the_host_reads(monkeypatch):
+    """The stop flags (SIGTERM, the time budget) are agreed at a log, save or last
+    iteration: elsewhere nothing is reduced or read back, so the device's queue is never
+    drained for them."""
+    agreed_at = []
+    trainer = _Trainer()
+    monkeypatch.setattr(torch.Tensor, "tolist",
+                        lambda self: agreed_at.append(trainer.iteration) or [0.0] * 3)
+    control = RunControl(CheckpointConfig(save="ckpt", save_interval=6,
+                                          exit_duration_in_mins=60), None, None, None)
+    trainer.config = dataclasses.replace(_Trainer.config, log_interval=4)
+    for iteration in range(1, 11):
+        trainer.iteration = iteration
+        assert not control.should_stop(trainer, torch.tensor(1.0), applied=True)
+    assert agreed_at == [4, 6, 8, 10]  # logs at 4 and 8, a save at 6, the last at 10
 
 
 def test_time_budget_stops_and_says_why():
