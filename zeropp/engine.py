@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,6 +43,9 @@ class ZeroEngine:
         self.gradient_clipping = gradient_clipping
         self.lr_scheduler = lr_scheduler
         self.config = config
+        # False for an engine built without an optimizer ([Note: an engine without an
+        # optimizer] in zeropp/deepspeed_api/initialize.py): step() refuses to update.
+        self.trains = True
         self.micro_steps = 0
         self.global_steps = 0
         # A step's outcome (its gradient norm, whether it was skipped) is a host value where
@@ -239,6 +243,9 @@ class ZeroEngine:
         self._step_applied = False
         if not self.is_gradient_accumulation_boundary():
             return False
+        if not self.trains:
+            raise RuntimeError("step(): the engine was built without an optimizer (no "
+                               "optimizer block, none passed to initialize): it evaluates only")
         # What the reductions did not divide by already (ShardingOptions.gradient_predivide_factor).
         divisor = (
             self.sharded.dp_size * self._accumulation_steps * self._loss_scale()
@@ -492,19 +499,43 @@ class ZeroEngine:
             torch.save(state, path)
         return True
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: release the gathered stage-3 weights no one needs (DeepSpeed's
+        checkpoint helpers call it before a save). Collectives in flight (prefetches) finish
+        first, then every gathered unit is released but those still needed: persistent units
+        (the next forward reads them), units a ``GatheredParameters`` context holds, and the
+        root after a training forward (its backward reads the gathered weights autograd
+        saved; DeepSpeed gathers again there, this engine's backward does not). Replicated
+        units (stages 0-2) have nothing to release."""
+        self.sharded.settle()
+        for unit in self.sharded.units:
+            if unit is not self.sharded.root:
+                unit.release(keep_secondary=False)  # persistent or held units: kept
+
     # ---- checkpoints (zeropp/checkpoints/checkpoint.py, [Note: checkpoint layout]) ---------------
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None,
-                        async_save: bool = False):
+                        async_save: bool = False, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False):
         """Atomic sharded save; every rank calls it. Returns the checkpoint directory.
 
         ``async_save``: return once the shards are staged in host memory; a background
         thread writes them, and ``finish_checkpoint`` publishes the checkpoint
         ([Note: asynchronous checkpoint saves]). Until then ``latest`` names the previous one.
+        ``save_latest=False`` (DeepSpeed's): ``latest`` is left as it was, so a load without
+        a tag does not take this checkpoint. ``exclude_frozen_parameters`` (DeepSpeed's): the
+        frozen parameters are marked excluded and a load keeps the loading model's own values
+        of them, as DeepSpeed's load takes them from the model; their bytes stay in the files
+        (a shard is a flat run mixing parameters, [Note: checkpoint layout]).
         """
         from zeropp.checkpoints import checkpoint
 
-        return checkpoint.save(self, save_dir, tag or f"global_step{self.global_steps}",
-                               client_state, async_save=async_save)
+        tag = f"global_step{self.global_steps}" if tag is None or tag == "" else str(tag)
+        excluded = ()
+        if exclude_frozen_parameters:
+            excluded = tuple(name for name, param in self.module.named_parameters()
+                             if not param.requires_grad)
+        return checkpoint.save(self, save_dir, tag, client_state, async_save=async_save,
+                               save_latest=save_latest, excluded=excluded)
 
     def finish_checkpoint(self, wait: bool = True) -> str | None:
         """Publish the asynchronous save in flight; collective. ``wait=False`` (at an
@@ -544,7 +575,8 @@ class ZeroEngine:
         DeepSpeed's signature: ``load_module_only`` takes the weights alone,
         ``load_lr_scheduler_states=False`` keeps this run's schedule. Every file is verified
         against its checksum first; without ``tag``, a latest checkpoint that fails falls
-        back to the newest one that verifies (``load_fallback=False``: raise instead).
+        back to the newest one that verifies (``load_fallback=False``: raise instead). No
+        tag and no ``latest`` file: a warning and ``(None, None)``, as DeepSpeed answers.
         """
         from zeropp.checkpoints import checkpoint, checkpoint_integrity
 
@@ -553,6 +585,14 @@ class ZeroEngine:
                              "every parameter of the model must be in the checkpoint")
         self.finish_checkpoint()  # a save in flight may be the one to load
         root = Path(load_dir)
+        if tag is None and not (root / "latest").is_file():
+            # DeepSpeed's answer to a directory no save has completed in (a first run that
+            # loads unconditionally): a warning and nothing loaded.
+            if self.topology.rank == 0:
+                warnings.warn(f"load_checkpoint: {root} has no 'latest' file; nothing loaded "
+                              "(pass a tag to load a checkpoint saved with save_latest=False)",
+                              stacklevel=2)
+            return None, None
         if tag is None:
             tag = self.checkpoint_to_load(root, load_fallback)
         elif self._verified_checkpoint != (root.resolve(), tag):

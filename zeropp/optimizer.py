@@ -310,6 +310,13 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self.before_update: Callable[[], None] | None = None
 
     @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer stepping the shards, as DeepSpeed's wrappers expose the one they
+        wrap (``engine.optimizer.optimizer``): its ``state_dict()`` is this rank's shard of the
+        state, its ``param_groups`` are this optimizer's."""
+        return self.inner
+
+    @property
     def masters(self) -> list[nn.Parameter]:
         """The tensors the torch optimizer steps (trainable elements and padding)."""
         return [run.master for run in self.runs]

@@ -158,7 +158,10 @@ class ThroughputTimer:
         self.total_elapsed_time = 0.0
         self.step_elapsed_time = 0.0
         self.started = False
+        # DeepSpeed's fields: whether start() was ever called, and the last span's end.
+        self.initialized = False
         self.start_time = 0.0
+        self.end_time = 0.0
 
     @classmethod
     def for_engine(cls, config: EngineConfig | None, rank: int,
@@ -180,13 +183,16 @@ class ThroughputTimer:
     def start(self) -> None:
         if not self.enabled:
             return
+        self.initialized = True
         self.started = True
         if self.global_step_count >= self.start_step:
             if self.synchronize is not None:
                 self.synchronize()
             self.start_time = time.time()
 
-    def stop(self, global_step: bool) -> None:
+    def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
+        """End the span: one more micro-step (and optimizer step where ``global_step``);
+        ``report_speed=False`` skips the periodic print (DeepSpeed's signature)."""
         if not self.started:
             return
         self.started = False
@@ -197,12 +203,13 @@ class ThroughputTimer:
             return  # still warming up
         if self.synchronize is not None:
             self.synchronize()
-        duration = time.time() - self.start_time
+        self.end_time = time.time()
+        duration = self.end_time - self.start_time
         self.total_elapsed_time += duration
         self.step_elapsed_time += duration
         if not global_step:
             return
-        if (self.rank == 0 and self.steps_per_output
+        if (report_speed and self.rank == 0 and self.steps_per_output
                 and self.global_step_count % self.steps_per_output == 0):
             current = self.batch_size / max(self.step_elapsed_time, 1e-8)
             print(f"epoch={self.epoch_count}/micro_step={self.micro_step_count}/"

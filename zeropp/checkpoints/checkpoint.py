@@ -175,12 +175,15 @@ def _host_copy(value):
 
 
 def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | None = None,
-         async_save: bool = False) -> Path:
+         async_save: bool = False, save_latest: bool = True,
+         excluded: tuple[str, ...] = ()) -> Path:
     """Write this rank's shard of ``engine``; collective (every rank calls it).
 
     ``async_save``: return once the shards are being copied to host memory; a background
     thread writes the file, and ``finish_pending`` publishes the checkpoint
     ([Note: asynchronous checkpoint saves]). A save still in flight is finished first.
+    ``save_latest=False`` publishes the checkpoint without pointing ``latest`` at it.
+    ``excluded``: parameters a load does not restore (it keeps the model's values).
     """
     from zeropp.checkpoints.checkpoint_async import PendingSave, staging_for
 
@@ -189,7 +192,8 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
     finish_pending(engine, wait=True)
     root = Path(save_dir)
     rank = engine.topology.rank
-    tag = _agreed_tag(tag, engine.sharded.device)
+    validation = engine.config.checkpoint.tag_validation if engine.config is not None else "Warn"
+    tag = _agreed_tag(tag, engine.sharded.device, validation)
     tmp_dir, final_dir = root / f"{tag}.tmp", root / tag
     device = engine.sharded.device
     error: Exception | None = None
@@ -204,8 +208,10 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
 
     staging = staging_for(engine)
     state = _shard_state(engine, staging, client_state)
+    state["excluded_parameters"] = list(excluded)
     pending = PendingSave(engine, staging, state, shard_file(tmp_dir, rank), tmp_dir,
                           final_dir, tag)
+    pending.save_latest = save_latest  # read by _commit, now or when an async save finishes
     if async_save:
         pending.start()
         engine._pending_checkpoint = pending
@@ -299,15 +305,16 @@ def _commit(engine, pending) -> Path:
 
     try:
         if rank == 0:
-            _publish(root, tag)
+            _publish(root, tag, getattr(pending, "save_latest", True))
     except Exception as exc:
         error = exc
     _agree_or_raise(error, device, f"cannot publish checkpoint {final_dir}")
     return final_dir
 
 
-def _publish(root: Path, tag: str) -> None:
-    """Move the written ``TAG.tmp`` into place, then point ``latest`` at it."""
+def _publish(root: Path, tag: str, save_latest: bool = True) -> None:
+    """Move the written ``TAG.tmp`` into place, then point ``latest`` at it (unless not
+    ``save_latest``)."""
     tmp_dir, final_dir = root / f"{tag}.tmp", root / tag
     if final_dir.exists():  # re-saving a tag: keep the old one until the new is in place
         old = root / f"{tag}.old"
@@ -317,7 +324,8 @@ def _publish(root: Path, tag: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp_dir, final_dir)
-    _atomic_write_text(root / "latest", tag)
+    if save_latest:
+        _atomic_write_text(root / "latest", tag)
 
 
 def write_from_one_process(save_dir: str | os.PathLike, tag: str, rank_states,
@@ -343,9 +351,15 @@ def write_from_one_process(save_dir: str | os.PathLike, tag: str, rank_states,
     return root / tag
 
 
-def _agreed_tag(tag: str, device: torch.device) -> str:
+class CheckpointTagError(CheckpointError, AssertionError):
+    """The ranks passed different tags under ``checkpoint.tag_validation: "Fail"``; an
+    AssertionError too, as DeepSpeed raises there."""
+
+
+def _agreed_tag(tag: str, device: torch.device, validation: str = "Warn") -> str:
     """The tag every rank saves under: ``tag`` when all ranks passed the same one, else rank
-    0's, with a warning. A checkpoint is one directory of every rank's shard; ranks passing
+    0's, with a warning ("Warn"), silently ("Ignore"), or ``CheckpointTagError`` on every
+    rank ("Fail"). A checkpoint is one directory of every rank's shard; ranks passing
     different tags (a tag built from a rank-local value) would each write an incomplete one.
     DeepSpeed compares the ranks' tags the same way (its ``checkpoint.tag_validation``,
     "Warn" by default) and then lets each rank save under its own."""
@@ -356,9 +370,12 @@ def _agreed_tag(tag: str, device: torch.device) -> str:
     dist.all_reduce(spread, op=dist.ReduceOp.MAX)
     if int(spread[0]) == -int(spread[1]):
         return tag
+    if validation == "Fail":
+        raise CheckpointTagError(f"save_checkpoint: the ranks passed different tags (this "
+                                 f"rank {tag!r}) and checkpoint.tag_validation is \"Fail\"")
     agreed = [tag]
     dist.broadcast_object_list(agreed, src=0, device=device)
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and validation == "Warn":
         warnings.warn(f"save_checkpoint: the ranks passed different tags; every rank saves "
                       f"under rank 0's, {agreed[0]!r}", stacklevel=3)
     return agreed[0]
@@ -513,6 +530,7 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
     device = engine.sharded.units[0].grad_shard.device
     buffers: dict[str, torch.Tensor] = {}
     scalars = saved.get("optimizer_scalars", {"step": saved["adam_step"]})
+    excluded = set(saved.get("excluded_parameters", ()))
     for index, unit in enumerate(engine.sharded.units):
         values = old.same_shard(engine.topology.rank, unit, fields)
         if values is None:
@@ -520,6 +538,9 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
                 buffers = {f: torch.empty(largest, dtype=torch.float32, device=device)
                            for f in fields}
             values = _rebuilt_shard(old, unit, fields, buffers, saved_units)
+        if excluded.intersection(slot.name for slot in unit.layout.slots):
+            values = {**values, "master": _kept_excluded(optimizer, index, unit,
+                                                          values["master"], excluded)}
         state = {key: values[key] for key in state_keys} if load_optimizer_states else None
         optimizer.load_shard(index, values["master"], state, scalars)
         unit.zero_grad_shard()
@@ -590,6 +611,21 @@ def _rebuilt_shard(old: _OldShards, unit, fields, buffers: dict[str, torch.Tenso
                 saved_units[slot.name], slot.name, slot.shape, lo, hi, field
             ).to(unit.grad_shard.device)
     return values
+
+
+def _kept_excluded(optimizer, index: int, unit, master: torch.Tensor,
+                   excluded: set[str]) -> torch.Tensor:
+    """``master`` with the elements of the parameters saved as excluded
+    (``exclude_frozen_parameters``) taken from the engine's current fp32 weights instead."""
+    current = optimizer.shard_master(index)
+    master = master.to(current.device, copy=True)
+    for slot in unit.layout.slots:
+        part = unit.layout.overlap(slot, unit.shard_start, unit.shard_end)
+        if slot.name in excluded and part is not None:
+            start = slot.offset + part[0] - unit.shard_start
+            end = start + part[1] - part[0]
+            master[start:end] = current[start:end]
+    return master
 
 
 def restore_rng_state(state: dict | None) -> bool:

@@ -25,6 +25,7 @@ from zeropp.config.keys import ALIASES
 from zeropp.config.optimizer import OptimizerConfig, SchedulerConfig
 from zeropp.config.sections import (
     BF16Config,
+    CheckpointConfig,
     CompileConfig,
     CSVMonitorConfig,
     CudaGraphConfig,
@@ -72,6 +73,8 @@ class EngineConfig(_Section):
     wandb: WandbConfig = _field(WandbConfig, "W&B monitor", _section(WandbConfig), factory=True)
     timers: TimersConfig = _field(TimersConfig, "engine.tput_timer", _section(TimersConfig),
                                   factory=True)
+    checkpoint: CheckpointConfig = _field(
+        CheckpointConfig, "checkpoint saves", _section(CheckpointConfig), factory=True)
     cuda_graph: CudaGraphConfig = _field(
         CudaGraphConfig, "the iteration as one CUDA graph", _section(CudaGraphConfig),
         factory=True)

@@ -18,7 +18,6 @@ from zeropp.config.checks import (
     _non_negative_float,
     _non_negative_int,
     _object,
-    _one_of,
     _optional,
     _positive_int,
     _show,
@@ -131,8 +130,6 @@ ACCEPTED: dict[str, Accepted] = {
         sync_before_reduce=_boolean, sync_after_reduce=_boolean, sync_before_allgather=_boolean,
         sync_after_allgather=_boolean, keep_int_input_tensors=_boolean,
         keep_all_input_tensors=_boolean)),
-    "checkpoint.tag_validation": Accepted(_one_of("Ignore", "Warn", "Fail"),
-                                          "no effect: the application checks checkpoint tags"),
     "bf16.immediate_grad_update": Accepted(_boolean, "no effect: a stage 0-2 bf16 optimizer detail"),
     **_under("zero_optimization", {
         "allgather_bucket_size": Accepted(_non_negative_int, "no effect: stage 3 gathers module groups"),
@@ -156,7 +153,6 @@ ACCEPTED: dict[str, Accepted] = {
     }),
 }
 
-_LEGACY_OFFLOAD = 'a legacy spelling: use offload_optimizer / offload_param {"device": "cpu"}'
 _DATA_PARALLEL_ONLY = "this engine is data-parallel only"
 _OFF = (DISABLED_BLOCK,)
 
@@ -206,9 +202,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "checkpoint.load_universal": Unsupported("universal checkpoints", (False,)),
     "checkpoint.use_node_local_storage": Unsupported("node-local checkpoint storage", (False,)),
     **_under("zero_optimization", {
-        "cpu_offload": Unsupported(_LEGACY_OFFLOAD, (None, False)),
-        "cpu_offload_param": Unsupported(_LEGACY_OFFLOAD, (None, False)),
-        "cpu_offload_use_pin_memory": Unsupported(_LEGACY_OFFLOAD, (None, False)),
         "zenflow": Unsupported("ZenFlow's asynchronous offloaded updates", (None,)),
         "mics_shard_size": Unsupported("MiCS; zero_hpz_partition_size gives node-local gathers", (-1,)),
         "mics_hierarchical_params_gather": Unsupported("MiCS sharding", (False,)),
@@ -220,7 +213,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
             "weights stored quantized; qwZ quantizes only what crosses the wire", (False,)),
         "stage3_model_persistence_threshold": Unsupported(
             "a cap on persistent parameters; the per-group threshold alone decides", (sys.maxsize,)),
-        "elastic_checkpoint": Unsupported("elastic checkpoints", (False,)),
         "legacy_stage1": Unsupported("the legacy stage 1 optimizer", (False,)),
         "load_from_fp32_weights": Unsupported("checkpoints always restore fp32 master weights", (True,)),
         "compute_grad_norm": Unsupported("the global gradient norm is always computed", (True,)),

@@ -17,6 +17,7 @@ from zeropp.config.checks import (
     _fill_params,
     _is_number,
     _non_negative_float,
+    _non_negative_int,
     _object,
     _one_of,
     _optional,
@@ -129,15 +130,28 @@ _SCHEDULER_PARAMS: dict[str, dict[str, tuple[Check, Any]]] = {
     "WarmupCosineLR": {"total_num_steps": (_positive_int, _REQUIRED),
                        "warmup_min_ratio": (_unit_interval, 0.0),
                        "cos_min_ratio": (_unit_interval, 0.0001), **_WARMUP},
+    # DeepSpeed's 1cycle policy (zeropp.deepspeed_api.lr_schedules.OneCycle), its defaults.
+    "OneCycle": {"cycle_min_lr": (_non_negative_float, _REQUIRED),
+                 "cycle_max_lr": (_non_negative_float, _REQUIRED),
+                 "decay_lr_rate": (_non_negative_float, 0.0),
+                 "cycle_first_step_size": (_positive_float, 2000),
+                 "cycle_second_step_size": (_optional(_non_negative_float), None),
+                 "cycle_first_stair_count": (_non_negative_int, 0),
+                 "cycle_second_stair_count": (_optional(_non_negative_int), None),
+                 "decay_step_size": (_non_negative_float, 0),
+                 "cycle_momentum": (_boolean, True),
+                 "cycle_min_mom": (_unit_interval, 0.8),
+                 "cycle_max_mom": (_unit_interval, 0.9),
+                 "decay_mom_rate": (_non_negative_float, 0.0)},
 }
 
 
 @dataclass(frozen=True)
 class SchedulerConfig(_Section):
-    """The learning-rate schedule, one of DeepSpeed's warmup schedules."""
+    """The learning-rate schedule: one of DeepSpeed's warmup schedules, or its OneCycle."""
 
     SECTION: ClassVar[str] = "scheduler"
-    type: str = _field("WarmupLR", "WarmupLR, WarmupDecayLR or WarmupCosineLR",
+    type: str = _field("WarmupLR", "WarmupLR, WarmupDecayLR, WarmupCosineLR or OneCycle",
                        _one_of(*_SCHEDULER_PARAMS))
     params: dict[str, Any] = _field(dict, "the schedule's parameters; missing ones filled",
                                     _object, factory=True)
@@ -145,7 +159,7 @@ class SchedulerConfig(_Section):
     def _check_combination(self) -> None:
         params = _fill_params("scheduler.params", self.params, _SCHEDULER_PARAMS[self.type])
         object.__setattr__(self, "params", params)
-        total, warmup = params.get("total_num_steps"), params["warmup_num_steps"]
-        if total is not None and total < warmup:
+        total, warmup = params.get("total_num_steps"), params.get("warmup_num_steps")
+        if total is not None and warmup is not None and total < warmup:
             raise ConfigError(f"scheduler.params: total_num_steps {total} is smaller than "
                               f"warmup_num_steps {warmup}")

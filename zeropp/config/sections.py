@@ -172,6 +172,11 @@ class OffloadParamConfig(_Section):
     pin_memory: bool = _field(False, "page-locked host buffers (faster copies on CUDA)", _boolean)
 
 
+# DeepSpeed's legacy switches (deprecated there, still read): each true one stands for its
+# block with {"device": "cpu"}. DeepSpeed reads cpu_offload_use_pin_memory nowhere.
+_LEGACY_OFFLOAD_SWITCHES = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+
+
 @dataclass(frozen=True)
 class ZeroConfig(_Section):
     """ZeRO-3 partitioning and the three ZeRO++ communication optimizations."""
@@ -222,8 +227,29 @@ class ZeroConfig(_Section):
         None, "ZeRO-Offload of the optimizer: {\"device\": \"cpu\", \"pin_memory\": ...}",
         _optional(_section(OffloadOptimizerConfig)))
     offload_param: OffloadParamConfig | None = _field(
-        None, "ZeRO-Offload of the weight shards (stage 3): {\"device\": \"cpu\"}",
-        _optional(_section(OffloadParamConfig)))
+        None, "ZeRO-Offload of the weight shards (stage 3; below it no effect, as in "
+        "DeepSpeed): {\"device\": \"cpu\"}", _optional(_section(OffloadParamConfig)))
+    elastic_checkpoint: bool = _field(
+        False, "DeepSpeed's stage 1/2 checkpoints loadable at another world size; every "
+        "checkpoint here is, so true and false mean the same", _boolean)
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> ZeroConfig:
+        """``_Section.from_mapping`` after DeepSpeed's legacy offload switches are read as
+        the blocks they stand for (``_LEGACY_OFFLOAD_SWITCHES``)."""
+        raw = dict(raw)
+        for legacy, block in _LEGACY_OFFLOAD_SWITCHES.items():
+            value = raw.pop(legacy, None)
+            if value is None or not _boolean(f"{cls.SECTION}.{legacy}", value):
+                continue
+            if raw.get(block) is not None:
+                raise ConfigError(f"{cls.SECTION}.{legacy}: same setting as '{block}', which "
+                                  "is also given; keep one")
+            raw[block] = {"device": "cpu"}
+        pin = raw.pop("cpu_offload_use_pin_memory", None)
+        if pin is not None:
+            _boolean(f"{cls.SECTION}.cpu_offload_use_pin_memory", pin)
+        return super().from_mapping(raw)
 
     @property
     def offloads_optimizer(self) -> bool:
@@ -231,6 +257,11 @@ class ZeroConfig(_Section):
 
     @property
     def offloads_params(self) -> bool:
+        return self.offload_params_asked and self.stage == 3
+
+    @property
+    def offload_params_asked(self) -> bool:
+        """offload_param names the CPU, whatever the stage (only stage 3 acts on it)."""
         return self.offload_param is not None and self.offload_param.device == "cpu"
 
     def _check_combination(self) -> None:
@@ -238,10 +269,6 @@ class ZeroConfig(_Section):
             raise ConfigError('zero_optimization.offload_optimizer.device="cpu": needs ZeRO '
                               "stage 1, 2 or 3 (the offloaded state is each rank's shard), "
                               "got stage 0")
-        if self.offloads_params and self.stage != 3:
-            raise ConfigError('zero_optimization.offload_param.device="cpu": needs ZeRO stage '
-                              f"3 (stages 0-2 keep whole weights on the device), got stage "
-                              f"{self.stage}")
         zeropp = {"zero_quantized_weights": ("qwZ", self.zero_quantized_weights),
                   "zero_hpz_partition_size": ("hpZ", self.zero_hpz_partition_size > 1),
                   "zero_quantized_gradients": ("qgZ", self.zero_quantized_gradients),
@@ -276,6 +303,12 @@ class ZeroConfig(_Section):
                                   "needs zero_quantized_gradients true")
             object.__setattr__(self, "zeropp_loco_param", _fill_params(
                 "zero_optimization.zeropp_loco_param", self.zeropp_loco_param, _LOCO_PARAMS))
+
+    @property
+    def ignored_offload_param(self) -> bool:
+        """offload_param on the CPU below stage 3: no effect (stages 0-2 keep whole weights
+        on the device), which DeepSpeed accepts the same way."""
+        return self.offload_params_asked and self.stage != 3
 
     @property
     def inert_keys(self) -> list[str]:
@@ -341,6 +374,17 @@ class TimersConfig(_Section):
     throughput: ThroughputTimerConfig = _field(
         ThroughputTimerConfig, "the throughput timer", _section(ThroughputTimerConfig),
         factory=True)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(_Section):
+    """DeepSpeed's ``checkpoint`` block."""
+
+    SECTION: ClassVar[str] = "checkpoint"
+    tag_validation: str = _field(
+        "Warn", "ranks passing different tags to save_checkpoint: every rank saves under "
+        "rank 0's, with a warning (Warn), silently (Ignore), or the save raises (Fail)",
+        _one_of("Ignore", "Warn", "Fail"))
 
 
 # torch.compile's keyword arguments a ``compile.kwargs`` object may set.

@@ -302,6 +302,7 @@ def engine_from_config(
     from zeropp.config import ConfigError
 
     zero = cfg.zero_optimization
+    trains = True
     if optimizer is not None:
         if cfg.optimizer is not None:  # DeepSpeed refuses the pair too
             raise ConfigError("an optimizer was passed to initialize and the config has an "
@@ -322,11 +323,22 @@ def engine_from_config(
         params = (dict(cfg.optimizer.params) if cfg.optimizer is not None
                   else {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
         params.update(optimizer_params or {})
-        if "lr" not in params:
+        trains = "lr" in params
+        if not trains and (cfg.optimizer is not None or optimizer_params):
             raise ConfigError("no learning rate: add an optimizer block or pass optimizer_params")
+        if not trains:
+            if cfg.scheduler is not None:
+                raise ConfigError("a scheduler block needs an optimizer: add an optimizer "
+                                  "block or pass one to initialize")
+            # [Note: an engine without an optimizer] DeepSpeed builds one (evaluation,
+            # inference): forward and backward run, step() refuses. The shards keep their
+            # fp32 masters all the same (SGD at lr 0 holds no state): checkpoints and
+            # GatheredParameters' writes go through them as in training.
+            params = {"lr": 0.0}
         if "betas" in params:
             params["betas"] = tuple(params["betas"])
-        kind = cfg.optimizer.type if cfg.optimizer is not None else "AdamW"
+        kind = (cfg.optimizer.type if cfg.optimizer is not None else "AdamW" if trains
+                else "SGD")
         groups = (OptimizerRecipe.groups_of(model_parameters) if model_parameters is not None
                   else megatron_groups(model, float(params.get("weight_decay", 0.0))))
         recipe = OptimizerRecipe(ELEMENTWISE_OPTIMIZERS[kind], params, groups)
@@ -335,6 +347,9 @@ def engine_from_config(
     if zero.inert_keys and dist.get_rank() == 0:
         print(f"note: {', '.join(zero.inert_keys)} have no effect at ZeRO stage {zero.stage} "
               "(ZeRO++ extends stage 3)", flush=True)
+    if zero.ignored_offload_param and dist.get_rank() == 0:
+        print(f"note: zero_optimization.offload_param has no effect at ZeRO stage {zero.stage} "
+              "(only stage 3 partitions the weights it would offload)", flush=True)
     engine = build_engine(
         model,
         lr=float(recipe.defaults.get("lr", 1e-3)),
@@ -353,10 +368,12 @@ def engine_from_config(
         unit_modules=unit_modules,
         offload=OffloadOptions.from_zero_config(zero),
     )
+    engine.trains = trains
     if lr_scheduler is None and cfg.scheduler is not None:
-        from zeropp.deepspeed_api.lr_schedules import WarmupSchedule
+        from zeropp.deepspeed_api.lr_schedules import schedule_from_config
 
-        engine.lr_scheduler = WarmupSchedule(engine.optimizer, cfg.scheduler.type, cfg.scheduler.params)
+        engine.lr_scheduler = schedule_from_config(engine.optimizer, cfg.scheduler.type,
+                                                   cfg.scheduler.params)
     return engine
 
 
@@ -460,7 +477,8 @@ def initialize(
     loader = None
     if training_data is not None:
         loader = training_dataloader(engine, training_data, collate_fn)
-    return engine, engine.optimizer, loader, engine.lr_scheduler
+    # DeepSpeed returns no optimizer for an engine built without one.
+    return engine, engine.optimizer if engine.trains else None, loader, engine.lr_scheduler
 
 
 def training_dataloader(engine: ZeroEngine, dataset, collate_fn=None):

@@ -290,6 +290,204 @@ class WarmupSchedule(ParamGroupSchedule):
         self._set_lr(self.get_lr())
 
 
+# [Note: DeepSpeed's schedule classes]
+# Scripts import DeepSpeed's schedules by name (``from deepspeed.runtime.lr_schedules import
+# WarmupLR``), build them on the optimizer ``initialize`` returned, and test what
+# ``initialize`` built from the config's scheduler block with ``isinstance``. The classes
+# below have those names and DeepSpeed's constructors (keyword for keyword, so the config's
+# params are their arguments); the three warmup ones are ``WarmupSchedule`` of their kind,
+# and WarmupDecayLR is a WarmupLR as in DeepSpeed. ``schedule_from_config`` builds the one
+# the config names.
+
+
+class WarmupLR(WarmupSchedule):
+    """DeepSpeed's ``WarmupLR``: warm up from ``warmup_min_lr`` to ``warmup_max_lr`` (None:
+    the optimizer's lr), log or linear, over ``warmup_num_steps`` steps, then hold."""
+
+    KIND = "WarmupLR"
+
+    def __init__(self, optimizer: HasParamGroups, warmup_min_lr: float = 0.0,
+                 warmup_max_lr: float | None = None, warmup_num_steps: int = 1000,
+                 warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
+        _start_warmup(self, optimizer, last_batch_iteration, warmup_min_lr=warmup_min_lr,
+                      warmup_max_lr=warmup_max_lr, warmup_num_steps=warmup_num_steps,
+                      warmup_type=warmup_type)
+
+
+class WarmupDecayLR(WarmupLR):
+    """DeepSpeed's ``WarmupDecayLR``: WarmupLR, then linear decay back to ``warmup_min_lr``
+    at ``total_num_steps``."""
+
+    KIND = "WarmupDecayLR"
+
+    def __init__(self, optimizer: HasParamGroups, total_num_steps: int,
+                 warmup_min_lr: float = 0.0, warmup_max_lr: float = 0.001,
+                 warmup_num_steps: int = 1000, warmup_type: str = "log",
+                 last_batch_iteration: int = -1) -> None:
+        _start_warmup(self, optimizer, last_batch_iteration, total_num_steps=total_num_steps,
+                      warmup_min_lr=warmup_min_lr, warmup_max_lr=warmup_max_lr,
+                      warmup_num_steps=warmup_num_steps, warmup_type=warmup_type)
+
+
+class WarmupCosineLR(WarmupSchedule):
+    """DeepSpeed's ``WarmupCosineLR``: ratios of the optimizer's lr, warm up from
+    ``warmup_min_ratio`` to 1, then cosine decay to ``cos_min_ratio`` at ``total_num_steps``."""
+
+    KIND = "WarmupCosineLR"
+
+    def __init__(self, optimizer: HasParamGroups, total_num_steps: int,
+                 warmup_min_ratio: float = 0.0, warmup_num_steps: int = 1000,
+                 cos_min_ratio: float = 0.0001, warmup_type: str = "log",
+                 last_batch_iteration: int = -1) -> None:
+        _start_warmup(self, optimizer, last_batch_iteration, total_num_steps=total_num_steps,
+                      warmup_min_ratio=warmup_min_ratio, warmup_num_steps=warmup_num_steps,
+                      cos_min_ratio=cos_min_ratio, warmup_type=warmup_type)
+
+
+def _start_warmup(schedule: WarmupSchedule, optimizer: HasParamGroups,
+                  last_batch_iteration: int, **params) -> None:
+    """A DeepSpeed-named warmup schedule's construction: checked, started at -1 or, where
+    DeepSpeed's ``last_batch_iteration`` says so, resumed there."""
+    _check_warmup(params["warmup_num_steps"], params["warmup_type"])
+    WarmupSchedule.__init__(schedule, optimizer, type(schedule).KIND, params)
+    if last_batch_iteration != -1:
+        schedule._resume({"last_step": last_batch_iteration, "base_lr": schedule.base_lr})
+
+
+def _check_warmup(warmup_num_steps: Any, warmup_type: Any) -> None:
+    if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
+        raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
+    if warmup_type not in ("log", "linear"):
+        raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
+
+
+def _per_group(optimizer: HasParamGroups, value: Any, name: str) -> list:
+    """One value for every param group, or a list of one per group (DeepSpeed's rule)."""
+    groups = len(optimizer.param_groups)
+    if isinstance(value, (list, tuple)):
+        if len(value) != groups:
+            raise ValueError(f"{name}: expected {groups} values (one per param group), "
+                             f"got {len(value)}")
+        return list(value)
+    return [value] * groups
+
+
+class OneCycle(ParamGroupSchedule):
+    """DeepSpeed's ``OneCycle`` (the 1cycle policy), with its constructor and meanings.
+
+    Each cycle of ``cycle_first_step_size + cycle_second_step_size`` steps climbs the lr
+    from ``cycle_min_lr`` to ``cycle_max_lr`` and back (held flat on stairs when a stair
+    count is set); Adam's beta1 moves the other way between ``cycle_max_mom`` and
+    ``cycle_min_mom`` (``cycle_momentum``; beta2 is set to 0.99, as DeepSpeed sets it).
+    After the first cycle, every ``decay_step_size`` steps divide the lr by
+    ``1 + decay_lr_rate * k`` and multiply beta1 by ``1 + decay_mom_rate * k`` (no decay
+    when ``decay_step_size`` or the rate is 0: the lr stays at ``cycle_min_lr``)."""
+
+    saved_fields = ("last_batch_iteration",)
+
+    def __init__(self, optimizer: HasParamGroups, cycle_min_lr, cycle_max_lr,
+                 decay_lr_rate: float = 0.0, cycle_first_step_size: float = 2000,
+                 cycle_second_step_size: float | None = None, cycle_first_stair_count: int = 0,
+                 cycle_second_stair_count: int | None = None, decay_step_size: float = 0,
+                 cycle_momentum: bool = True, cycle_min_mom=0.8, cycle_max_mom=0.9,
+                 decay_mom_rate: float = 0.0, last_batch_iteration: int = -1) -> None:
+        super().__init__(optimizer)
+        first = float(cycle_first_step_size)
+        second = first if cycle_second_step_size is None else float(cycle_second_step_size)
+        if first <= 0 or second < 0:
+            raise ValueError("OneCycle: cycle_first_step_size must be positive and "
+                             f"cycle_second_step_size not negative, got {first} and {second}")
+        self.first_step_size, self.second_step_size = first, second
+        self.total_size = first + second
+        self.step_ratio = first / self.total_size
+        self.first_stair_count = cycle_first_stair_count
+        self.second_stair_count = (cycle_first_stair_count if cycle_second_stair_count is None
+                                   else cycle_second_stair_count)
+        self.decay_step_size = decay_step_size
+        self.min_lrs = _per_group(optimizer, cycle_min_lr, "cycle_min_lr")
+        self.max_lrs = _per_group(optimizer, cycle_max_lr, "cycle_max_lr")
+        self.decay_lr_rate = decay_lr_rate
+        self.decay_mom_rate = decay_mom_rate
+        # Momentum cycles only for optimizers with betas (DeepSpeed turns it off otherwise).
+        self.cycle_momentum = bool(cycle_momentum) and "betas" in optimizer.defaults
+        self.min_moms = _per_group(optimizer, cycle_min_mom, "cycle_min_mom")
+        self.max_moms = _per_group(optimizer, cycle_max_mom, "cycle_max_mom")
+        self.last_batch_iteration = last_batch_iteration
+        if last_batch_iteration == -1:  # DeepSpeed starts at the cycle's floor
+            for group, lr in zip(optimizer.param_groups, self.min_lrs, strict=True):
+                group["lr"] = lr
+            if self.cycle_momentum:
+                for group, mom in zip(optimizer.param_groups, self.min_moms, strict=True):
+                    group["betas"] = (mom, 0.99)
+
+    def _scale(self) -> float:
+        """Where the current step sits in its cycle: 0 at the floor, 1 at the peak."""
+        iteration = self.last_batch_iteration + 1
+        cycle = math.floor(1 + iteration / self.total_size)
+        x = 1.0 + iteration / self.total_size - cycle
+        if x <= self.step_ratio:
+            scale, stairs = x / self.step_ratio, self.first_stair_count
+        else:
+            scale, stairs = (x - 1) / (self.step_ratio - 1), self.second_stair_count
+        if stairs > 0:  # held flat on each stair, counted from the integer position
+            position = iteration % self.total_size
+            if position <= self.first_step_size:
+                stair = position * stairs / self.first_step_size
+            else:
+                stair = (self.total_size - position) * stairs / self.second_step_size
+            scale = math.floor(stair) / stairs
+        return scale
+
+    def _decays(self, rate: float) -> float | None:
+        """The decay factor after the first cycle, or None where there is no decay."""
+        if math.isclose(self.decay_step_size, 0) or math.isclose(rate, 0):
+            return None
+        steps_after = self.last_batch_iteration - self.total_size + 1
+        return 1 + rate * steps_after / self.decay_step_size
+
+    def get_lr(self, step: int | None = None) -> list[float]:
+        """Each group's lr at the current step (``step`` is not taken: the schedule moves
+        by ``step()``)."""
+        if self.last_batch_iteration < self.total_size:
+            scale = self._scale()
+            return [low + (high - low) * scale for low, high in zip(self.min_lrs, self.max_lrs,
+                                                                    strict=True)]
+        factor = self._decays(self.decay_lr_rate)
+        return list(self.min_lrs) if factor is None else [low / factor for low in self.min_lrs]
+
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        if not self.cycle_momentum:
+            return None
+        if self.last_batch_iteration < self.total_size:
+            scale = self._scale()
+            return [(high - (high - low) * scale, 0.99)
+                    for low, high in zip(self.min_moms, self.max_moms, strict=True)]
+        factor = self._decays(self.decay_mom_rate)
+        return [(high * (1.0 if factor is None else factor), 0.99) for high in self.max_moms]
+
+    def step(self, batch_iteration: int | None = None) -> None:
+        self.last_batch_iteration = (self.last_batch_iteration + 1 if batch_iteration is None
+                                     else batch_iteration)
+        momenta = self.get_mom()
+        for index, (group, lr) in enumerate(zip(self.optimizer.param_groups, self.get_lr(),
+                                                strict=True)):
+            group["lr"] = lr
+            if momenta is not None:
+                group["betas"] = momenta[index]
+
+    def _resume(self, state: dict[str, Any]) -> None:
+        self.step(int(state["last_batch_iteration"]))
+
+
+SCHEDULES: dict[str, type[ParamGroupSchedule]] = {
+    cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle)}
+
+
+def schedule_from_config(optimizer: HasParamGroups, kind: str, params: dict) -> ParamGroupSchedule:
+    """The schedule a config's ``scheduler`` block names, its params as the arguments."""
+    return SCHEDULES[kind](optimizer, **params)
+
+
 def bind_client_schedule(schedule: Any, optimizer: HasParamGroups) -> Any:
     """Make a schedule the caller built on its own optimizer drive ``optimizer`` (the engine's).
 
