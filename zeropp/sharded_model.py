@@ -1,4 +1,5 @@
-"""The sharded model: units, hooks, gradient reduction, the optimizer step.
+"""The sharded model: units, gradient reduction, the optimizer step; the hooks that gather,
+prefetch and release units are in zeropp/unit_hooks.py.
 
 [Note: protocol of one iteration]
 Forward: the root unit (the model's own parameters: embeddings, final norm, tied head) is
@@ -36,7 +37,6 @@ reductions follow the graph's post-backward points, then the unit list.
 from __future__ import annotations
 
 import contextlib
-import enum
 import itertools
 import warnings
 import weakref
@@ -47,7 +47,6 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from zeropp.comm import CommGroup, CommStats
 from zeropp.comm.delta import DeltaWeightGather
@@ -57,35 +56,16 @@ from zeropp.deepspeed_params.deepspeed_adoption import DeepSpeedValues, stand_in
 from zeropp.flat_layout import FlatLayout
 from zeropp.initial_values import UnitInitialValues, reset_parameters_values
 from zeropp.offload import GradientDelivery, HostMemory
-from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch, window_ahead
 from zeropp.residency import Residency, shard_alignment, stays_gathered
 from zeropp.topology import Topology
 from zeropp.unit import ParamRef, PersistentUnits, ShardedUnit, ShardState, UnitComm
+from zeropp.unit_hooks import TrainingPhase, UnitHooks, release_all
 from zeropp.unit_modules import check_no_sharing, default_unit_modules, unit_cap, unit_parameters
 
-# reset_parameters_values lives in zeropp.initial_values; it stays importable from here.
+# reset_parameters_values lives in zeropp.initial_values and TrainingPhase in zeropp.unit_hooks;
+# both stay importable from here.
 __all__ = ["ShardedModel", "ShardingOptions", "TrainingPhase", "find_unit",
            "reset_parameters_values"]
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward runs once their gradient is complete."""
-
-    @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
-
-
-class TrainingPhase(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    BACKWARD = "backward"
 
 
 @dataclass(frozen=True)
@@ -202,7 +182,6 @@ class ShardedModel:
             reduce_world=reduce_world,
             gradient_delivery=None if host_gradients is None else GradientDelivery(device),
         )
-        self.phase = TrainingPhase.IDLE
         # A model DeepSpeed's zero.Init partitioned: meta stand-ins now, values per unit
         # ([Note: adopting DeepSpeed's partitions]).
         deepspeed_sources = stand_in_for_deepspeed(model)
@@ -216,28 +195,7 @@ class ShardedModel:
         # with the gradient elements each holds; ``_reducing_numel`` is their sum.
         self._reducing: deque[tuple[ShardedUnit | PersistentUnits, int]] = deque()
         self._reducing_numel = 0
-        # Units whose backward has begun (their pre-backward hook fired) in this backward, and
-        # units recomputed whose backward has not ([Note: release in recompute]).
-        self._backward_started: set[ShardedUnit] = set()
-        # Ordered (a dict of None) for O(1) removal when a unit's backward begins.
-        self._recomputed: dict[ShardedUnit, None] = {}
         self._reduce_this_backward = True  # False on stage 1's micro-batches before the boundary
-        # True while a forward that will be backpropagated runs (grad mode on at the root):
-        # blocks inside it that run under no_grad are checkpointed and will be recomputed.
-        self._training_forward = False
-        # [Note: prefetch order] Units in the order the forward needed them, and the order
-        # the backward did (each recompute's units in forward order, then each unit's own
-        # backward: a block's own unit before its children's, [Note: units]). The last
-        # iteration's are the plan each prefetch reads ahead in, as DeepSpeed replays its
-        # trace of submodules; ``_backward_cursor`` is where this backward is in it.
-        self._forward_order: list[ShardedUnit] = []
-        self._last_forward_order: list[ShardedUnit] = []
-        self._forward_position: dict[ShardedUnit, int] = {}  # unit -> index in the above
-        self._forward_seen: set[ShardedUnit] = set()  # units run in this forward
-        self._backward_needs: list[ShardedUnit] = []
-        self._last_backward_needs: list[ShardedUnit] = []
-        self._backward_cursor = -1
-        self._kept_for_backward: set[ShardedUnit] = set()  # from the last forward's order
         # Called with a unit's index after its working shard was written outside a step
         # (zeropp.zero.GatheredParameters with a modifier_rank): whoever keeps another copy
         # of the weights, the optimizer's fp32 masters, brings it up to date.
@@ -248,15 +206,14 @@ class ShardedModel:
         self._largest_gradient_buffer = max(
             (u.layout.padded_numel for u in self.units[1:] if u.num_grad_params), default=0)
         self.serial = next(_SERIAL)
-        self._install_hooks()
-        self._install_state_dict_guards()
+        self.hooks = UnitHooks(self.units, options, self.comm, self._make_room,
+                               self._unit_backward_done)
+        self._guard_handles = self._install_state_dict_guards()
         # [Note: persistent units] Small units other than the root, at stage 3: joint
         # collectives (one-by-one gathers with a gather that keeps state per unit).
         self.persistent_units = PersistentUnits(
             [u for u in self.units if u.joins_persistent_gather], self.comm)
         self._persistent = set(self.persistent_units.units)  # for membership tests
-        # Gathered whenever they are used: never in a prefetch window.
-        self._never_prefetched = {u for u in self.units if u is self.root or u.persistent}
         self._gather_persistent()
         _LIVE_MODELS.add(self)
 
@@ -323,33 +280,15 @@ class ShardedModel:
             )
         return units, masters
 
-    def _install_hooks(self) -> None:
-        self._hook_handles = []
-        for unit in self.units:
-            self._hook_handles += [
-                unit.module.register_forward_pre_hook(partial(self._pre_forward, unit),
-                                                      with_kwargs=True),
-                unit.module.register_forward_hook(partial(self._post_forward, unit)),
-            ]
-        # A parameter's post-accumulate-grad hooks are held from C++ (its autograd metadata),
-        # where Python's collector cannot see them: a hook holding this model (or a unit, which
-        # holds the process groups) would keep an engine that was never closed alive for
-        # good, with its gloo groups' threads. The hooks hold their unit weakly.
-        for unit in self.units:
-            watched = weakref.ref(unit)
-            for param in unit.params:
-                if param.requires_grad:
-                    self._hook_handles.append(param.register_post_accumulate_grad_hook(
-                        partial(_grad_ready, watched)))
-
-    def _install_state_dict_guards(self) -> None:
+    def _install_state_dict_guards(self) -> list:
         """``module.state_dict()`` (Hugging Face's ``save_pretrained`` calls it) while weights
         it would read are sharded returns their empty placeholders, as DeepSpeed's does, and
         warns once ([Note: state_dict of sharded weights]). Every module holding parameters
         gets the check, for the units under it.
         """
         if self.residency.weights_replicated:
-            return  # stages 0-2: the weights stay whole
+            return []  # stages 0-2: the weights stay whole
+        handles = []
         warned = [False]  # once per engine, whichever module is read first
         unit_of = {id(p): unit for unit in self.units for p in unit.params}
         for name, module in self.module.named_modules():
@@ -357,162 +296,15 @@ class ShardedModel:
             if not units:
                 continue
             label = f"{name} ({type(module).__name__})" if name else type(module).__name__
-            self._hook_handles.append(module.register_state_dict_pre_hook(
+            handles.append(module.register_state_dict_pre_hook(
                 partial(_warn_sharded_state_dict, warned, list(units.values()), label)))
+        return handles
 
-    # ---- hooks ---------------------------------------------------------------------------
-    def _pre_forward(self, unit: ShardedUnit, module, args, kwargs):
-        if self.phase is TrainingPhase.BACKWARD:  # activation-checkpoint recompute
-            self._release_recomputed()
-            unit.start_gather("backward_all_gather")
-            self._prefetch_backward(unit)
-            unit.wait_gather()
-            return self._watch_backward(unit, args, kwargs)
-        if unit is self.root:
-            self.phase = TrainingPhase.FORWARD
-            self._training_forward = torch.is_grad_enabled()
-            self._forward_seen.clear()
-            if self._forward_order:
-                self._last_forward_order = self._forward_order
-                self._forward_position = {u: i for i, u in
-                                          reversed(list(enumerate(self._forward_order)))}
-            self._forward_order = []
-            self._kept_for_backward = self._blocks_to_keep(self._last_forward_order)
-        elif self._training_forward and unit in self._forward_seen:
-            # Its first use's backward would free the weights its second use's backward then
-            # reads: garbage on gloo, an illegal memory access on CUDA.
-            raise RuntimeError(
-                f"module {unit.name!r} ran twice in one training forward; a unit's weights "
-                "are released after its backward, so each module may run once per forward "
-                "(give the second use a module of its own, or share weights at the root)")
-        self._forward_seen.add(unit)
-        # Prefetch before waiting: the gathers queue behind this one at once (on the host
-        # worker the next unit's transfer starts the moment this one's ends, not after the
-        # compute thread has seen it end).
-        unit.start_gather("forward_all_gather")
-        self._forward_order.append(unit)
-        self._prefetch(unit, forward=True)
-        unit.wait_gather()
-        return self._watch_backward(unit, args, kwargs)
-
-    def _watch_backward(self, unit: ShardedUnit, args, kwargs):
-        """Route the unit's inputs through a node whose backward marks the unit's backward done.
-
-        Under ``no_grad`` (evaluation, the first pass of reentrant checkpointing) nothing is
-        recorded; the recompute of a reentrant checkpoint records it instead.
-        """
-        if unit is self.root or not torch.is_grad_enabled():
-            return None
-        if not kwargs:  # the common call, tensors (or None) only: no pytree walk
-            positions = []
-            for i, arg in enumerate(args):
-                if type(arg) is torch.Tensor:  # noqa: E721 (a subclass takes the walk)
-                    if arg.requires_grad:
-                        positions.append(i)
-                elif arg is not None:
-                    break
-            else:
-                if not positions:
-                    return None
-                outputs = _PostBackward.apply(partial(self._post_backward, unit),
-                                              *[args[i] for i in positions])
-                args = list(args)
-                for i, tensor in zip(positions, outputs, strict=True):
-                    args[i] = tensor
-                return tuple(args), kwargs
-        leaves, spec = tree_flatten((args, kwargs))
-        positions = [i for i, t in enumerate(leaves)
-                     if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not positions:
-            return None
-        outputs = _PostBackward.apply(partial(self._post_backward, unit),
-                                      *(leaves[i] for i in positions))
-        for i, tensor in zip(positions, outputs, strict=True):
-            leaves[i] = tensor
-        return tree_unflatten(leaves, spec)
-
-    def _post_forward(self, unit: ShardedUnit, module, args, output):
-        if type(output) is torch.Tensor:  # noqa: E721 (the common case: no pytree walk)
-            needs_backward = output.requires_grad
-        else:
-            needs_backward = any(isinstance(t, torch.Tensor) and t.requires_grad
-                                 for t in tree_leaves(output))
-        if self.phase is TrainingPhase.BACKWARD:
-            if unit not in self._backward_started and not unit.persistent:
-                self._recomputed[unit] = None
-                self._watch_pre_backward(unit, output)  # reentrant: the first forward had none
-            return output
-        if unit is self.root:
-            self.phase = TrainingPhase.IDLE
-            if not needs_backward:
-                self._release_all()
-            return output
-        if needs_backward:
-            self._watch_pre_backward(unit, output)
-        # A block run under no_grad inside a training forward is checkpointed: its backward
-        # recomputes it, so with hpZ it needs its secondary shard like any other block.
-        recomputed = self._training_forward and not torch.is_grad_enabled()
-        if (needs_backward or recomputed) and unit in self._kept_for_backward:
-            return output  # reused soon: its backward finds it gathered
-        unit.release(keep_secondary=needs_backward or recomputed)
-        return output
-
-    def _blocks_to_keep(self, order: list[ShardedUnit]) -> set[ShardedUnit]:
-        blocks = [u for u in order if u is not self.root]
-        kept = blocks_kept_for_backward([u.layout.padded_numel for u in blocks],
-                                        self.root.layout.padded_numel,
-                                        self.options.max_reuse_distance)
-        return {blocks[index] for index in kept}
-
-    def _watch_pre_backward(self, unit: ShardedUnit, output) -> None:
-        if type(output) is torch.Tensor:  # noqa: E721
-            output.register_hook(partial(self._pre_backward, unit))
-            return
-        for t in tree_leaves(output):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(partial(self._pre_backward, unit))
-
-    def _release_recomputed(self) -> None:
-        """[Note: release in recompute] A checkpointed chunk recomputes all of its units before
-        backward reaches any of them; a block split into units (or a chunk of several blocks)
-        would then be gathered whole. Units recomputed whose backward has not begun are
-        released when the next unit's recompute starts, oldest first (their backward comes
-        last), while the gathered elements exceed ``stage3_max_live_parameters``; their
-        backward gathers them again, from the hpZ secondary shard (kept here) where there
-        is one. The last unit of a chunk is never released in between: its backward follows.
-        """
-        while self._recomputed:
-            if self.comm.live.numel <= self.options.max_live_numel:
-                return
-            unit = next(iter(self._recomputed))
-            del self._recomputed[unit]
-            if unit not in self._backward_started:
-                unit.release(keep_secondary=True)
-
-    def _pre_backward(self, unit: ShardedUnit, grad):
-        if unit in self._backward_started:  # a second output of the unit: already done
-            return grad
-        self._backward_started.add(unit)
-        self._recomputed.pop(unit, None)
-        unit.gather_now("backward_all_gather")
-        if unit.num_grad_params and unit.gradient_buffer is None:
-            self._make_room(unit.layout.padded_numel)  # its gradients arrive from now on
-        self._prefetch_backward(unit)
-        return grad
-
-    def _post_backward(self, unit: ShardedUnit) -> None:
-        """The unit's backward is over (its inputs' gradient exists): reduce, free the weights.
-
-        Autograd accumulates a parameter's gradient as soon as the node that computes it has
-        run, before any other ready node, so every gradient of the unit is in by now. This
-        point sits at the same place in the graph on every rank, which keeps the reductions
-        in step with the gathers whatever parameters a rank left unused.
-        """
-        if unit.backward_done:  # a block called twice: its second use is not supported
-            return
-        unit.backward_done = True
-        unit.release(keep_secondary=False)
-        unit.drop_secondary()
+    # ---- the gradient path ---------------------------------------------------------------
+    def _unit_backward_done(self, unit: ShardedUnit) -> None:
+        """All of ``unit``'s gradients are in (``UnitHooks._post_backward``): reduce them,
+        unless stage 1 holds them to the boundary or the persistent units' joint reduction
+        takes them at the end of backward."""
         if self._reduce_this_backward and unit not in self._persistent:
             self._start_reduction(unit)
 
@@ -547,61 +339,28 @@ class ShardedModel:
         while self._reducing:
             self._finish_oldest_reduction()
 
-    def _prefetch_backward(self, unit: ShardedUnit) -> None:
-        """``unit`` is needed now in backward (its recompute or its own backward): note it and
-        prefetch what the last backward needed next ([Note: prefetch order])."""
-        self._backward_needs.append(unit)
-        plan = self._last_backward_needs
-        try:
-            self._backward_cursor = plan.index(unit, self._backward_cursor + 1)
-        except ValueError:  # a backward unlike the last one: no plan to read ahead in
-            return
-        self._prefetch(unit, forward=False, plan=plan, start=self._backward_cursor + 1)
-
-    def _prefetch(self, unit: ShardedUnit, forward: bool,
-                  plan: list[ShardedUnit] | None = None, start: int = 0) -> None:
-        """Start the gathers of the units after ``unit`` in ``plan`` (from ``start``; the
-        last forward's order by default) that the prefetch rule allows. The window is read
-        lazily: the work is the window's, not the model's ([Note: live count])."""
-        if plan is None:
-            plan = self._last_forward_order
-            position = self._forward_position.get(unit)
-            if position is None:
-                return
-            start = position + 1
-        phase = "forward_all_gather" if forward else "backward_all_gather"
-        # Units gathered already (kept from forward, recomputed) fill the window ahead like
-        # gathers in flight: prefetching past them would only hold more memory sooner.
-        seen: list[ShardedUnit] = []
-        for index in units_to_prefetch(window_ahead(plan, start, self._never_prefetched, seen),
-                                       self.comm.live.numel,
-                                       self.options.prefetch_bucket_numel,
-                                       self.options.max_live_numel):
-            seen[index].start_gather(phase)
-
-    def _release_all(self) -> None:
-        for unit in self.units:
-            if unit.gathering:  # a prefetch nobody consumed: finish it before freeing
-                unit.wait_gather()
-            unit.release(keep_secondary=False)
-            unit.drop_secondary()
-
     def close(self) -> None:
         """Finish the reductions in flight, stop communication threads, remove the hooks.
 
         The module hooks make a reference cycle through the model that the collector breaks
         only when it runs; removing them frees a closed engine's shards at once, before a
         program builds a second engine (a resumed run in the same process). The gradient
-        hooks hold the model weakly (``_install_hooks``).
+        hooks hold their unit weakly (``UnitHooks``).
         """
         self._finish_reductions()
         self.comm.execution.close()
-        for handle in self._hook_handles:
+        self.hooks.remove()
+        for handle in self._guard_handles:
             handle.remove()
-        self._hook_handles.clear()
+        self._guard_handles.clear()
         _LIVE_MODELS.discard(self)
 
     # ---- public API ----------------------------------------------------------------------
+    @property
+    def phase(self) -> TrainingPhase:
+        """Where the iteration is: set by the hooks (``UnitHooks``) and ``run_backward``."""
+        return self.hooks.phase
+
     @property
     def error_feedback(self):
         """qgZ's ``ErrorFeedback`` when it carries quantization errors, else None."""
@@ -624,8 +383,7 @@ class ShardedModel:
         Stage 1 reduces only on the accumulation boundary's micro-batch; before it every
         unit's gradients stay whole in its flat buffer ([Note: residency]).
         """
-        self.phase = TrainingPhase.BACKWARD
-        self._backward_needs, self._backward_cursor = [], -1
+        self.hooks.begin_backward()
         self._reduce_this_backward = (accumulation_boundary
                                       or self.residency.reduce_every_micro_batch)
         try:
@@ -647,13 +405,8 @@ class ShardedModel:
                     unit.hold_gradients()
             self._finish_reductions()
         finally:
-            self.phase = TrainingPhase.IDLE
-            for unit in self.units:
-                unit.backward_done = False
-            self._backward_started.clear()
-            self._recomputed.clear()
-            self._last_backward_needs = self._backward_needs or self._last_backward_needs
-        self._release_all()
+            self.hooks.end_backward()
+        release_all(self.units)
 
     def zero_grad(self) -> None:
         """Forget every gradient not yet applied: held, flattened and reduced ones."""
@@ -703,7 +456,7 @@ class ShardedModel:
         finally:
             for unit, full in training_copies.items():
                 unit.full.copy_(full)
-            self._release_all()
+            release_all(self.units)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """What ``state_dict()`` of the unwrapped model holds, unsharded, as CPU copies
@@ -723,16 +476,6 @@ class ShardedModel:
                     value = copies[id(value)]
                 out[key] = value
         return out
-
-
-def _grad_ready(unit: weakref.ref, param) -> None:
-    """A parameter's gradient is accumulated (autograd keeps it until the unit's reduction
-    copies it, [Note: gradient buffer]): it must not come after that (see ``_install_hooks``)."""
-    owner = unit()
-    if owner is not None and owner.backward_done:
-        raise RuntimeError(
-            f"a gradient for a parameter of unit {owner.name!r} arrived after that module's "
-            "backward had finished (is the parameter used outside its module's forward?)")
 
 
 def _warn_sharded_state_dict(warned: list[bool], units: list[ShardedUnit], label: str, module,

@@ -178,7 +178,7 @@ class ShardedUnit:
         # with the gradients: held for good they would be device memory an offloaded run
         # does not plan for (its model states live on the host).
         self._grad_padding_numel = layout.padded_numel - layout.numel
-        # The unit's backward is over and its reduction started (ShardedModel._post_backward).
+        # The unit's backward is over and its reduction started (UnitHooks._post_backward).
         self.backward_done = False
         # ``zeropp.zero.GatheredParameters`` contexts holding the whole weights: the user reads
         # or writes them until the context exits, so the engine's own releases leave them.

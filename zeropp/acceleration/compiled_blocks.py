@@ -2,7 +2,7 @@
 compiles each transformer block.
 
 [Note: compiled blocks]
-The engine gathers, releases and reduces from module hooks (``ShardedModel._install_hooks``:
+The engine gathers, releases and reduces from module hooks (``zeropp.unit_hooks.UnitHooks``:
 a forward pre-hook gathers, a forward hook releases, hooks on the block's inputs and outputs
 drive backward). ``nn.Module.__call__`` runs those hooks and then ``self.forward``; compiling
 the module call (``module.compile()``) would trace the hooks and their collectives into the
