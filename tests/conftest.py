@@ -14,17 +14,20 @@ if not torch.cuda.is_available():
 # [Note: the suite's order] scripts/test.sh runs the suite on two xdist workers, a file per
 # worker at a time (--dist loadfile), handing out files in collection order. A file that
 # starts last runs alone at the end while the other worker idles, so the files that take
-# longest (measured: `bash scripts/test.sh -n 0 --durations=0`, summed per file) are
-# collected first and the quick ones fill the tail. The list is an ordering hint only:
-# a file missing from it runs after these, in its usual order.
+# longest (measured: `bash scripts/test.sh --durations=0`, summed per file; every file of
+# 14 s or more) are collected first and the quick ones fill the tail. The list is an
+# ordering hint only: a file missing from it runs after these, in its usual order.
 LONGEST_FIRST = (
-    "test_simulated_cluster.py", "test_resilience.py", "test_offload.py",
-    "test_async_checkpoint.py", "test_pretrain_cli.py", "test_supervise.py",
-    "test_checkpoint_integrity.py", "test_kernels.py", "test_deepspeed_example.py",
-    "test_lab.py", "test_zeropp_engine.py", "test_deepspeed_chat.py", "test_hf_llama.py",
-    "test_launch_scripts.py", "test_zero_stages.py", "test_run_control.py",
-    "test_weight_deltas.py", "test_zero3_parity.py", "test_zero3_engine.py",
-    "test_deepspeed_convert.py", "test_quantized_collectives.py", "test_gpu_check.py",
+    "test_supervise.py", "test_kernel_compile.py", "test_simulated_cluster.py",
+    "test_pretrain_cli.py", "test_compiled_blocks.py", "test_kernels.py", "test_resilience.py",
+    "test_deepspeed_example.py", "test_deepspeed_optimizers.py", "test_async_checkpoint.py",
+    "test_gpu_side_by_side.py", "test_offload.py", "test_hf_llama.py",
+    "test_deepspeed_param_face.py", "test_config_corpus.py", "test_export.py", "test_lab.py",
+    "test_checkpoint_integrity.py", "test_zeropp_engine.py", "test_launch_scripts.py",
+    "test_watchdog.py", "test_zero_stages.py", "test_host_ops.py", "test_deepspeed_convert.py",
+    "test_zero3_parity.py", "test_deepspeed_chat.py", "test_quantized_collectives.py",
+    "test_weight_deltas.py", "test_gpu_check.py", "test_gradient_reduction.py",
+    "test_sample_corpus.py", "test_training_semantics.py",
 )
 
 
