@@ -144,8 +144,26 @@ def test_command_line_error_exits_2_with_one_line(data_prefix):
     assert line.startswith("error: ") and "--fp16" in line and "--bf16" in line
 
 
+def _stage_test_args(data_prefix, tmp_path) -> list[str]:
+    return [*TINY_RUN[:TINY_RUN.index("--zero-stage")], "--data-path", data_prefix,
+            "--data-cache-dir", str(tmp_path / "c"), "--global-batch-size", "8"]
+
+
+@pytest.fixture(scope="module")
+def one_unsharded_rank(data_prefix, tmp_path_factory) -> Path:
+    """The metrics of one unsharded rank (stage 0) with the stage tests' batch: the same run
+    for every stage, so it runs once."""
+    tmp_path = tmp_path_factory.mktemp("one-unsharded-rank")
+    one = tmp_path / "one.jsonl"
+    single = run([sys.executable, ENTRY_POINT, *_stage_test_args(data_prefix, tmp_path),
+                  "--zero-stage", "0", "--metrics-file", str(one)])
+    assert single.returncode == 0, single.stderr
+    return one
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_stages_1_and_2_run_the_tutorial_config_changed_only_in_stage(data_prefix, tmp_path,
+                                                                       one_unsharded_rank,
                                                                        stage):
     """DeepSpeed's ZeRO++ tutorial JSON with another ``stage``, on 2 ranks (two micro-batches
     accumulated on each): the losses of one unsharded rank, the ZeRO++ keys named as inert."""
@@ -153,12 +171,8 @@ def test_stages_1_and_2_run_the_tutorial_config_changed_only_in_stage(data_prefi
     tutorial["zero_optimization"]["stage"] = stage
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps(tutorial))
-    common = [*TINY_RUN[:TINY_RUN.index("--zero-stage")], "--data-path", data_prefix,
-              "--data-cache-dir", str(tmp_path / "c"), "--global-batch-size", "8"]
-    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
-    single = run([sys.executable, ENTRY_POINT, *common, "--zero-stage", "0",
-                  "--metrics-file", str(one)])
-    assert single.returncode == 0, single.stderr
+    common = _stage_test_args(data_prefix, tmp_path)
+    one, two = one_unsharded_rank, tmp_path / "two.jsonl"
     double = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                   "--nproc_per_node", "2", ENTRY_POINT, *common, "--zero-stage", str(stage),
                   "--deepspeed", "--deepspeed_config", str(config), "--ranks-per-node", "1",
