@@ -208,6 +208,47 @@ def repeated_async_saves(rank, world, root):
     return len(seen), staging.nbytes
 
 
+def writer_priorities(rank, world, root):
+    """The CPU priority (nice) of the threads that write a synchronous and an asynchronous
+    save's chunks, and of the training thread after both."""
+    import os
+    import threading
+
+    from zeropp.checkpoints import checkpoint_io
+
+    def nice():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen = {"sync": set(), "async": set()}
+    kind = ["sync"]
+    real_write = checkpoint_io.write_chunk
+
+    def recording_write(fd, view, offset):
+        seen[kind[0]].add(nice())
+        return real_write(fd, view, offset)
+
+    checkpoint_io.write_chunk = recording_write
+    try:
+        engine = _engine()
+        _train(engine, rank, world, range(1))
+        engine.save_checkpoint(root, tag="sync")
+        kind[0] = "async"
+        engine.save_checkpoint(root, tag="async", async_save=True)
+        _train(engine, rank, world, range(1, 2))
+        engine.finish_checkpoint()
+        engine.close()
+    finally:
+        checkpoint_io.write_chunk = real_write
+    return nice(), seen
+
+
+def test_the_async_writer_runs_at_the_lowest_priority_and_training_does_not(tmp_path):
+    """[Note: the writer yields to training]: only the background writer is lowered."""
+    for training, seen in run_ranks(writer_priorities, 2, str(tmp_path)):
+        assert seen["sync"] == {training}
+        assert seen["async"] == {19} and training < 19
+
+
 def test_staging_buffers_are_reused_across_saves(tmp_path):
     for distinct, nbytes in run_ranks(repeated_async_saves, 2, str(tmp_path)):
         assert distinct == 1 and nbytes > 0

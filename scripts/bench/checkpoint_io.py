@@ -1,6 +1,7 @@
 """Checkpoint save and load speed against the disk's own, side by side in one run.
 
-    python -m scripts.bench.checkpoint_io [--ranks 2] [--blocks 6] [--async-saves 10] [--dir D]
+    python -m scripts.bench.checkpoint_io [--ranks 2] [--blocks 6] [--async-saves 10]
+        [--threads 1] [--dir D]
 
 Spawns ``--ranks`` gloo ranks on the CPU, each holding about 1.1 GiB of checkpoint state with
 the defaults (fp32 masters and AdamW moments of a 200M-parameter model of wide MLP blocks),
@@ -10,12 +11,8 @@ and measures, every rank at once, between barriers:
   save, as in a run, where every save after the first reuses its staging buffers);
 - async save: training blocked (the call, plus any wait of the next optimizer update for the
   staging copy), and the time until the checkpoint is published, with training running
-  meanwhile; the mean over ``--async-saves`` saves;
-- what an async save costs training: the iterations from the save call until the checkpoint
-  is published (as the training loop checks at each iteration boundary) timed against the
-  same number of iterations with no save in flight (the median of ``--baseline-iterations``);
-  the difference is the time training lost, set against a sync save's hold-up (the save
-  itself, during which training waits);
+  meanwhile; the median over ``--async-saves`` saves;
+- what a save costs training ([Note: what a save costs training]), async and sync;
 - load: ``engine.load_checkpoint`` (checksums verified, then the shards restored), with the
   files evicted from the page cache first (the rank's own file is read with ``O_DIRECT``
   anyway; rank 0's, whose small records every rank reads, from the disk too), and how far
@@ -24,12 +21,23 @@ and measures, every rank at once, between barriers:
   shard size per rank, concurrently, into the same directory;
 - RSS of each rank after the first and after the last async save (staging is reused).
 
+[Note: what a save costs training]
+Timing the save call says little: an async save returns at once and then competes with
+training for cores, memory bandwidth and the GIL while it stages and writes. So each
+repetition times three windows of ``--window`` iterations back to back: with no save, with
+an async save issued at its start (prolonged until the checkpoint is published, as the
+training loop checks at each boundary), and with a sync save at its start. A save's cost is
+its window's time beyond as many iterations at the no-save window's pace; the medians over
+``--async-saves`` repetitions are reported, and the async cost as a fraction of the sync one.
+Adjacent windows see the same machine, so a change in load shifts all three alike.
+
 Prints a markdown table; the throughput column counts every rank's bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import subprocess
@@ -69,6 +77,44 @@ def _iteration(engine, rank: int) -> None:
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     engine.backward(loss)
     engine.step()
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def _save_async(engine, ckpt: Path, tag: str, waited: list[float], blocked: list[float]):
+    """An async save whose call, and any wait of the next optimizer update for the staging
+    copy (added to ``waited``), is what training is blocked by."""
+    start = time.perf_counter()
+    engine.save_checkpoint(ckpt, tag=tag, async_save=True)
+    blocked.append(time.perf_counter() - start)
+    guard = engine.optimizer.before_update
+
+    def timed_guard():
+        start = time.perf_counter()
+        guard()
+        waited[0] += time.perf_counter() - start
+
+    engine.optimizer.before_update = timed_guard
+
+
+def _window(engine, rank: int, iterations: int, save=None, published=None):
+    """(seconds, iterations) of a training window starting with ``save()``: at least
+    ``iterations``, and on until an async save in flight is published (the training loop
+    checks at each boundary); its publication time is appended to ``published``."""
+    dist.barrier()
+    start = time.perf_counter()
+    if save is not None:
+        save()
+    done, in_flight = 0, published is not None
+    while done < iterations or in_flight:
+        _iteration(engine, rank)
+        done += 1
+        if in_flight and engine.finish_checkpoint(wait=False) is not None:
+            published.append(time.perf_counter() - start)
+            in_flight = False
+    return time.perf_counter() - start, done
 
 
 def _rss_bytes(field: str = "VmRSS") -> int:
@@ -114,7 +160,7 @@ def _dd(args: list[str]) -> None:
 
 def rank_main(rank: int, world: int, options: argparse.Namespace, results) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    torch.set_num_threads(options.threads)
     dist.init_process_group("gloo", init_method=f"file://{options.dir}/store", rank=rank,
                             world_size=world)
     from zeropp.deepspeed_api.initialize import build_engine
@@ -137,49 +183,33 @@ def rank_main(rank: int, world: int, options: argparse.Namespace, results) -> No
     row["load"] = _timed(lambda: engine.load_checkpoint(ckpt, tag="sync"))
     row["load_peak_growth"] = (_rss_bytes("VmHWM") - before_load) if peak_known else -1
 
-    iteration_seconds = []  # with no save in flight
-    for _ in range(options.baseline_iterations):
-        start = time.perf_counter()
-        _iteration(engine, rank)
-        iteration_seconds.append(time.perf_counter() - start)
-    baseline = sorted(iteration_seconds)[len(iteration_seconds) // 2]
-    blocked, published, rss, lost, overlapped = [], [], [], [], []
+    blocked, published, rss, overlapped = [], [], [], []
+    lost = {"async": [], "sync": []}
     for index in range(options.async_saves):
+        # Paired windows, adjacent in time so that a change in the machine's load hits both:
+        # --window iterations with no save, then with an async save issued at the start, then
+        # with a sync one. What a save costs training is its window's time beyond as many
+        # iterations at the no-save window's pace ([Note: what a save costs training]).
+        plain, _ = _window(engine, rank, options.window)
+        pace = plain / options.window
         waited = [0.0]
-
-        def save_async(index=index, waited=waited):
-            engine.save_checkpoint(ckpt, tag=f"async{index}", async_save=True)
-            guard = engine.optimizer.before_update
-
-            def timed_guard():
-                start = time.perf_counter()
-                guard()
-                waited[0] += time.perf_counter() - start
-
-            engine.optimizer.before_update = timed_guard
-
-        dist.barrier()
-        start = time.perf_counter()
-        save_async()
-        call = time.perf_counter() - start
-        iterations = 0
-        while True:  # training goes on while the file is written, as the loop does
-            _iteration(engine, rank)
-            iterations += 1
-            if engine.finish_checkpoint(wait=False) is not None:
-                break
-        trained = time.perf_counter() - start
-        published.append(trained)
-        lost.append(trained - iterations * baseline)
+        seconds, iterations = _window(engine, rank, options.window, functools.partial(
+            _save_async, engine, ckpt, f"async{index}", waited, blocked), published)
+        blocked[-1] += waited[0]
+        lost["async"].append(seconds - iterations * pace)
         overlapped.append(iterations)
-        blocked.append(call + waited[0])
         rss.append(_rss_bytes())
-        shutil.rmtree(ckpt / f"async{index}", ignore_errors=True)  # keep the disk use small
-    row["async_blocked"] = sum(blocked) / len(blocked)
-    row["async_published"] = sum(published) / len(published)
-    row["async_training_lost"] = sum(lost) / len(lost)
-    row["async_overlapped_iterations"] = sum(overlapped) / len(overlapped)
-    row["iteration"] = baseline
+        seconds, iterations = _window(engine, rank, options.window, functools.partial(
+            engine.save_checkpoint, ckpt, tag=f"sync{index}"))
+        lost["sync"].append(seconds - iterations * pace)
+        for tag in (f"async{index}", f"sync{index}"):
+            shutil.rmtree(ckpt / tag, ignore_errors=True)  # keep the disk use small
+    row["async_blocked"] = _median(blocked)
+    row["async_published"] = _median(published)
+    row["async_training_lost"] = _median(lost["async"])
+    row["sync_training_lost"] = _median(lost["sync"])
+    row["async_overlapped_iterations"] = _median(overlapped)
+    row["iteration"] = pace
 
     dd_file = Path(options.dir) / f"dd_rank{rank}"
     count = -(-shard_bytes // DD_BLOCK)
@@ -209,7 +239,7 @@ def render(rows: list[dict], options: argparse.Namespace) -> str:
     gib = total / len(rows) / 2**30
     lines = [
         f"{len(rows)} ranks x {gib:.2f} GiB of checkpoint state each (gloo, CPU), "
-        f"{options.async_saves} async saves",
+        f"{options.async_saves} async saves, {options.threads} torch thread(s) per rank",
         "",
         "| operation | time (s) | GB/s, all ranks | vs dd direct |",
         "|---|---:|---:|---:|",
@@ -218,10 +248,13 @@ def render(rows: list[dict], options: argparse.Namespace) -> str:
         f"| async save: training blocked | {slowest('async_blocked'):.3f} | | "
         f"1/{slowest('sync_save') / slowest('async_blocked'):.0f} of sync save |",
         f"| async save: until published | {slowest('async_published'):.2f} | | |",
-        f"| async save: training lost over the {slowest('async_overlapped_iterations'):.1f} "
-        f"iterations it overlaps ({slowest('iteration'):.2f} s each without a save) | "
+        f"| sync save: training lost over a {options.window}-iteration window "
+        f"({slowest('iteration'):.2f} s per iteration without a save) | "
+        f"{slowest('sync_training_lost'):.2f} | | |",
+        f"| async save: training lost over the "
+        f"{slowest('async_overlapped_iterations'):.0f} iterations until published | "
         f"{slowest('async_training_lost'):.2f} | | "
-        f"{slowest('async_training_lost') / slowest('sync_save'):.2f} of sync save |",
+        f"{slowest('async_training_lost') / slowest('sync_training_lost'):.2f} of sync save's |",
         f"| load (verify + restore) | {slowest('load'):.2f} | {rate['load'] / 1e9:.2f} | "
         f"{rate['load'] / dd_rate['dd_read']:.0%} |",
         f"| dd oflag=direct write | {slowest('dd_write'):.2f} | "
@@ -250,13 +283,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="MLP blocks of 33.6M parameters (default 6: 1.1 GiB per rank "
                         "at 2 ranks)")
     parser.add_argument("--async-saves", type=int, default=10)
-    parser.add_argument("--baseline-iterations", type=int, default=5,
-                        help="iterations timed with no save in flight (default 5)")
+    parser.add_argument("--window", type=int, default=4,
+                        help="iterations per timed window: with no save, with an async save "
+                        "issued at its start, with a sync one (default 4, a save every 4 "
+                        "iterations)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per rank (default 1); as many as the cores leaves "
+                        "the writer no core to spare")
     parser.add_argument("--dir", default=None,
                         help="where to write (default: a new directory in the temp dir); "
                         "removed at the end")
     options = parser.parse_args(argv)
-    for name in ("ranks", "blocks", "async_saves", "baseline_iterations"):
+    for name in ("ranks", "blocks", "async_saves", "window", "threads"):
         if getattr(options, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return options

@@ -14,7 +14,8 @@
    forward and backward of the next iteration run meanwhile, since they do not write the
    masters or moments.
 3. The background thread writes the shard file exactly as a synchronous save does
-   ([Note: checkpoint writes at disk speed]): CRC-32 on the way, fsync at the end. It issues
+   ([Note: checkpoint writes at disk speed]): CRC-32 on the way, fsync at the end, at the
+   lowest CPU priority ([Note: the writer yields to training]). It issues
    no collective: on NCCL a collective from a second thread could interleave differently with
    the training thread's on different ranks ([Note: GPU execution model] in DESIGN.md).
 4. Publishing needs every rank's file to be durable. The ranks agree on that from the
@@ -32,6 +33,7 @@ first (``finish_pending(wait=True)``).
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -100,6 +102,30 @@ def staging_for(engine) -> ShardStaging:
     return staging
 
 
+WRITER_NICENESS = 19  # the lowest priority: the writer runs on what training leaves idle
+
+
+def yield_to_training() -> None:
+    """Lower the calling thread's CPU priority for the rest of its life ([Note: the writer
+    yields to training]); where the system cannot (no per-thread priority), nothing changes.
+
+    [Note: the writer yields to training]
+    Once the shards are staged, the writer still has CPU work to do (torch.save's pickling
+    and record CRCs, the copy into the aligned chunks, the file's CRC-32, the system calls),
+    and it competes with training for the cores: with the other processes of a busy host,
+    or with training's own threads where they fill every core. At the lowest priority the
+    writer runs mostly on cycles training leaves idle (a spare core, the host threads of a
+    GPU job waiting on the device): the save takes longer to publish, training slows less
+    (docs/checkpoints.md has the figures). The staging copy runs at normal priority, since
+    the next optimizer update waits for it. On Linux priority is per thread, so only the
+    writer (and the chunk-writing thread it starts, which inherits it) is lowered.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+    except (AttributeError, OSError):  # no per-thread priority here: the write still happens
+        pass
+
+
 class PendingSave:
     """One rank's shard of a save: staged, written (here or on a background thread), then
     committed by ``zeropp.checkpoints.checkpoint._commit``."""
@@ -157,6 +183,7 @@ class PendingSave:
         finally:
             self._staged.set()
         if self.error is None:
+            yield_to_training()
             try:
                 self._write()
             except Exception as error:

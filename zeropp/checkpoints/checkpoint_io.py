@@ -34,6 +34,7 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ALIGNMENT = 4096  # O_DIRECT needs offsets, lengths and addresses aligned to the block size
@@ -87,6 +88,11 @@ class DirectFileWriter:
         self.crc32 = 0
         self.nbytes = 0
         self._buffers = _ChunkBuffers.pair()
+        # The copies into the chunk buffers go through numpy, which releases the GIL while it
+        # copies; a slice assignment into the mmap holds it throughout (25 ms per 256 MiB on
+        # the reference machine), and an asynchronous save's writer thread would then stall
+        # the training thread's Python for the whole file.
+        self._arrays = [np.frombuffer(buffer, np.uint8) for buffer in self._buffers]
         self._filling = 0  # index of the buffer being filled
         self._used = 0  # bytes in it
         self._submitted = 0  # bytes handed to the writing thread: the next chunk's offset
@@ -96,16 +102,17 @@ class DirectFileWriter:
     # ---- the file-like face torch.save writes to -----------------------------------------
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        self.crc32 = zlib.crc32(view, self.crc32)
+        self.crc32 = zlib.crc32(view, self.crc32)  # releases the GIL on large buffers
         self.nbytes += view.nbytes
         total = view.nbytes
-        while view.nbytes:
-            room = CHUNK_BYTES - self._used
-            take = min(room, view.nbytes)
-            buffer = self._buffers[self._filling]
-            buffer[self._used : self._used + take] = view[:take]
+        source = np.frombuffer(view, np.uint8)
+        done = 0
+        while done < total:
+            take = min(CHUNK_BYTES - self._used, total - done)
+            np.copyto(self._arrays[self._filling][self._used : self._used + take],
+                      source[done : done + take])
             self._used += take
-            view = view[take:]
+            done += take
             if self._used == CHUNK_BYTES:
                 self._submit(CHUNK_BYTES)
         return total
