@@ -288,7 +288,9 @@ def parameter_groups(args: argparse.Namespace, model: GPTModel) -> list[dict] | 
 
 def print_run_description(args: argparse.Namespace, model: GPTModel, topology: str) -> None:
     config = model.config
-    print_rank_0(f"> GPT model: {describe_count(model.num_parameters())} parameters | "
+    # From the shapes, not model.parameters(): once the engine holds the model, each rank's
+    # parameters are empty views into its shards, and counting them gives 0.
+    print_rank_0(f"> GPT model: {describe_count(config.num_parameters())} parameters | "
                  f"{args.num_layers} layers, hidden {args.hidden_size}, "
                  f"{args.num_attention_heads} heads, seq {args.seq_length}, vocab "
                  f"{config.vocab_size} (padded {config.padded_vocab_size})")
