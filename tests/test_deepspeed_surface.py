@@ -23,6 +23,14 @@ from zeropp.unit import ShardState
 ADAM = {"type": "Adam", "params": {"lr": 0.01}}
 
 
+@pytest.fixture(autouse=True)
+def own_process_group():
+    """Single-process tests build engines, which join a world of one: leave none behind."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def _model(seed: int = 0, frozen_first: bool = False) -> nn.Module:
     torch.manual_seed(seed)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
@@ -243,3 +251,4 @@ def test_config_schedules_are_deepspeeds_classes_and_one_cycle_matches_deepspeed
         assert math.isclose(mine.get_last_lr()[0], warm.get_last_lr()[0]), step
     with pytest.raises(ValueError, match="warmup_num_steps must be a positive integer"):
         lr_schedules.WarmupLR(adam(), warmup_num_steps=0)
+

@@ -3,7 +3,8 @@
 [Note: serving zeropp to DeepSpeed's tests]
 DeepSpeed's tests import ``deepspeed`` for two things: its public API (``deepspeed.initialize``,
 ``deepspeed.zero.Init``, ``deepspeed.zero.GatheredParameters``, the functions of
-``deepspeed.utils.zero_to_fp32``) and their own scaffolding
+``deepspeed.utils.zero_to_fp32``, the schedule classes of ``deepspeed.runtime.lr_schedules``)
+and their own scaffolding
 (``DistributedTest`` launches ranks and calls ``deepspeed.init_distributed``; the CPU
 accelerator; ``deepspeed.comm``). Only the first is replaced: once the installed ``deepspeed``
 has been imported, those names of it (``SERVED``) are rebound to zeropp's. Everything else stays
@@ -27,9 +28,13 @@ import sys
 ENV = "ZEROPP_SERVES_DEEPSPEED"
 ZERO_TO_FP32 = ("get_fp32_state_dict_from_zero_checkpoint",
                 "convert_zero_checkpoint_to_fp32_state_dict", "load_state_dict_from_zero_checkpoint")
+# DeepSpeed's schedule classes, which scripts build and test with isinstance ([Note:
+# DeepSpeed's schedule classes] in zeropp/deepspeed_api/lr_schedules.py).
+SCHEDULES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
 SERVED = ("deepspeed.initialize", "deepspeed.DeepSpeedConfigError", "deepspeed.zero.Init",
           "deepspeed.zero.GatheredParameters",
-          *(f"deepspeed.utils.zero_to_fp32.{name}" for name in ZERO_TO_FP32))
+          *(f"deepspeed.utils.zero_to_fp32.{name}" for name in ZERO_TO_FP32),
+          *(f"deepspeed.runtime.lr_schedules.{name}" for name in SCHEDULES))
 
 
 def _rebind(deepspeed) -> None:
@@ -45,6 +50,9 @@ def _rebind(deepspeed) -> None:
     theirs = importlib.import_module("deepspeed.utils.zero_to_fp32")
     for name in ZERO_TO_FP32:
         setattr(theirs, name, getattr(zero_to_fp32, name))
+    schedules = importlib.import_module("deepspeed.runtime.lr_schedules")
+    for name in SCHEDULES:
+        setattr(schedules, name, getattr(zeropp.lr_schedules, name))
     deepspeed.served_by_zeropp = True
 
 
