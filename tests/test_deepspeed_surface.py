@@ -252,3 +252,28 @@ def test_config_schedules_are_deepspeeds_classes_and_one_cycle_matches_deepspeed
     with pytest.raises(ValueError, match="warmup_num_steps must be a positive integer"):
         lr_schedules.WarmupLR(adam(), warmup_num_steps=0)
 
+
+
+def test_zero_init_joins_a_launchers_process_group_and_starts_none_without_one():
+    """DeepSpeed's zero.Init starts the group a launcher describes (a script may ask
+    dist.get_rank() inside it). Fresh processes: this one's group is not the one seen."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.distributed import free_port
+
+    program = ("import torch.distributed as dist, zeropp\n"
+               "with zeropp.zero.Init():\n"
+               "    print('group', dist.is_initialized() and dist.get_world_size())\n")
+    bare = {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    launched = {**bare, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": ""}
+    seen = []
+    for env in (launched, bare):
+        done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
+                              text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+        assert done.returncode == 0, done.stderr[-2000:]
+        seen.append(done.stdout.split()[-1])
+    assert seen == ["1", "False"]

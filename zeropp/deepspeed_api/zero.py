@@ -15,6 +15,7 @@ where this engine differs, the docstrings say how.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable
 
 import torch
@@ -251,6 +252,9 @@ _REFUSED = {
     "param_swapper": "parameter swapping (NVMe offload) is not supported",
 }
 
+# The variables DeepSpeed's init_distributed reads from a launcher (torchrun, deepspeed).
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
 _CONFIG_DTYPES = {"float32": torch.float32, "float16": torch.float16,
                   "bfloat16": torch.bfloat16}
 
@@ -277,7 +281,9 @@ class Init:
     parsed once for both. ``module`` (an already built model) needs nothing: the engine
     shards it. The partitioning group is always the whole world. Arguments asking for what
     this engine lacks (offload, model or sequence parallelism) raise ``ValueError`` naming
-    them. ``enabled=False`` constructs normally.
+    them. In a launched job (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK set) it
+    joins the process group if none exists, as DeepSpeed's does. ``enabled=False``
+    constructs normally.
     """
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
@@ -319,6 +325,13 @@ class Init:
             raise ValueError(f"zero.Init(dtype={dtype}): a floating-point dtype is needed")
         self.dtype = dtype
         self.module = module
+        # DeepSpeed's zero.Init joins the process group a launcher describes (a script may
+        # call dist.get_rank() inside it); without a launcher DeepSpeed would look for MPI,
+        # and this engine's initialize starts the one-rank group itself.
+        if not dist.is_initialized() and all(name in os.environ for name in _LAUNCHER_ENV):
+            from zeropp.deepspeed_api.initialize import init_distributed
+
+            init_distributed()
 
     def __enter__(self) -> Init:
         if not self.enabled:
