@@ -277,3 +277,36 @@ def test_zero_init_joins_a_launchers_process_group_and_starts_none_without_one()
         assert done.returncode == 0, done.stderr[-2000:]
         seen.append(done.stdout.split()[-1])
     assert seen == ["1", "False"]
+
+
+class _PartlyUsed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_ignore_unused_parameters_false_raises_at_the_step(stage):
+    def engine(ignore: bool | None, model: nn.Module):
+        zero = {"stage": stage} if ignore is None else {"stage": stage,
+                                                         "ignore_unused_parameters": ignore}
+        return zeropp.initialize(model=model, config={
+            "train_batch_size": 2, "gradient_accumulation_steps": 2, "optimizer": ADAM,
+            "zero_optimization": zero})[0]
+
+    checked = engine(False, _PartlyUsed())
+    loss = checked(torch.randn(2, 8)).sum()
+    checked.backward(loss)
+    checked.step()  # not the boundary: nothing checked yet
+    checked.backward(checked(torch.randn(2, 8)).sum())
+    with pytest.raises(AssertionError, match="unused.weight, unused.bias; set "
+                                             "zero_optimization.ignore_unused_parameters"):
+        checked.step()
+    for ignore in (True, None):  # DeepSpeed's default is true
+        plain = engine(ignore, _PartlyUsed())
+        _train(plain, 2)
+    used = engine(False, nn.Sequential(nn.Linear(8, 8)))
+    _train(used, 4)  # every parameter gets its gradient: no error

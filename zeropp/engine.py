@@ -46,6 +46,16 @@ class ZeroEngine:
         # False for an engine built without an optimizer ([Note: an engine without an
         # optimizer] in zeropp/deepspeed_api/initialize.py): step() refuses to update.
         self.trains = True
+        # DeepSpeed's ignore_unused_parameters=false (stages 1-2): the names of the trainable
+        # parameters whose gradient arrived since the last step, None when not checked.
+        self._params_with_gradient: set[str] | None = None
+        zero = config.zero_optimization if config is not None else None
+        if zero is not None and not zero.ignore_unused_parameters and zero.stage in (1, 2):
+            self._params_with_gradient = set()
+            for name, param in self.module.named_parameters():
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(
+                        lambda _, name=name: self._params_with_gradient.add(name))
         self.micro_steps = 0
         self.global_steps = 0
         # A step's outcome (its gradient norm, whether it was skipped) is a host value where
@@ -246,6 +256,8 @@ class ZeroEngine:
         if not self.trains:
             raise RuntimeError("step(): the engine was built without an optimizer (no "
                                "optimizer block, none passed to initialize): it evaluates only")
+        if self._params_with_gradient is not None:
+            self._check_every_parameter_had_gradient()
         # What the reductions did not divide by already (ShardingOptions.gradient_predivide_factor).
         divisor = (
             self.sharded.dp_size * self._accumulation_steps * self._loss_scale()
@@ -279,6 +291,21 @@ class ZeroEngine:
             self.lr_scheduler.step()
         self._step_applied = not overflow
         return not overflow
+
+    def _check_every_parameter_had_gradient(self) -> None:
+        """DeepSpeed's ignore_unused_parameters=false: a step after which some trainable
+        parameter got no gradient raises, on every rank (one all-reduce of a count)."""
+        unused = [name for name, param in self.module.named_parameters()
+                  if param.requires_grad and name not in self._params_with_gradient]
+        self._params_with_gradient.clear()
+        count = torch.tensor([len(unused)], device=self.device)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+        if int(count) > 0:
+            shown = ", ".join(unused[:3]) or "(on another rank)"
+            raise UnusedParametersError(
+                f"parameters got no gradient since the last step: {shown}; set "
+                "zero_optimization.ignore_unused_parameters true to reduce them as zeros")
 
     # [Note: step outcome on the device]
     # With an optimizer that can skip its own update on a device flag (torch's fused
@@ -626,6 +653,11 @@ class ZeroEngine:
             "fp32_master_shards": nbytes([self.optimizer.master_flat]),
             "optimizer_moments": nbytes(moments),
         }
+
+
+class UnusedParametersError(RuntimeError, AssertionError):
+    """A step found trainable parameters without gradient under
+    ``ignore_unused_parameters: false``; an AssertionError too, as DeepSpeed raises there."""
 
 
 def _same_device(asked: torch.device, actual: torch.device) -> bool:

@@ -33,6 +33,12 @@ def _grouped(groups: dict[str, list[str]]) -> list[str]:
 
 
 def render(theirs: dict, ours: dict) -> str:
+    # The scope as it is now: a test DeepSpeed's record ran that the scope has since put out
+    # (its reason found by a later run against zeropp) counts as out of scope, not as run.
+    moved = {k: reason for k in theirs["outcomes"] if (reason := scope.out_of_scope(k))}
+    theirs = {**theirs, "outcomes": {k: v for k, v in theirs["outcomes"].items()
+                                     if k not in moved},
+              "out_of_scope": {**theirs["out_of_scope"], **moved}}
     passed_there = sorted(k for k, v in theirs["outcomes"].items() if v["outcome"] == "passed")
     here = ours["outcomes"]
     counts = Counter(here.get(k, {"outcome": "not run"})["outcome"] for k in passed_there)

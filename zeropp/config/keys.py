@@ -137,7 +137,6 @@ ACCEPTED: dict[str, Accepted] = {
         "use_multi_rank_bucket_allreduce": Accepted(_boolean, "no effect: a stage 1/2 option"),
         "sub_group_size": Accepted(_non_negative_int, "no effect: the optimizer steps a whole shard"),
         "round_robin_gradients": Accepted(_boolean, "no effect: a stage 1/2 offload option"),
-        "ignore_unused_parameters": Accepted(_boolean, "no effect: a stage 2 check"),
         "parameter_alignment": Accepted(_boolean, "no effect: flat buffers have their own padding"),
         "memory_efficient_linear": Accepted(_boolean, "no effect: nn.Linear is never replaced"),
         "override_module_apply": Accepted(_boolean, "no effect: module.apply is never wrapped"),

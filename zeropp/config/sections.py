@@ -229,6 +229,9 @@ class ZeroConfig(_Section):
     offload_param: OffloadParamConfig | None = _field(
         None, "ZeRO-Offload of the weight shards (stage 3; below it no effect, as in "
         "DeepSpeed): {\"device\": \"cpu\"}", _optional(_section(OffloadParamConfig)))
+    ignore_unused_parameters: bool = _field(
+        True, "stages 1-2: false makes a step raise when a trainable parameter got no "
+        "gradient since the last step (DeepSpeed's check); true reduces it as zeros", _boolean)
     elastic_checkpoint: bool = _field(
         False, "DeepSpeed's stage 1/2 checkpoints loadable at another world size; every "
         "checkpoint here is, so true and false mean the same", _boolean)
