@@ -20,9 +20,35 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "${PIP[@]}" install "torch==2.13.0"
 fi
 
+# DeepSpeed compiles its C++ ops on first use (FusedAdam's CPU kernel, the shared-memory
+# collectives its CPU backend loads): about 150 CPU-seconds that would otherwise land in
+# whichever test or run comes first. They are built here, once per extensions folder
+# (TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default), as DS_BUILD_* would at install;
+# a build that fails only warns: the first use then builds, or reports, as before.
+prebuild_deepspeed_ops() {
+  # torch builds into TORCH_EXTENSIONS_DIR itself, or into a per-Python folder of the default
+  local ops="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions/*}"
+  if compgen -G "$ops/fused_adam/fused_adam.so" >/dev/null \
+      && compgen -G "$ops/deepspeed_shm_comm/deepspeed_shm_comm.so" >/dev/null; then
+    return 0
+  fi
+  echo "[setup] building DeepSpeed's ops for this machine (once, a few minutes)"
+  "$PY" - <<'PY' || echo "[setup] warning: DeepSpeed's ops were not built; their first use will try"
+import deepspeed.ops
+from deepspeed.accelerator import get_accelerator
+from deepspeed.ops.op_builder import FusedAdamBuilder
+
+FusedAdamBuilder().load(verbose=False)
+shm = get_accelerator().create_op_builder("ShareMemCommBuilder")  # as deepspeed.comm loads it
+if shm is not None and deepspeed.ops.__compatible_ops__.get(shm.NAME, False):
+    shm.load(verbose=False)
+PY
+}
+
 stamp="$VENV/.zeropp-installed"
 want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "import deepspeed, tiktoken, transformers, zeropp" >/dev/null 2>&1; then
+  prebuild_deepspeed_ops
   echo "[setup] environment up to date ($VENV)"
   exit 0
 fi
@@ -36,4 +62,5 @@ if ! "$PY" -c "import deepspeed" >/dev/null 2>&1; then
 fi
 "${PIP[@]}" install -e "$ROOT[dev]"
 echo "$want" > "$stamp"
+prebuild_deepspeed_ops
 echo "[setup] done ($VENV)"
