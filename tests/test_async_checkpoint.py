@@ -353,21 +353,20 @@ runpy.run_path(entry_point, run_name="__main__")
 
 
 def test_a_rank_killed_mid_write_leaves_latest_and_the_relaunch_resumes_exactly(
-        data_prefix, tmp_path):  # noqa: F811
+        data_prefix, tmp_path, tmp_path_factory):  # noqa: F811
     import os
     import signal
     import subprocess
     import time
 
     from tests.test_pretrain_cli import ENTRY_POINT, ROOT
-    from tests.test_supervise import ENV, SUPERVISE, TORCHRUN
+    from tests.test_supervise import ENV, SUPERVISE, TORCHRUN, reference_losses
     from zeropp.checkpoints.checkpoint_integrity import newest_verified
 
-    full, metrics, ckpt = tmp_path / "full.jsonl", tmp_path / "run.jsonl", tmp_path / "ckpt"
+    metrics, ckpt = tmp_path / "run.jsonl", tmp_path / "ckpt"
     args = train_args(data_prefix, tmp_path, 8)[2:]
-    reference = subprocess.run([*TORCHRUN, ENTRY_POINT, *args, "--metrics-file", str(full)],
-                               cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert reference.returncode == 0, reference.stderr[-2000:]
+    # The uninterrupted 2-rank run of these arguments, as tests/test_supervise.py runs it
+    expected = reference_losses(data_prefix, tmp_path, 2, tmp_path_factory)
     wrapper, stall_note = tmp_path / "stall_once.py", tmp_path / "stalled"
     wrapper.write_text(STALL_ONCE)
     command = [*SUPERVISE, "--restarts", "1", "--backoff", "0", "--", *TORCHRUN, str(wrapper),
@@ -389,7 +388,6 @@ def test_a_rank_killed_mid_write_leaves_latest_and_the_relaunch_resumes_exactly(
     assert supervisor.returncode == 0, err[-3000:]
     restarts = [line for line in err.splitlines() if line.startswith("supervise:")]
     assert len(restarts) == 1 and "iteration 2" in restarts[0], restarts
-    expected = {r["iteration"]: r["lm_loss"] for r in read_metrics(full)[0]}
     last = {}
     for record in read_metrics(metrics)[0]:  # the relaunch repeats iterations 3 onwards
         last[record["iteration"]] = record["lm_loss"]

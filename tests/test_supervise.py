@@ -4,6 +4,8 @@ restarted; bad commands are refused."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from tests.test_pretrain_cli import ROOT, read_metrics
 from tests.test_resilience import data_prefix, train_args  # noqa: F401 (module fixture)
@@ -22,24 +25,42 @@ SUPERVISE = [sys.executable, "-m", "megatron_lite.supervise"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-_references: dict[int, dict[int, float]] = {}
+_references: dict[str, dict[int, float]] = {}
 
 
 def _training(launcher, prefix, tmp_path, *extra):
     return [*launcher, *train_args(prefix, tmp_path, 8, *extra)[1:]]
 
 
-def reference_losses(prefix, tmp_path, ranks):
-    """The uninterrupted run's losses at ``ranks`` ranks (run once per module)."""
-    if ranks not in _references:
-        full = tmp_path / "full.jsonl"
-        launcher = TORCHRUN if ranks == 2 else [sys.executable]
-        result = subprocess.run(_training(launcher, prefix, tmp_path, "--metrics-file",
-                                          str(full)),
-                                cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-2000:]
-        _references[ranks] = {r["iteration"]: r["lm_loss"] for r in read_metrics(full)[0]}
-    return _references[ranks]
+def reference_losses(prefix, tmp_path, ranks, tmp_path_factory):
+    """The uninterrupted run's losses at ``ranks`` ranks, run once per test session.
+
+    The tests that compare with it (here and in tests/test_async_checkpoint.py) run the same
+    command on the same tokens, and a run is bit for bit the same every time, so the first
+    test to need it runs it and leaves its losses where every xdist worker of the session finds
+    them, keyed by the command (its paths left out) and the corpus' bytes."""
+    command = _training(TORCHRUN if ranks == 2 else [sys.executable], prefix, tmp_path)
+    digest = hashlib.sha256(repr([arg.replace(prefix, "DATA").replace(str(tmp_path), "TMP")
+                                  for arg in command]).encode())
+    for suffix in (".bin", ".idx"):
+        digest.update(Path(prefix + suffix).read_bytes())
+    key = digest.hexdigest()[:16]
+    if key not in _references:
+        # Under xdist every worker's base folder sits in the session's own.
+        base = tmp_path_factory.getbasetemp()
+        shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "references"
+        shared.mkdir(exist_ok=True)
+        saved = shared / f"{key}.json"
+        with FileLock(str(saved) + ".lock"):
+            if not saved.exists():
+                full = tmp_path / "full.jsonl"
+                result = subprocess.run([*command, "--metrics-file", str(full)], cwd=ROOT,
+                                        env=ENV, capture_output=True, text=True, timeout=300)
+                assert result.returncode == 0, result.stderr[-2000:]
+                losses = {r["iteration"]: r["lm_loss"] for r in read_metrics(full)[0]}
+                saved.write_text(json.dumps(list(losses.items())))  # floats round-trip exactly
+            _references[key] = dict(json.loads(saved.read_text()))
+    return _references[key]
 
 
 # The fault is injected by the program itself ([Note: hang watchdog]'s ZEROPP_FAULT) right
@@ -49,8 +70,8 @@ def reference_losses(prefix, tmp_path, ranks):
                          ids=["one-process-killed", "torchrun-rank-killed",
                               "torchrun-rank-stopped"])
 def test_a_failed_job_is_relaunched_and_ends_as_if_uninterrupted(data_prefix, tmp_path,  # noqa: F811
-                                                                ranks, fault):
-    expected = reference_losses(data_prefix, tmp_path, ranks)
+                                                                tmp_path_factory, ranks, fault):
+    expected = reference_losses(data_prefix, tmp_path, ranks, tmp_path_factory)
     metrics, ckpt = tmp_path / "run.jsonl", tmp_path / "ckpt"
     victim = ranks - 1
     # The default --distributed-timeout-minutes (10): a stopped rank is the watchdog's to find.
