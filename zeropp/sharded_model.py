@@ -12,8 +12,9 @@ the block (from the secondary shards inside the node with hpZ) and prefetches th
 one. Activation-checkpoint recompute runs the block's forward hooks again while the engine is
 in the BACKWARD phase; they then only make sure the block is gathered. After a unit's whole
 backward (an identity autograd node on the block's inputs fires once their gradient exists:
-FSDP2's post-backward) its gradients are reduce-scattered (qgZ: hierarchical all-to-all) and
-its weights released. Frozen weights that backward still reads thus stay gathered after the
+FSDP2's post-backward; for a module run several times in one forward, after its last use's:
+[Note: a unit used several times] in zeropp/unit_hooks.py) its gradients are reduce-scattered
+(qgZ: hierarchical all-to-all) and its weights released. Frozen weights that backward still reads thus stay gathered after the
 last *trainable* gradient has arrived, and the reductions sit at the same place among the
 gathers on every rank, whatever parameters a rank left unused (those are reduced as zeros):
 reducing when a unit's last gradient arrives would let two ranks interleave different

@@ -66,6 +66,29 @@ def _grad_ready(unit: weakref.ref, param) -> None:
             "backward had finished (is the parameter used outside its module's forward?)")
 
 
+# [Note: a unit used several times]
+# A module may run several times in one training forward (weights shared inside the model:
+# DeepSpeed's SimpleModel calls ``linears[i // 2]``). Each use gathers the unit if it is not
+# gathered (at stage 3 the previous use's post-forward released it) and gets its own nodes:
+# a hook on its output (pre-backward) and an identity node on its inputs (post-backward).
+# Backward meets the uses in reverse; autograd adds every use's share into the parameters'
+# gradients, so the unit's post-backward work (release the weights, drop hpZ's secondary,
+# start the reduction) runs once, after the last outstanding use's backward: the forward
+# counts the uses (``_uses_left``) and each use's post-backward node takes one off. A use
+# with no such node (its inputs need no gradient, or its output does not reach the loss)
+# leaves the count above zero, and the unit is reduced and released when backward ends, as
+# a unit with no post-backward point always is. The count is kept from forward to the end
+# of backward, so two forwards before one backward count every use too.
+# Memory: from its first backward gather (the last use's backward) to its last use's
+# backward, such a unit stays gathered, where DeepSpeed releases it after each use's
+# backward and gathers it again for the next one. Here the weights of all uses' saved
+# tensors are views of the one gathered buffer ([Note: parameter storage] in zeropp/unit.py)
+# and the unit's single reduction waits for the last use anyway; holding the buffer costs
+# the unit's gathered size for that span and saves one gather per further use, with no
+# state to keep between releases. The gradient memory is the same either way (one flat
+# buffer per unit).
+
+
 class UnitHooks:
     """Hooks on every unit's module (the root first in ``units``) and on its parameters, and
     the iteration's state they keep: the phase, the recorded orders, the units recomputed.
@@ -100,8 +123,10 @@ class UnitHooks:
         # trace of submodules; ``_backward_cursor`` is where this backward is in it.
         self._forward_order: list[ShardedUnit] = []
         self._last_forward_order: list[ShardedUnit] = []
-        self._forward_position: dict[ShardedUnit, int] = {}  # unit -> index in the above
-        self._forward_seen: set[ShardedUnit] = set()  # units run in this forward
+        self._forward_position: dict[ShardedUnit, int] = {}  # unit -> first index in the above
+        # [Note: a unit used several times] Each unit's uses in the training forwards since
+        # the last backward whose backward has not finished yet.
+        self._uses_left: dict[ShardedUnit, int] = {}
         self._backward_needs: list[ShardedUnit] = []
         self._last_backward_needs: list[ShardedUnit] = []
         self._backward_cursor = -1
@@ -142,6 +167,7 @@ class UnitHooks:
             unit.backward_done = False
         self._backward_started.clear()
         self._recomputed.clear()
+        self._uses_left.clear()  # uses whose backward never came: reduced at the end
         self._last_backward_needs = self._backward_needs or self._last_backward_needs
 
     # ---- forward -------------------------------------------------------------------------
@@ -155,27 +181,24 @@ class UnitHooks:
         if unit is self.root:
             self.phase = TrainingPhase.FORWARD
             self._training_forward = torch.is_grad_enabled()
-            self._forward_seen.clear()
             if self._forward_order:
                 self._last_forward_order = self._forward_order
                 self._forward_position = {u: i for i, u in
                                           reversed(list(enumerate(self._forward_order)))}
             self._forward_order = []
             self._kept_for_backward = self._blocks_to_keep(self._last_forward_order)
-        elif self._training_forward and unit in self._forward_seen:
-            # Its first use's backward would free the weights its second use's backward then
-            # reads: garbage on gloo, an illegal memory access on CUDA.
-            raise RuntimeError(
-                f"module {unit.name!r} ran twice in one training forward; a unit's weights "
-                "are released after its backward, so each module may run once per forward "
-                "(give the second use a module of its own, or share weights at the root)")
-        self._forward_seen.add(unit)
+        elif self._training_forward:
+            # Every use counts, also one under no_grad (a reentrant checkpoint: its recompute
+            # makes the node) or one whose inputs need no gradient (no node: the unit is then
+            # reduced when backward ends).
+            self._uses_left[unit] = self._uses_left.get(unit, 0) + 1
         # Prefetch before waiting: the gathers queue behind this one at once (on the host
         # worker the next unit's transfer starts the moment this one's ends, not after the
-        # compute thread has seen it end).
+        # compute thread has seen it end). A unit used again (released after its last use
+        # at stage 3) is gathered again like any other.
         unit.start_gather("forward_all_gather")
         self._forward_order.append(unit)
-        self._prefetch(unit, forward=True)
+        self._prefetch_forward(unit, len(self._forward_order) - 1)
         unit.wait_gather()
         return self._watch_backward(unit, args, kwargs)
 
@@ -275,7 +298,9 @@ class UnitHooks:
                 unit.release(keep_secondary=True)
 
     def _pre_backward(self, unit: ShardedUnit, grad):
-        if unit in self._backward_started:  # a second output of the unit: already done
+        # A second output of the unit, or an earlier use of it ([Note: a unit used several
+        # times]): gathered already, and held until its last use's backward is over.
+        if unit in self._backward_started:
             return grad
         self._backward_started.add(unit)
         self._recomputed.pop(unit, None)
@@ -286,15 +311,21 @@ class UnitHooks:
         return grad
 
     def _post_backward(self, unit: ShardedUnit) -> None:
-        """The unit's backward is over (its inputs' gradient exists): free the weights, then
-        hand the unit to the gradient path.
+        """One use's backward is over (its inputs' gradient exists); after the unit's last
+        use's ([Note: a unit used several times]), free the weights, then hand the unit to
+        the gradient path.
 
         Autograd accumulates a parameter's gradient as soon as the node that computes it has
         run, before any other ready node, so every gradient of the unit is in by now. This
         point sits at the same place in the graph on every rank, which keeps the reductions
         in step with the gathers whatever parameters a rank left unused.
         """
-        if unit.backward_done:  # a block called twice: its second use is not supported
+        # A node no use counted (a unit run outside the model's forward) ends its backward.
+        left = self._uses_left.pop(unit, 1) - 1
+        if left > 0:
+            self._uses_left[unit] = left
+            return
+        if unit.backward_done:
             return
         unit.backward_done = True
         unit.release(keep_secondary=False)
@@ -311,19 +342,25 @@ class UnitHooks:
             self._backward_cursor = plan.index(unit, self._backward_cursor + 1)
         except ValueError:  # a backward unlike the last one: no plan to read ahead in
             return
-        self._prefetch(unit, forward=False, plan=plan, start=self._backward_cursor + 1)
+        self._prefetch(forward=False, plan=plan, start=self._backward_cursor + 1)
 
-    def _prefetch(self, unit: ShardedUnit, forward: bool,
-                  plan: list[ShardedUnit] | None = None, start: int = 0) -> None:
-        """Start the gathers of the units after ``unit`` in ``plan`` (from ``start``; the
-        last forward's order by default) that the prefetch rule allows. The window is read
-        lazily: the work is the window's, not the model's ([Note: live count])."""
-        if plan is None:
-            plan = self._last_forward_order
+    def _prefetch_forward(self, unit: ShardedUnit, index: int) -> None:
+        """``unit`` runs as the ``index``-th use of this forward: prefetch what followed that
+        use in the last forward, or, in a forward unlike it, what followed its first use."""
+        plan = self._last_forward_order
+        if index < len(plan) and plan[index] is unit:
+            start = index + 1
+        else:
             position = self._forward_position.get(unit)
             if position is None:
                 return
             start = position + 1
+        self._prefetch(forward=True, plan=plan, start=start)
+
+    def _prefetch(self, forward: bool, plan: list[ShardedUnit], start: int) -> None:
+        """Start the gathers of the units of ``plan`` from ``start`` on that the
+        prefetch rule allows. The window is read lazily: the work is the window's, not the
+        model's ([Note: live count])."""
         phase = "forward_all_gather" if forward else "backward_all_gather"
         # Units gathered already (kept from forward, recomputed) fill the window ahead like
         # gathers in flight: prefetching past them would only hold more memory sooner.
