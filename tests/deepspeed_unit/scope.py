@@ -68,8 +68,7 @@ OUT_OF_SCOPE: dict[str, str] = {
         "(mock.patch.object) to check it is not called",
     f"{_CKPT}test_zero_optimizer.py::TestZeROCheckpointFrozenWeights::test_load_module_only":
         "DeepSpeed's checkpoint helper patches the engine's private _get_optimizer_ckpt_name "
-        "(mock.patch.object) to check it is not called (and SimpleFrozenModel runs linears[0] "
-        "twice in one forward, see TestNoOptim's reason)",
+        "(mock.patch.object) to check it is not called",
     f"{_ZERO}test_zero_context.py::TestScatterGather": "reads ds_status and the partitioned "
                                                       "shape DeepSpeed's zero.Init leaves on a "
                                                       "parameter before initialize",
@@ -99,10 +98,6 @@ _META_INIT = ("on purpose: DeepSpeed's zero.Init partitions each parameter as it
               "world size): before initialize a parameter has no values to gather")
 _OWN_CLASSES = ("on purpose: asserts the object is DeepSpeed's own class ({}); this engine "
                 "returns its own ({})")
-_TWICE = ("missing: {} in one forward; a module run twice in one training forward is refused "
-          "with a one-line error (zeropp/sharded_model.py: a unit's weights are released after "
-          "its first use's backward, which the second use's backward still reads); DeepSpeed "
-          "gathers the module again for each use")
 DIFFERENCES: dict[str, str] = {
     f"{_ZERO}test_zero_context.py::TestGatherUpdate": _META_INIT,
     f"{_ZERO}test_zero_context.py::TestZeroGatheredParametersFree": _META_INIT,
@@ -114,8 +109,6 @@ DIFFERENCES: dict[str, str] = {
         "backend object, which the harness keeps DeepSpeed's. zero.Init here joins the "
         "launcher's torch.distributed group as DeepSpeed's does, but never creates "
         "deepspeed.comm's backend object (this engine does not import DeepSpeed)",
-    f"{_INIT}TestNoOptim": _TWICE.format("SimpleModel(nlayers=78) calls linears[i // 2] "
-                                         "and linears[i]"),
     f"{_INIT}TestClientOptimizer": _OWN_CLASSES.format(
         "the client's optimizer object itself, or torch's AdamW its callable built",
         "PartitionedOptimizer: the client's class, settings and groups over this rank's "
