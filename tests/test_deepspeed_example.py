@@ -8,9 +8,10 @@ and loads A's checkpoint right after ``initialize``, so it continues from A's we
 moments and WarmupLR position. zeropp's per-rank losses must equal DeepSpeed's within 1e-5 in
 both phases, with the same number of steps and the same lr.
 
-Four launches of 2 ranks in all (DeepSpeed A and B, zeropp A and B). The first DeepSpeed run on
-a machine JIT-compiles DeepSpeed's CPU FusedAdam (the script's "Adam" optimizer) into
-~/.cache/torch_extensions, about 35 s on 2 cores; later runs load it.
+Four launches of 2 ranks in all (DeepSpeed A and B, zeropp A and B). DeepSpeed's CPU FusedAdam
+(the script's "Adam" optimizer) is a JIT-compiled op: scripts/setup.sh builds it once per
+machine into ~/.cache/torch_extensions; where it has not, the first DeepSpeed run compiles it
+(about 107 CPU-seconds) and later runs load it.
 """
 
 from __future__ import annotations
