@@ -18,7 +18,8 @@ WORLD, STEPS, BATCH = 2, 4, 8
 
 class ReuseLM(nn.Module):
     """Weights shared inside the model: ``layers[0]`` (a 17 -> 33 -> 17 block) runs ``uses``
-    times, the bare Linear ``layers[2]`` twice in a row; tied head at the root."""
+    times, ``layers[1]`` twice, the bare Linear ``layers[2]`` three times; tied head at the
+    root."""
 
     def __init__(self, uses: int = 2, checkpoint: bool | str = False) -> None:
         super().__init__()
@@ -39,7 +40,10 @@ class ReuseLM(nn.Module):
         x = self._run(self.layers[1], x)
         for _ in range(self.uses - 1):
             x = self._run(self.layers[0], x)
-        x = x + self.layers[2](self.layers[2](x))  # never checkpointed: a plain reuse
+        # Never checkpointed: uses in a chain and beside it, and a use whose input needs no
+        # gradient (no post-backward node: the unit is reduced when backward ends).
+        x = x + self.layers[2](self.layers[2](x)) + self.layers[2](x)
+        x = x + 0.5 * self.layers[1](x.detach())
         return F.linear(self.norm(x), self.embed.weight)
 
 
