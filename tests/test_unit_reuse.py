@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.distributed import run_ranks
-from tests.toy_models import ToyBlock, toy_batches, toy_loss
+from tests.toy_models import ToyBlock, toy_batches, toy_loss, train_data_parallel
 
 LR, WD, CLIP = 3e-3, 0.1, 0.5
 WORLD, STEPS, BATCH = 2, 4, 8
@@ -88,19 +88,8 @@ def sharded_run(rank, world, uses, micro, checkpoint, options, quant):
         gradient_clipping=CLIP, sharding=ShardingOptions(**options),
         quantization=QuantizationOptions(**quant), ranks_per_node=world,
     )
-    data = toy_batches(STEPS, micro, BATCH)
-    per_rank = BATCH // world
-    losses = []
-    for step in range(STEPS):
-        total = torch.zeros(())
-        for m in range(micro):
-            tokens = data[step, m, rank * per_rank:(rank + 1) * per_rank]
-            loss = toy_loss(engine(tokens), tokens)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach() / micro
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = train_data_parallel(engine, rank, world, toy_batches(STEPS, micro, BATCH), STEPS,
+                                 micro)
     weights = engine.full_state_dict()
     engine.close()
     return losses, weights

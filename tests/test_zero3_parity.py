@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.toy_models import toy_batches, toy_loss, toy_model
+from tests.toy_models import toy_batches, toy_loss, toy_model, train_data_parallel
 
 LR, WD, CLIP = 3e-3, 0.1, 0.5
 
@@ -54,20 +54,10 @@ def sharded_run(rank, world, steps, micro, global_batch, checkpoint, meta, optio
         gradient_clipping=CLIP, param_init_fn=init_fn, sharding=ShardingOptions(**options),
         unit_modules=unit_modules(model) if unit_modules else None,
     )
-    data = toy_batches(steps, micro, global_batch)
-    per_rank = global_batch // world
-    losses, norms = [], []
-    for step in range(steps):
-        total = torch.zeros(())
-        for m in range(micro):
-            tokens = data[step, m, rank * per_rank:(rank + 1) * per_rank]
-            loss = toy_loss(engine(tokens), tokens)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach() / micro
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
-        norms.append(engine.get_global_grad_norm())
+    norms = []
+    losses = train_data_parallel(engine, rank, world, toy_batches(steps, micro, global_batch),
+                                 steps, micro,
+                                 after_step=lambda _: norms.append(engine.get_global_grad_norm()))
     return losses, norms, engine.full_state_dict()
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.toy_models import toy_batches, toy_loss, toy_model
+from tests.toy_models import toy_batches, toy_loss, toy_model, train_data_parallel
 
 LR = 3e-3
 
@@ -26,20 +26,11 @@ def train(rank, world, per_node, quant, steps, micro, checkpoint, dtype_name, mo
                                     **(sharding or {})}),
     )
     vocab = model_kwargs.get("vocab", 257)
-    data = toy_batches(steps, micro, 8, vocab=vocab)
-    per_rank = 8 // world
-    losses, bytes_per_step = [], []
-    for step in range(steps):
-        total = torch.zeros(())
-        for m in range(micro):
-            tokens = data[step, m, rank * per_rank:(rank + 1) * per_rank]
-            loss = toy_loss(engine(tokens), tokens)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float() / micro
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
-        bytes_per_step.append(engine.comm_bytes(reset=True))
+    bytes_per_step = []
+    losses = train_data_parallel(engine, rank, world, toy_batches(steps, micro, 8, vocab=vocab),
+                                 steps, micro,
+                                 after_step=lambda _: bytes_per_step.append(
+                                     engine.comm_bytes(reset=True)))
     layouts = [(u.layout.padded_numel, u is engine.sharded.root) for u in engine.sharded.units]
     weights = engine.full_state_dict()
     return losses, bytes_per_step, layouts, weights

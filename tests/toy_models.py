@@ -62,3 +62,25 @@ def toy_batches(steps: int, micro: int, batch: int, seq: int = 9, vocab: int = 2
 def toy_loss(logits, tokens):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(),
                            tokens[:, 1:].reshape(-1))
+
+
+def train_data_parallel(engine, rank: int, world: int, data: torch.Tensor, steps: int,
+                        micro: int, after_step=None) -> list[float]:
+    """Train ``steps`` steps of ``micro`` micro-batches, each rank on its slice of the batch
+    (the data parallelism an unsharded run on the whole batch is compared with); returns each
+    step's loss averaged over ranks. ``after_step(step)`` runs after each step."""
+    per_rank = data.shape[2] // world
+    losses = []
+    for step in range(steps):
+        total = torch.zeros(())
+        for m in range(micro):
+            tokens = data[step, m, rank * per_rank:(rank + 1) * per_rank]
+            loss = toy_loss(engine(tokens), tokens)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float() / micro
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+        if after_step is not None:
+            after_step(step)
+    return losses
