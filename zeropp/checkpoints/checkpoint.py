@@ -210,8 +210,7 @@ def save(engine, save_dir: str | os.PathLike, tag: str, client_state: dict | Non
     state = _shard_state(engine, staging, client_state)
     state["excluded_parameters"] = list(excluded)
     pending = PendingSave(engine, staging, state, shard_file(tmp_dir, rank), tmp_dir,
-                          final_dir, tag)
-    pending.save_latest = save_latest  # read by _commit, now or when an async save finishes
+                          final_dir, tag, save_latest=save_latest)
     if async_save:
         pending.start()
         engine._pending_checkpoint = pending
@@ -305,7 +304,7 @@ def _commit(engine, pending) -> Path:
 
     try:
         if rank == 0:
-            _publish(root, tag, getattr(pending, "save_latest", True))
+            _publish(root, tag, pending.save_latest)
     except Exception as exc:
         error = exc
     _agree_or_raise(error, device, f"cannot publish checkpoint {final_dir}")

@@ -131,8 +131,9 @@ class PendingSave:
     committed by ``zeropp.checkpoints.checkpoint._commit``."""
 
     def __init__(self, engine, staging: ShardStaging, state: dict, path: Path, tmp_dir: Path,
-                 final_dir: Path, tag: str) -> None:
+                 final_dir: Path, tag: str, save_latest: bool = True) -> None:
         self.engine = engine
+        self.save_latest = save_latest  # read by the commit, now or when the writer is done
         self.staging = staging
         self.state = state
         self.path, self.tmp_dir, self.final_dir, self.tag = path, tmp_dir, final_dir, tag
