@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.distributed import run_ranks
-from tests.toy_models import ToyBlock, toy_batches, toy_loss, train_data_parallel
+from tests.toy_models import ToyBlock, toy_batches, train_data_parallel, train_unsharded
 
 LR, WD, CLIP = 3e-3, 0.1, 0.5
 WORLD, STEPS, BATCH = 2, 4, 8
@@ -59,24 +59,10 @@ def reuse_model(uses: int, checkpoint: bool | str = False) -> ReuseLM:
 
 def reference_run(uses, micro, checkpoint):
     """Single process, unsharded, the same data and optimizer as every sharded run."""
-    model = reuse_model(uses, checkpoint)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=LR, foreach=False)
-    data = toy_batches(STEPS, micro, BATCH)
-    losses = []
-    for step in range(STEPS):
-        total = 0.0
-        for m in range(micro):
-            loss = toy_loss(model(data[step, m]), data[step, m]) / micro
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses, _, weights = train_unsharded(reuse_model(uses, checkpoint),
+                                         toy_batches(STEPS, micro, BATCH), STEPS, micro, LR,
+                                         WD, CLIP)
+    return losses, weights
 
 
 def sharded_run(rank, world, uses, micro, checkpoint, options, quant):

@@ -6,33 +6,15 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.toy_models import toy_batches, toy_loss, toy_model, train_data_parallel
+from tests.toy_models import toy_batches, toy_model, train_data_parallel, train_unsharded
 
 LR, WD, CLIP = 3e-3, 0.1, 0.5
 
 
 def reference_run(steps, micro, global_batch, checkpoint=False):
     """Single process, unsharded: what every sharded run must reproduce."""
-    model = toy_model(checkpoint=checkpoint)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR, foreach=False,
-    )
-    data = toy_batches(steps, micro, global_batch)
-    losses, norms = [], []
-    for step in range(steps):
-        total = 0.0
-        for m in range(micro):
-            loss = toy_loss(model(data[step, m]), data[step, m]) / micro
-            loss.backward()
-            total += loss.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return train_unsharded(toy_model(checkpoint=checkpoint),
+                           toy_batches(steps, micro, global_batch), steps, micro, LR, WD, CLIP)
 
 
 def sharded_run(rank, world, steps, micro, global_batch, checkpoint, meta, options,

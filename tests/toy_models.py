@@ -84,3 +84,26 @@ def train_data_parallel(engine, rank: int, world: int, data: torch.Tensor, steps
         if after_step is not None:
             after_step(step)
     return losses
+
+
+def train_unsharded(model: nn.Module, data: torch.Tensor, steps: int, micro: int, lr: float,
+                    weight_decay: float, clip: float):
+    """The plain loop every sharded run must reproduce: torch AdamW (weight decay on the
+    matrices only) and clip_grad_norm_, on the whole batch in one process. Returns each
+    step's loss, each step's gradient norm before clipping, and the final weights."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, foreach=False)
+    losses, norms = [], []
+    for step in range(steps):
+        total = 0.0
+        for m in range(micro):
+            loss = toy_loss(model(data[step, m]), data[step, m]) / micro
+            loss.backward()
+            total += loss.item()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
