@@ -89,7 +89,7 @@ class DirectFileWriter:
         self.nbytes = 0
         self._buffers = _ChunkBuffers.pair()
         # The copies into the chunk buffers go through numpy, which releases the GIL while it
-        # copies; a slice assignment into the mmap holds it throughout (25 ms per 256 MiB on
+        # copies; a slice assignment into the mmap holds it throughout (20-35 ms per 256 MiB on
         # the reference machine), and an asynchronous save's writer thread would then stall
         # the training thread's Python for the whole file.
         self._arrays = [np.frombuffer(buffer, np.uint8) for buffer in self._buffers]
