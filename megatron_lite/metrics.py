@@ -252,11 +252,44 @@ def _item_or_none(value: Any) -> Any:
         return None
 
 
+def _drop_torn_last_line(path: Path) -> None:
+    """Cut an unterminated last line: a run killed while appending (a fatal signal stops a
+    write at a page boundary) leaves half a record, and the resumed run's first record would
+    otherwise be glued to it, spoiling both for every reader. The cut record's iteration runs
+    again after the resume, so nothing logged is lost."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return
+    if size == 0:
+        return
+    with open(path, "rb+") as file:
+        file.seek(size - 1)
+        if file.read(1) == b"\n":
+            return
+        # the torn record is at most a few KiB: look back in steps for the last newline
+        end = size
+        while end > 0:
+            start = max(0, end - 65536)
+            file.seek(start)
+            cut = file.read(end - start).rfind(b"\n")
+            if cut >= 0:
+                keep = start + cut + 1
+                break
+            end = start
+        else:
+            keep = 0
+        file.truncate(keep)
+    _warn(f"{path}: dropped an unterminated last record ({size - keep} bytes) left by a run "
+          "that was stopped while writing it")
+
+
 class _JsonLinesSink:
     """Appends one JSON object per call, flushed so a crash loses nothing already logged."""
 
     def __init__(self, path: str) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
+        _drop_torn_last_line(Path(path))
         # Append: a resumed run continues the same file.
         self._file: TextIO = open(path, "a", encoding="utf-8")
 

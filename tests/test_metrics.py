@@ -211,6 +211,25 @@ def test_metrics_file_appends_across_runs(tmp_path: Path) -> None:
     assert [line["iteration"] for line in read_lines(path)] == [1, 2]
 
 
+def test_a_torn_last_record_is_cut_before_appending(tmp_path: Path, capsys) -> None:
+    """A run killed mid-append leaves half a line; the resumed run's records start on a line
+    of their own, and every complete record before it stays."""
+    path = tmp_path / "metrics.jsonl"
+    with MetricsWriter(enabled=True, metrics_file=str(path)) as writer:
+        writer.log_eval(1, 3.0)
+        writer.log_eval(2, 3.0)
+    whole = path.read_bytes()
+    path.write_bytes(whole + whole.splitlines(keepends=True)[0][:20])  # a torn third record
+    with MetricsWriter(enabled=True, metrics_file=str(path)) as writer:
+        writer.log_eval(3, 3.0)
+    assert [line["iteration"] for line in read_lines(path)] == [1, 2, 3]
+    assert "dropped an unterminated last record (20 bytes)" in capsys.readouterr().out
+    path.write_bytes(b'{"iteration": 1, "val')  # nothing but a torn record
+    with MetricsWriter(enabled=True, metrics_file=str(path)) as writer:
+        writer.log_eval(4, 3.0)
+    assert [line["iteration"] for line in read_lines(path)] == [4]
+
+
 def test_perplexity_is_clamped_for_diverged_loss(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     with MetricsWriter(enabled=True, metrics_file=str(path)) as writer:
