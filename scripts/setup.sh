@@ -22,14 +22,17 @@ fi
 
 # DeepSpeed compiles its C++ ops on first use (FusedAdam's CPU kernel, the shared-memory
 # collectives its CPU backend loads): about 150 CPU-seconds that would otherwise land in
-# whichever test or run comes first. They are built here, once per extensions folder
-# (TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default), as DS_BUILD_* would at install;
-# a build that fails only warns: the first use then builds, or reports, as before.
+# whichever test or run comes first. They are built here, once per environment, as
+# DS_BUILD_* would at install; a build that fails only warns: the first use then builds, or
+# reports, as before. The folder is the environment's own (TORCH_EXTENSIONS_DIR, which
+# scripts/test.sh sets the same way) unless the caller names one: a build records the paths
+# of the environment it was made for, and two checkouts sharing ~/.cache/torch_extensions
+# would rebuild each other's ops at every switch, inside whatever runs first.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
 prebuild_deepspeed_ops() {
-  # torch builds into TORCH_EXTENSIONS_DIR itself, or into a per-Python folder of the default
-  local ops="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions/*}"
-  if compgen -G "$ops/fused_adam/fused_adam.so" >/dev/null \
-      && compgen -G "$ops/deepspeed_shm_comm/deepspeed_shm_comm.so" >/dev/null; then
+  local ops="$TORCH_EXTENSIONS_DIR"
+  if [ -f "$ops/fused_adam/fused_adam.so" ] \
+      && [ -f "$ops/deepspeed_shm_comm/deepspeed_shm_comm.so" ]; then
     return 0
   fi
   echo "[setup] building DeepSpeed's ops for this machine (once, a few minutes)"
