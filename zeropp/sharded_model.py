@@ -56,6 +56,7 @@ from zeropp.comm.streams import Execution
 from zeropp.deepspeed_params.deepspeed_adoption import DeepSpeedValues, stand_in_for_deepspeed
 from zeropp.flat_layout import FlatLayout
 from zeropp.initial_values import UnitInitialValues, reset_parameters_values
+from zeropp.kernels import KernelVariant, prepare_variants
 from zeropp.offload import GradientDelivery, HostMemory
 from zeropp.residency import Residency, shard_alignment, stays_gathered
 from zeropp.topology import Topology
@@ -216,6 +217,9 @@ class ShardedModel:
             [u for u in self.units if u.joins_persistent_gather], self.comm)
         self._persistent = set(self.persistent_units.units)  # for membership tests
         self._gather_persistent()
+        # Compiled here, not inside the first iteration: launch variants prepared (0 where
+        # the Triton kernels do not run: CPU, the simulated cluster, the reference forced).
+        self.prepared_kernels = prepare_variants(device, self.kernel_variants())
         _LIVE_MODELS.add(self)
 
     # ---- construction --------------------------------------------------------------------
@@ -355,6 +359,31 @@ class ShardedModel:
             handle.remove()
         self._guard_handles.clear()
         _LIVE_MODELS.discard(self)
+
+    def kernel_variants(self) -> list[KernelVariant]:
+        """The quantization kernels this model's collectives launch in an iteration, as each
+        collective names them for its buffers (``Collective.kernel_variants``): every unit's
+        gather (stage 3) and hpZ backward gather, every unit's reduction, and the persistent
+        units' joint reduction. An iteration launches no other (tests/test_kernel_variants.py
+        records one and compares)."""
+        comm, variants = self.comm, []
+        sharded_weights = self.residency.reshard_after_use
+        for unit in self.units:
+            if unit in self._persistent:  # exact joint gather; the joint reduction is below
+                continue
+            numel = unit.layout.shard_numel
+            if sharded_weights:
+                variants += comm.gather.kernel_variants(numel, unit.dtype, comm.world)
+            if sharded_weights and comm.hpz is not None:
+                variants += comm.secondary_gather.kernel_variants(
+                    unit.layout.padded_numel // comm.hpz.size, unit.dtype, comm.hpz)
+            if unit.num_grad_params:
+                variants += comm.reduce.kernel_variants(numel, unit.dtype, comm.reduce_group)
+        joint = [u for u in self.persistent_units.units if u.num_grad_params]
+        if joint:
+            variants += comm.reduce.kernel_variants(sum(u.layout.shard_numel for u in joint),
+                                                    joint[0].dtype, comm.reduce_group)
+        return list(dict.fromkeys(variants))
 
     # ---- public API ----------------------------------------------------------------------
     @property

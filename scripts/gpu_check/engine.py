@@ -404,8 +404,16 @@ def check_host_vs_gpu(out_dir: Path, num_layers: int = 2, micro_batch: int = 2,
     engine, tokens, config = build_18b_block_engine(device, num_layers, micro_batch,
                                                     hidden_size, num_attention_heads)
     seq = tokens.shape[1] - 1
+    # Kernels the build compiled ahead, and what the first iteration still compiled: a
+    # launch through kernel.run rather than the cache (0 when the build prepared them all).
+    from zeropp.kernels.launcher import LAUNCHER
+
+    compiles_before = LAUNCHER.plain_launches
     try:
-        for _ in range(WARMUP_ITERATIONS):
+        train_iteration(engine, tokens)
+        torch.cuda.synchronize()
+        first_iteration_compiles = LAUNCHER.plain_launches - compiles_before
+        for _ in range(WARMUP_ITERATIONS - 1):
             train_iteration(engine, tokens)
         walls, spans, issues = [], [], []
         for _ in range(timed_iterations):
@@ -436,6 +444,8 @@ def check_host_vs_gpu(out_dir: Path, num_layers: int = 2, micro_batch: int = 2,
     outcome = host_gpu_verdict(walls, spans, issues, busy, launches=len(events),
                                host_blocked=host_blocked_seconds(trace))
     outcome.figures.update(
+        prepared_kernel_variants=engine.sharded.prepared_kernels,
+        first_iteration_kernel_compiles=first_iteration_compiles,
         trace=trace_path.name, parameters=parameters, model=dict(
             num_layers=num_layers, hidden_size=config.hidden_size,
             num_attention_heads=config.num_attention_heads, seq=seq, micro_batch=micro_batch,

@@ -11,7 +11,9 @@ Every collective the engine issues for weights and gradients is an object with
 - ``output_dtype``: the dtype it delivers (None: the output tensor's own);
 - ``bytes_sent(numel, dtype, group)``: ``{locality: bytes}`` this rank sends for one call
   whose per-rank slice holds ``numel`` elements of ``dtype``;
-- ``error_feedback``: the quantization residuals it carries (None for exact ones).
+- ``error_feedback``: the quantization residuals it carries (None for exact ones);
+- ``kernel_variants(numel, dtype, group)``: the quantization kernels one call launches
+  (``zeropp.kernels.KernelVariant``; none for exact ones), which an engine compiles ahead.
 The engine records exactly ``bytes_sent`` when it issues a call, and the planner asks the
 same objects, so a plan and a measurement cannot disagree on a rule. The quantized
 collectives (``zeropp.comm.quantized``) keep these contracts; a new one is one class and one
@@ -35,6 +37,7 @@ from zeropp.comm.accounting import (
     reduce_scatter_bytes,
 )
 from zeropp.comm.streams import SYNCHRONOUS, Execution, Pending
+from zeropp.kernels import KernelVariant
 
 # torch 2.13 renamed the tensor collectives; keep working on older releases too.
 all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -87,6 +90,12 @@ class Collective(abc.ABC):
     def __call__(self, output: torch.Tensor, input: torch.Tensor, group: CommGroup,
                  stats: CommStats, phase: str, key: object = None) -> Pending:
         """Issue the collective; ``key`` names the buffer (for error feedback)."""
+
+    def kernel_variants(self, numel: int, dtype: torch.dtype,
+                        group: CommGroup) -> tuple[KernelVariant, ...]:
+        """The quantization kernels one call with per-rank slices of ``numel`` elements of
+        ``dtype`` launches; the exact collectives launch none."""
+        return ()
 
     def step_bytes(self, numel: int, dtype: torch.dtype, group: CommGroup,
                    calls: int) -> dict[str, int]:

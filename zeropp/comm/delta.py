@@ -126,6 +126,11 @@ class DeltaWeightGather(Collective):
         """A training step's gather: the deltas (the first, exact gather is not counted)."""
         return self._bytes(DELTA, numel, dtype)
 
+    def kernel_variants(self, numel, dtype, group):
+        # a step's first gather: this shard's fp32 delta quantized, the nodes' dequantized
+        return (kernels.KernelVariant(numel, torch.float32, self.bits, self.block_size,
+                                      self.nodes),)
+
     def step_bytes(self, numel, dtype, group, calls):
         """The first gather of a step sends the deltas; the others assemble the bases."""
         sent = self._bytes(DELTA, numel, dtype)

@@ -64,6 +64,10 @@ class ErrorFeedback:
         """Bytes the error of a ``numel``-element chunk takes (for the memory planner)."""
         return kernels.quantized_nbytes(numel, STORAGE_BITS, block_size)
 
+    def kernel_variants(self, numel: int) -> tuple[kernels.KernelVariant, ...]:
+        """The kernels that store and read back the error of a ``numel``-element chunk."""
+        return (kernels.KernelVariant(numel, torch.float32, STORAGE_BITS, self.block_size),)
+
     def _error(self, name: str, numel: int) -> torch.Tensor | None:
         payload = self.errors.get(name)
         if payload is None or payload.numel() != self.nbytes(numel, self.block_size):

@@ -72,6 +72,10 @@ class QuantizedAllGather(Collective):
         # this rank's payload and the gathered payloads of every rank
         return (group.size + 1) * kernels.quantized_nbytes(numel, self.bits, self.block_size)
 
+    def kernel_variants(self, numel, dtype, group):
+        # this rank's shard quantized, the group's payloads dequantized into the unit
+        return (kernels.KernelVariant(numel, dtype, self.bits, self.block_size, group.size),)
+
     def __call__(self, output: torch.Tensor, shard: torch.Tensor, group: CommGroup,
                  stats: CommStats, phase: str, key: object = None,
                  retain: Callable[[torch.Tensor], None] | None = None) -> Pending:
@@ -163,6 +167,11 @@ class QuantizedSecondaryGather(Collective):
 
     def stream_buffer_nbytes(self, numel, dtype, group):
         return group.size * self.payload_nbytes(numel, group)  # every world shard's payload
+
+    def kernel_variants(self, numel, dtype, group):
+        # every world shard's payload dequantized, as the forward gather does
+        return (kernels.KernelVariant(numel // self.payload_rows(group), dtype, self.bits,
+                                      self.block_size, self.world_size),)
 
     def __call__(self, output: torch.Tensor, secondary: torch.Tensor, group: CommGroup,
                  stats: CommStats, phase: str, key: object = None) -> Pending:
@@ -295,6 +304,37 @@ class HierarchicalReduceScatter(Collective):
         # each hop's send and receive buffers, and the node's fp32 partial sums between them
         first, second = self._hop_payloads(numel, dtype)
         return 2 * first + 2 * second + self.nodes * numel * 4
+
+    def kernel_variants(self, numel, dtype, group):
+        """What ``_send`` and ``_receive`` launch for ``numel``-element slices of ``dtype``
+        values, path by path."""
+        if self.bits is None:
+            return ()
+        Variant = kernels.KernelVariant  # noqa: N806 (a class)
+        bits, inter_bits, block = self.bits, self.inter_node_bits, self.block_size
+        nodes, per_node, chunk_numel = self.nodes, self.per_node, self.nodes * numel
+        # step 5: the payloads that reach this rank summed into its slice
+        last = Variant(numel, dtype, bits if nodes == 1 else inter_bits, block,
+                       per_node if nodes == 1 else nodes)
+        if per_node == 1 and nodes > 1 and self.error_feedback is None:
+            return (Variant(chunk_numel, dtype, inter_bits, block, swizzles=((1, nodes),)),
+                    last)
+        first = Variant(per_node * chunk_numel, dtype, bits, block,
+                        swizzles=((nodes, per_node),))
+        if nodes == 1:
+            return first, last
+        if self.error_feedback is None:
+            # the fused requantization of the node's sums, in one payload per node
+            return (first, Variant(chunk_numel, dtype, bits, block, per_node, nodes,
+                                   bits_out=inter_bits), last)
+        # the node's fp32 sums, requantized with feedback (its stored errors in fp32 too)
+        fed_back = (Variant(chunk_numel, torch.float32, inter_bits, block, nodes,
+                            swizzles=((1, nodes),)),
+                    Variant(numel, torch.float32, inter_bits, block, nodes),
+                    *self.error_feedback.kernel_variants(chunk_numel))
+        if per_node == 1:
+            return (*fed_back, last)
+        return (first, Variant(chunk_numel, dtype, bits, block, per_node), *fed_back, last)
 
     def bytes_sent(self, numel, dtype, group):
         """Hop 1 sends the whole swizzled bucket inside the node; hop 2 the node's partial

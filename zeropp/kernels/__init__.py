@@ -20,6 +20,7 @@ import importlib
 import importlib.util
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
 
@@ -39,6 +40,7 @@ from zeropp.kernels.reference import (
 
 __all__ = [
     "BACKEND_ENV_VAR",
+    "KernelVariant",
     "SUPPORTED_BITS",
     "SUPPORTED_DTYPES",
     "PayloadLayout",
@@ -49,6 +51,7 @@ __all__ = [
     "dequantize_reduce_quantize",
     "payload_layout",
     "prepare_kernels",
+    "prepare_variants",
     "quantize_blockwise",
     "quantize_swizzled",
     "quantized_nbytes",
@@ -152,19 +155,32 @@ def dequantize_reduce_quantize(
     )
 
 
-def prepare_kernels(device: torch.device | str, numels: Iterable[int], *,
-                    dtypes: Iterable[torch.dtype] = (torch.bfloat16,),
-                    bits: Iterable[int] = (8, 4), block_sizes: Iterable[int] = (256,),
-                    payload_counts: Iterable[int] = (1,), parts: Iterable[int] = (1,),
-                    swizzles: Iterable[tuple[int, int]] = ()) -> int:
-    """Compile ahead, without launching, the Triton kernel variants that this module's calls
-    on `device` will launch for tensors of each of `numels` values: every combination of
-    value dtype, code width, block size, payload count (the k of the batched and reduced
-    calls), requantized pieces and qgZ swizzle (nodes, per_node). Meant for an engine's
-    build, so that no compile happens inside its first iteration; a call whose shape was
-    not prepared still compiles on first use. Returns how many launch variants were
-    prepared: 0 where the Triton kernels would not run (not CUDA, no Triton, forced to the
-    reference, Triton's interpreter, or a Triton whose launch API this does not know)."""
+@dataclass(frozen=True)
+class KernelVariant:
+    """The kernels the calls on tensors of `numel` values launch, as `prepare_variants`
+    compiles them ahead: quantization of `dtype` values to `bits` (plain, and swizzled for
+    each (nodes, per_node) of `swizzles`), dequantization of one payload and of `payloads`,
+    their fp32 reduction, and its requantization to `bits_out` (None: `bits`) in `parts`
+    pieces. A collective names the variants it launches for a buffer size
+    (``Collective.kernel_variants``), so an engine prepares exactly what it will run."""
+
+    numel: int
+    dtype: torch.dtype
+    bits: int
+    block_size: int
+    payloads: int = 1
+    parts: int = 1
+    swizzles: tuple[tuple[int, int], ...] = ()
+    bits_out: int | None = None
+
+
+def prepare_variants(device: torch.device | str, variants: Iterable[KernelVariant]) -> int:
+    """Compile ahead, without launching, the Triton kernels of each variant on `device`:
+    meant for an engine's build, so that no compile happens inside its first iteration (a
+    call whose shape was not prepared still compiles on first use). Returns how many launch
+    variants were prepared: 0 where the Triton kernels would not run (not CUDA, no Triton,
+    forced to the reference, Triton's interpreter, or a Triton whose launch API this does
+    not know)."""
     device = torch.device(device)
     if device.type != "cuda" or not _triton_installed():
         return 0
@@ -173,16 +189,27 @@ def prepare_kernels(device: torch.device | str, numels: Iterable[int], *,
     if os.environ.get(BACKEND_ENV_VAR, "").strip().lower() == "reference":
         return 0
     backend = _triton_backend()
+    prepared = 0
+    for variant in dict.fromkeys(variants):
+        reference.check_float_dtype(variant.dtype, "dtype")
+        prepared += backend.prepare(device, variant.numel, variant.bits, variant.block_size,
+                                    variant.dtype, variant.payloads, variant.parts,
+                                    variant.swizzles, variant.bits_out)
+    return prepared
+
+
+def prepare_kernels(device: torch.device | str, numels: Iterable[int], *,
+                    dtypes: Iterable[torch.dtype] = (torch.bfloat16,),
+                    bits: Iterable[int] = (8, 4), block_sizes: Iterable[int] = (256,),
+                    payload_counts: Iterable[int] = (1,), parts: Iterable[int] = (1,),
+                    swizzles: Iterable[tuple[int, int]] = ()) -> int:
+    """`prepare_variants` for every combination of the given numels, value dtypes, code
+    widths, block sizes, payload counts (the k of the batched and reduced calls),
+    requantized pieces and qgZ swizzles (nodes, per_node)."""
+    # (tuples: each is walked once per combination of the ones before it)
     dtypes, bits, block_sizes = tuple(dtypes), tuple(bits), tuple(block_sizes)
     payload_counts, parts, swizzles = tuple(payload_counts), tuple(parts), tuple(swizzles)
-    prepared = 0
-    for numel in dict.fromkeys(numels):
-        for dtype in dtypes:
-            reference.check_float_dtype(dtype, "dtype")
-            for width in bits:
-                for block_size in block_sizes:
-                    for count in payload_counts:
-                        for pieces in parts:
-                            prepared += backend.prepare(device, numel, width, block_size,
-                                                        dtype, count, pieces, swizzles)
-    return prepared
+    return prepare_variants(device, (
+        KernelVariant(numel, dtype, width, block_size, count, pieces, swizzles)
+        for numel in numels for dtype in dtypes for width in bits for block_size in block_sizes
+        for count in payload_counts for pieces in parts))

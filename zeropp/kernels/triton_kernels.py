@@ -657,14 +657,16 @@ class _Placeholder:
 
 def prepare(device: torch.device, numel: int, bits: int, block_size: int, dtype: torch.dtype,
             payloads: int = 1, parts: int = 1,
-            swizzles: tuple[tuple[int, int], ...] = ()) -> int:
+            swizzles: tuple[tuple[int, int], ...] = (), bits_out: int | None = None) -> int:
     """Compile, without launching, every kernel variant the calls on `numel` values would
     launch: quantize (plain, and swizzled for each (nodes, per_node) in `swizzles`), the
     dequantization of one payload and of `payloads`, the reduction of `payloads` into fp32
-    and into `dtype`, and the requantization of `payloads` to `bits` in `parts` pieces.
-    Tensors are taken as fresh allocations (16-byte aligned). Returns how many were
-    prepared (0 where launches take the plain path: the interpreter, another Triton API)."""
+    and into `dtype`, and the requantization of `payloads` to `bits_out` (None: `bits`) in
+    `parts` pieces. Tensors are taken as fresh allocations (16-byte aligned). Returns how
+    many were prepared (0 where launches take the plain path: the interpreter, another
+    Triton API)."""
     layout = _layout(numel, bits, block_size)
+    layout_out = layout if bits_out is None else _layout(numel, bits_out, block_size)
     if numel == 0 or block_size > MAX_BLOCK_SIZE:
         return 0
 
@@ -689,11 +691,11 @@ def prepare(device: torch.device, numel: int, bits: int, block_size: int, dtype:
         done += _reduce_launch(batch, tensor(numel, kind=out_dtype), layout, True)
     if numel % parts == 0:
         try:
-            piece = (_check_pieces(parts, numel // parts, bits, block_size) if parts > 1
-                     else layout)
+            piece = (_check_pieces(parts, numel // parts, layout_out.bits, block_size)
+                     if parts > 1 else layout_out)
         except ValueError:
             piece = None
-        if piece is not None and _packs_in_kernel(layout):
-            done += _requantize_launch(batch, payload, payload, layout, layout, piece, parts,
-                                       True)
+        if piece is not None and _packs_in_kernel(layout_out):
+            done += _requantize_launch(batch, payload, payload, layout, layout_out, piece,
+                                       parts, True)
     return done
