@@ -4,6 +4,7 @@ and high-priority side streams. CUDA and torch.distributed are faked where a GPU
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import pytest
@@ -93,6 +94,66 @@ def test_side_streams_are_created_at_high_priority(monkeypatch):
     execution = CudaExecution(torch.device("cuda", 2))
     assert set(execution.streams) == {"gather", "reduce"}
     assert made == [{"device": torch.device("cuda", 2), "priority": -1}] * 2
+
+
+def test_collective_events_are_reused_once_waited_for(monkeypatch):
+    """A collective records an event on its side stream and the compute stream waits for it;
+    once that wait is enqueued the event is free to record again (CUDA's stream waits take
+    the record current at the call), so a lane creates only as many events as it has
+    collectives in flight at once, not one per collective."""
+    from zeropp.comm.streams import CudaExecution
+
+    log, made = [], []
+
+    class Stream:
+        def __init__(self, device=None, priority=0):
+            self.name = f"side{len(made)}"
+
+        def wait_stream(self, other):
+            pass
+
+        def wait_event(self, event):
+            log.append(("wait", event.id, event.recorded_on))
+
+    class Event:
+        def __init__(self):
+            self.id, self.recorded_on = len(made), None
+            made.append(self)
+
+        def record(self, stream):
+            self.recorded_on = stream.name
+            log.append(("record", self.id, stream.name))
+
+    compute = Stream()
+    compute.name = "compute"
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    made.clear()
+    execution = CudaExecution(torch.device("cuda", 0))
+    gather = execution.streams["gather"]
+    issued = []
+
+    def launch(lane):
+        return execution.launch(lane, lambda async_op: issued.append(lane))
+
+    for _ in range(5):  # one at a time: one event, recorded and waited for five times
+        launch("gather").wait()
+    assert len(made) == 1 and issued == ["gather"] * 5
+    assert log == [("record", 0, gather.name), ("wait", 0, gather.name)] * 5
+    log.clear()
+    first, second = launch("gather"), launch("gather")  # two in flight: a second event
+    reduce = launch("reduce")  # each lane has its own
+    assert len(made) == 3
+    for pending in (second, first, reduce):
+        pending.wait()
+        pending.wait()  # a second wait neither waits nor frees the event again
+    assert [entry[0] for entry in log].count("wait") == 3
+    assert sorted(map(len, execution.free_events.values())) == [1, 2]
+    for _ in range(3):
+        launch("gather").wait()
+    assert len(made) == 3  # the free ones are taken
 
 
 def _groups_of_an_engine(rank: int, world: int) -> dict:

@@ -10,7 +10,10 @@ never branch on the device themselves.
   host does not block), its completion step (qwZ's dequantize) runs there too, and an event
   is recorded. ``Pending.wait()`` makes the compute stream wait for that event and only then
   drops the references to the buffers, so a buffer allocated on the compute stream is never
-  reused while a side stream still reads it: no ``record_stream``. Everything is issued from
+  reused while a side stream still reads it: no ``record_stream``. The event then goes back
+  to its lane to be recorded again: a stream waits for the record an event held when the
+  wait was enqueued (``cudaStreamWaitEvent``), so a later record does not move that wait, and
+  a collective takes a free event rather than creating one (a host cost per collective). Everything is issued from
   the thread running forward and backward, so every rank issues the same order on every
   communicator, and kernels launch on this thread's current device.
 - ``InlineExecution``: the same protocol with no streams (each collective runs to completion
@@ -54,11 +57,13 @@ class Pending:
 
     def __init__(self, work: object | None = None, finish: Callable[[], None] | None = None,
                  *, event: object | None = None, keep: tuple = (),
-                 record=flight_recorder.NO_RECORD) -> None:
+                 record=flight_recorder.NO_RECORD,
+                 free_events: list | None = None) -> None:
         self._record = record  # [Note: flight recorder]
         self._work = work
         self._finish = finish
         self._event = event
+        self._free_events = free_events  # where ``event`` goes once waited for (CUDA)
         self._keep = keep
         self.done = False
 
@@ -68,6 +73,9 @@ class Pending:
         self._record.waiting()
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
+            if self._free_events is not None:
+                self._free_events.append(self._event)
+            self._event = None
         if self._work is not None:
             if hasattr(self._work, "wait"):
                 self._work.wait()
@@ -170,6 +178,8 @@ class CudaExecution(Execution):
         # next unit's weights are late.
         self.streams = {lane: torch.cuda.Stream(device=device, priority=HIGH_STREAM_PRIORITY)
                         for lane in ("gather", "reduce")}
+        # Events waited for, ready to be recorded again (see [Note: execution models]).
+        self.free_events: dict[str, list] = {lane: [] for lane in self.streams}
 
     @contextlib.contextmanager
     def staging(self, lane: str) -> Iterator[None]:
@@ -182,12 +192,14 @@ class CudaExecution(Execution):
         record = flight_recorder.issued(lane, issue, keep)
         stream = self.streams[lane]
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        free = self.free_events[lane]
         with torch.cuda.stream(stream):
             issue(False)
             if finish is not None:
                 finish()
-            event = stream.record_event()
-        return Pending(event=event, keep=keep, record=record)
+            event = free.pop() if free else torch.cuda.Event()
+            event.record(stream)
+        return Pending(event=event, keep=keep, record=record, free_events=free)
 
 
 class HostThreadExecution(Execution):
