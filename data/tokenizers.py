@@ -32,11 +32,13 @@ Contract shared by all of them (the preprocessing step relies on it):
 from __future__ import annotations
 
 import abc
+import functools
 import hashlib
 import importlib.util
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 # Pre-tokenization regex of GPT-2: contractions, letter runs, digit runs, punctuation runs,
 # and whitespace where a trailing space is left to attach to the next word.
@@ -208,28 +210,43 @@ def gpt2_mergeable_ranks(
     return ranks, special_tokens
 
 
+@functools.lru_cache(maxsize=4)
+def _gpt2_encoding(vocab_file: str | Path, merge_file: str | Path,
+                   stamps: tuple) -> tuple[Any, int, int]:
+    """(tiktoken encoding, vocabulary size, eod id) of GPT-2's files; ``stamps`` (path, mtime,
+    size of each) make a changed file a new entry."""
+    import tiktoken
+
+    vocab = load_gpt2_vocab(vocab_file)
+    merges = load_gpt2_merges(merge_file)
+    if GPT2_EOD_TOKEN not in vocab:
+        raise ValueError(
+            f"GPT-2 vocab file {vocab_file} has no {GPT2_EOD_TOKEN} token to use as eod"
+        )
+    mergeable_ranks, special_tokens = gpt2_mergeable_ranks(vocab, merges)
+    encoding = tiktoken.Encoding(
+        name=f"gpt2-bpe:{Path(vocab_file).name}",
+        pat_str=GPT2_SPLIT_PATTERN,
+        mergeable_ranks=mergeable_ranks,
+        special_tokens=special_tokens,
+    )
+    return encoding, len(vocab), vocab[GPT2_EOD_TOKEN]
+
+
 class GPT2BPETokenizer(Tokenizer):
     """GPT-2 byte-level BPE from Megatron's vocab/merge files, encoded by tiktoken."""
 
     def __init__(self, vocab_file: str | Path, merge_file: str | Path) -> None:
-        import tiktoken
-
-        vocab = load_gpt2_vocab(vocab_file)
-        merges = load_gpt2_merges(merge_file)
-        if GPT2_EOD_TOKEN not in vocab:
-            raise ValueError(
-                f"GPT-2 vocab file {vocab_file} has no {GPT2_EOD_TOKEN} token to use as eod"
-            )
-        mergeable_ranks, special_tokens = gpt2_mergeable_ranks(vocab, merges)
         self.name = "GPT2BPETokenizer"
-        self._vocab_size = len(vocab)
-        self._eod = vocab[GPT2_EOD_TOKEN]
-        self._encoding = tiktoken.Encoding(
-            name=f"gpt2-bpe:{Path(vocab_file).name}",
-            pat_str=GPT2_SPLIT_PATTERN,
-            mergeable_ranks=mergeable_ranks,
-            special_tokens=special_tokens,
-        )
+        # Reading and checking 50K tokens and merges takes about 0.3 s: a process that builds
+        # the tokenizer again for the same files (an evaluation, a simulated cluster's ranks)
+        # reuses the encoding, as long as neither file changed.
+        files = [_require_file(vocab_file, "GPT-2 vocab file (--vocab-file)"),
+                 _require_file(merge_file, "GPT-2 merge file (--merge-file)")]
+        stamps = tuple((str(path.resolve()), path.stat().st_mtime_ns, path.stat().st_size)
+                       for path in files)
+        self._encoding, self._vocab_size, self._eod = _gpt2_encoding(vocab_file, merge_file,
+                                                                     stamps)
 
     @property
     def vocab_size(self) -> int:

@@ -206,6 +206,29 @@ def test_gpt2_reads_megatron_file_names(tmp_path, gpt2):
     assert tokenizer.tokenize(MIXED_TEXTS[0]) == gpt2.tokenize(MIXED_TEXTS[0])
 
 
+def test_gpt2_files_are_read_once_per_process_until_they_change(tmp_path, gpt2):
+    """A second tokenizer of the same files reuses the encoding; a rewritten file is read
+    again, so a changed vocabulary is never missed."""
+    vocab_file, merge_file = default_gpt2_files()
+    again = GPT2BPETokenizer(vocab_file, merge_file)
+    assert again._encoding is gpt2._encoding and again.eod == gpt2.eod
+    vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
+    local_vocab = tmp_path / "vocab.json"
+    local_vocab.write_text(json.dumps(vocab), encoding="utf-8")
+    first = GPT2BPETokenizer(local_vocab, merge_file)
+    assert first.eod == gpt2.eod and GPT2BPETokenizer(local_vocab, merge_file)._encoding is (
+        first._encoding)
+    del vocab["<|endoftext|>"]  # rewritten: read again, and its fault found
+    local_vocab.write_text(json.dumps(vocab), encoding="utf-8")
+    with pytest.raises(ValueError, match="no <\\|endoftext\\|> token"):
+        GPT2BPETokenizer(local_vocab, merge_file)
+    vocab["<|endoftext|>"] = gpt2.eod
+    local_vocab.write_text(json.dumps(vocab, indent=1), encoding="utf-8")
+    second = GPT2BPETokenizer(local_vocab, merge_file)
+    assert second._encoding is not first._encoding
+    assert second.tokenize(MIXED_TEXTS[0]) == gpt2.tokenize(MIXED_TEXTS[0])
+
+
 def test_gpt2_malformed_merge_line(tmp_path):
     vocab_file, merge_file = default_gpt2_files()
     lines = Path(merge_file).read_text(encoding="utf-8").split("\n")
