@@ -7,6 +7,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# Bytecode caches for the project's own modules (ignored by git): the suite starts a few
+# hundred Python processes, and without caches each compiled every module it imported again.
+unset PYTHONDONTWRITEBYTECODE
 # DeepSpeed's ops as setup.sh built them, in this environment's own folder
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-${ZEROPP_VENV:-$ROOT/.venv}/torch_extensions}"
 exec "${ZEROPP_VENV:-$ROOT/.venv}/bin/python" -m pytest -n "${ZEROPP_TEST_WORKERS:-2}" --dist loadfile \

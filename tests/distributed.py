@@ -10,6 +10,12 @@ or times out kills its pool, so the next test starts from fresh processes, as do
 an ``env`` (a variable may be read at import time). ``ZEROPP_TEST_FRESH_RANKS=1`` starts fresh
 processes for every call.
 
+Pool workers are forked from a server (multiprocessing's forkserver) that imported torch,
+torch._dynamo (which torch imports at the first optimizer or meta-tensor operation, about
+1.2 s of CPU) and the engine once: a worker starts without importing any of them again. The
+server imports nothing else, starts no thread and touches no device, so forking it is safe;
+fresh ranks (an ``env``) are spawned, since what they import must see that environment.
+
 A worker retires after a call that leaves it with more than ``RETIRE_THREADS`` native threads,
 and the next call starts a fresh pool. Some calls leave threads behind that
 destroy_process_group does not return, and the suite's pools live for its whole run: once a
@@ -33,6 +39,9 @@ import traceback
 import torch.multiprocessing as mp
 
 RETIRE_THREADS = 128
+# What the pool's fork server imports once for all its workers ([Note: rank pool]).
+FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zeropp",
+                       "tests.distributed"]
 
 
 def _native_threads() -> int:
@@ -116,7 +125,8 @@ class _RankPool:
     """``world_size`` workers waiting for calls ([Note: rank pool])."""
 
     def __init__(self, world_size: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(FORK_SERVER_PRELOAD)  # read when the server starts
         self.world_size = world_size
         self.tasks = [ctx.SimpleQueue() for _ in range(world_size)]
         self.results = ctx.Queue()
