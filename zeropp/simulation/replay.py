@@ -69,7 +69,8 @@ class OpSequence(TorchDispatchMode):
 
 def first_difference(a: list, b: list) -> str | None:
     """Where two recorded sequences part (None when equal), for an assertion message."""
-    for index, (x, y) in enumerate(zip(a, b)):
+    # (not strict: a shorter one is reported by its length below)
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return f"item {index}: {x} != {y}"
     if len(a) != len(b):
