@@ -241,12 +241,13 @@ class GPT2BPETokenizer(Tokenizer):
         # Reading and checking 50K tokens and merges takes about 0.3 s: a process that builds
         # the tokenizer again for the same files (an evaluation, a simulated cluster's ranks)
         # reuses the encoding, as long as neither file changed.
-        files = [_require_file(vocab_file, "GPT-2 vocab file (--vocab-file)"),
-                 _require_file(merge_file, "GPT-2 merge file (--merge-file)")]
-        stamps = tuple((str(path.resolve()), path.stat().st_mtime_ns, path.stat().st_size)
-                       for path in files)
+        stamps = []
+        for path in (_require_file(vocab_file, "GPT-2 vocab file (--vocab-file)"),
+                     _require_file(merge_file, "GPT-2 merge file (--merge-file)")):
+            stat = path.stat()
+            stamps.append((str(path.resolve()), stat.st_mtime_ns, stat.st_size))
         self._encoding, self._vocab_size, self._eod = _gpt2_encoding(vocab_file, merge_file,
-                                                                     stamps)
+                                                                     tuple(stamps))
 
     @property
     def vocab_size(self) -> int:

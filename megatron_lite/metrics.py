@@ -258,27 +258,13 @@ def _drop_torn_last_line(path: Path) -> None:
     otherwise be glued to it, spoiling both for every reader. The cut record's iteration runs
     again after the resume, so nothing logged is lost."""
     try:
-        size = path.stat().st_size
+        data = path.read_bytes()  # once per run, at its start
     except FileNotFoundError:
         return
-    if size == 0:
+    if not data or data.endswith(b"\n"):
         return
+    size, keep = len(data), data.rfind(b"\n") + 1
     with open(path, "rb+") as file:
-        file.seek(size - 1)
-        if file.read(1) == b"\n":
-            return
-        # the torn record is at most a few KiB: look back in steps for the last newline
-        end = size
-        while end > 0:
-            start = max(0, end - 65536)
-            file.seek(start)
-            cut = file.read(end - start).rfind(b"\n")
-            if cut >= 0:
-                keep = start + cut + 1
-                break
-            end = start
-        else:
-            keep = 0
         file.truncate(keep)
     _warn(f"{path}: dropped an unterminated last record ({size - keep} bytes) left by a run "
           "that was stopped while writing it")

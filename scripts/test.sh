@@ -4,6 +4,7 @@
 # the end. Extra arguments go to pytest.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${ZEROPP_VENV:-$ROOT/.venv}"
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
@@ -11,6 +12,5 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # hundred Python processes, and without caches each compiled every module it imported again.
 unset PYTHONDONTWRITEBYTECODE
 # DeepSpeed's ops as setup.sh built them, in this environment's own folder
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-${ZEROPP_VENV:-$ROOT/.venv}/torch_extensions}"
-exec "${ZEROPP_VENV:-$ROOT/.venv}/bin/python" -m pytest -n "${ZEROPP_TEST_WORKERS:-2}" --dist loadfile \
-  --durations=15 "$@"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
+exec "$VENV/bin/python" -m pytest -n "${ZEROPP_TEST_WORKERS:-2}" --dist loadfile --durations=15 "$@"

@@ -383,7 +383,7 @@ class ShardedModel:
         if joint:
             variants += comm.reduce.kernel_variants(sum(u.layout.shard_numel for u in joint),
                                                     joint[0].dtype, comm.reduce_group)
-        return list(dict.fromkeys(variants))
+        return variants  # repeats (units of one size) are prepared once
 
     # ---- public API ----------------------------------------------------------------------
     @property

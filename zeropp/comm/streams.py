@@ -12,10 +12,11 @@ never branch on the device themselves.
   drops the references to the buffers, so a buffer allocated on the compute stream is never
   reused while a side stream still reads it: no ``record_stream``. The event then goes back
   to its lane to be recorded again: a stream waits for the record an event held when the
-  wait was enqueued (``cudaStreamWaitEvent``), so a later record does not move that wait, and
-  a collective takes a free event rather than creating one (a host cost per collective). Everything is issued from
-  the thread running forward and backward, so every rank issues the same order on every
-  communicator, and kernels launch on this thread's current device.
+  wait was enqueued (``cudaStreamWaitEvent``), so a later record does not move that wait,
+  and a collective takes a free event rather than creating one (a host cost per
+  collective). Everything is issued from the thread running forward and backward, so every
+  rank issues the same order on every communicator, and kernels launch on this thread's
+  current device.
 - ``InlineExecution``: the same protocol with no streams (each collective runs to completion
   when issued, references still held until ``wait()``). This is the CUDA model on the meta
   device (the simulated GPU cluster: memory and order exactly as on GPUs), and the

@@ -658,13 +658,9 @@ class _Placeholder:
 def prepare(device: torch.device, numel: int, bits: int, block_size: int, dtype: torch.dtype,
             payloads: int = 1, parts: int = 1,
             swizzles: tuple[tuple[int, int], ...] = (), bits_out: int | None = None) -> int:
-    """Compile, without launching, every kernel variant the calls on `numel` values would
-    launch: quantize (plain, and swizzled for each (nodes, per_node) in `swizzles`), the
-    dequantization of one payload and of `payloads`, the reduction of `payloads` into fp32
-    and into `dtype`, and the requantization of `payloads` to `bits_out` (None: `bits`) in
-    `parts` pieces. Tensors are taken as fresh allocations (16-byte aligned). Returns how
-    many were prepared (0 where launches take the plain path: the interpreter, another
-    Triton API)."""
+    """Compile, without launching, what the calls on `numel` values would launch (the kernels
+    of `zeropp.kernels.KernelVariant`), for fresh (16-byte aligned) tensors. Returns how many
+    were prepared (0 where launches take the plain path: the interpreter, another Triton)."""
     layout = _layout(numel, bits, block_size)
     layout_out = layout if bits_out is None else _layout(numel, bits_out, block_size)
     if numel == 0 or block_size > MAX_BLOCK_SIZE:
