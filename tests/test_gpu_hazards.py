@@ -96,6 +96,54 @@ def test_side_streams_are_created_at_high_priority(monkeypatch):
     assert made == [{"device": torch.device("cuda", 2), "priority": -1}] * 2
 
 
+class FakeStreams:
+    """torch.cuda's streams and events as a log: which stream is current, what is recorded
+    where and which event the compute stream waits for."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.log: list[tuple] = []
+        self.events: list = []
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None, priority=0):
+                self.name = f"side{len(fake.streams)}"
+                fake.streams.append(self)
+
+            def wait_stream(self, other):
+                fake.log.append(("wait_stream", self.name, other.name))
+
+            def wait_event(self, event):
+                fake.log.append(("wait", event.id, event.recorded_on))
+
+        class Event:
+            def __init__(self):
+                self.id, self.recorded_on = len(fake.events), None
+                fake.events.append(self)
+
+            def record(self, stream):
+                self.recorded_on = stream.name
+                fake.log.append(("record", self.id, stream.name))
+
+        @contextlib.contextmanager
+        def stream(s):
+            previous, self.current = self.current, s
+            try:
+                yield
+            finally:
+                self.current = previous
+
+        self.streams: list = []
+        self.compute = Stream()
+        self.compute.name = "compute"
+        self.current = self.compute
+        self.streams.clear()
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
+
+
 def test_collective_events_are_reused_once_waited_for(monkeypatch):
     """A collective records an event on its side stream and the compute stream waits for it;
     once that wait is enqueued the event is free to record again (CUDA's stream waits take
@@ -103,34 +151,8 @@ def test_collective_events_are_reused_once_waited_for(monkeypatch):
     collectives in flight at once, not one per collective."""
     from zeropp.comm.streams import CudaExecution
 
-    log, made = [], []
-
-    class Stream:
-        def __init__(self, device=None, priority=0):
-            self.name = f"side{len(made)}"
-
-        def wait_stream(self, other):
-            pass
-
-        def wait_event(self, event):
-            log.append(("wait", event.id, event.recorded_on))
-
-    class Event:
-        def __init__(self):
-            self.id, self.recorded_on = len(made), None
-            made.append(self)
-
-        def record(self, stream):
-            self.recorded_on = stream.name
-            log.append(("record", self.id, stream.name))
-
-    compute = Stream()
-    compute.name = "compute"
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
-    made.clear()
+    cuda = FakeStreams(monkeypatch)
+    log, made = cuda.log, cuda.events
     execution = CudaExecution(torch.device("cuda", 0))
     gather = execution.streams["gather"]
     issued = []
@@ -141,6 +163,7 @@ def test_collective_events_are_reused_once_waited_for(monkeypatch):
     for _ in range(5):  # one at a time: one event, recorded and waited for five times
         launch("gather").wait()
     assert len(made) == 1 and issued == ["gather"] * 5
+    log[:] = [entry for entry in log if entry[0] != "wait_stream"]
     assert log == [("record", 0, gather.name), ("wait", 0, gather.name)] * 5
     log.clear()
     first, second = launch("gather"), launch("gather")  # two in flight: a second event
@@ -154,6 +177,42 @@ def test_collective_events_are_reused_once_waited_for(monkeypatch):
     for _ in range(3):
         launch("gather").wait()
     assert len(made) == 3  # the free ones are taken
+
+
+def test_a_sequence_completes_at_wait_on_the_compute_stream(monkeypatch):
+    """[Note: completion steps]: a single gather's finish (qwZ's dequantize) runs on its side
+    stream before the event is recorded; a sequence's (qgZ's last hop and sum) runs at
+    wait(), on the compute stream, after the compute stream waits for the event, so the
+    reduce stream is free for the next reduction while the slow hop is on the wire."""
+    from zeropp.comm.streams import CudaExecution
+
+    cuda = FakeStreams(monkeypatch)
+    execution = CudaExecution(torch.device("cuda", 0))
+    gather, reduce = execution.streams["gather"], execution.streams["reduce"]
+
+    def step(name):
+        return lambda *args: cuda.log.append((name, cuda.current.name))
+
+    single = execution.launch("gather", step("issue"), finish=step("finish"))
+    assert cuda.log == [("wait_stream", gather.name, "compute"), ("issue", gather.name),
+                        ("finish", gather.name), ("record", 0, gather.name)]
+    single.wait()
+    cuda.log.clear()
+    first = execution.launch("reduce", step("send"), finish=step("receive"), sequence=True)
+    second = execution.launch("reduce", step("send"), finish=step("receive"), sequence=True)
+    # both sends issued before either receive: the lane does not wait for the first's
+    assert [entry[0] for entry in cuda.log] == ["wait_stream", "send", "record"] * 2
+    cuda.log.clear()
+    first.wait()
+    second.wait()
+    assert cuda.log == [("wait", 1, reduce.name), ("receive", "compute"),  # event 0: gather's
+                        ("wait", 2, reduce.name), ("receive", "compute")]
+    # staging on a lane (an offloaded shard's copy) waits for compute, where a receive may
+    # still read a block the lane freed
+    cuda.log.clear()
+    with execution.staging("reduce"):
+        assert cuda.current is reduce
+    assert cuda.log == [("wait_stream", reduce.name, "compute")]
 
 
 def _groups_of_an_engine(rank: int, world: int) -> dict:

@@ -237,6 +237,33 @@ def test_side_lane_kernels_run_before_the_collectives():
     assert p.compute_busy_seconds == 0.0
 
 
+def test_a_hop_left_in_flight_frees_the_lane_for_the_next_reduction():
+    """qgZ's inter-node hop is received at the wait: the reduce lane runs the next
+    reduction's intra-node hop while the slow hop is on the wire, instead of after it."""
+    c = toy_cluster()
+    size = 64 * MiB
+    intra = Collective("all_to_all", (0, 1, 2, 3), size, size)
+    inter = Collective("all_to_all", (0, 4), size // 4, size // 4)
+    t_intra, t_inter = collective_seconds(intra, c, 0), collective_seconds(inter, c, 0)
+    assert t_inter > t_intra > 0
+
+    def predicted(in_flight):
+        events = [gemm(0.1, c, "backward"),
+                  Launch(1, "reduce", (intra, inter), "backward", in_flight=in_flight),
+                  Launch(2, "reduce", (intra, inter), "backward", in_flight=in_flight),
+                  Wait(1), Wait(2)]
+        return predict(trace_of(events, c), c).seconds
+
+    # held: each launch's two hops back to back on the lane
+    assert predicted(0) == pytest.approx(0.1 + 2 * (t_intra + t_inter))
+    # in flight: the second intra-node hop runs under the first inter-node one; the two
+    # inter-node hops still share the NIC one after the other
+    assert predicted(1) == pytest.approx(0.1 + t_intra + 2 * t_inter)
+    # an iteration with nothing waiting still ends when the hop left in flight does
+    events = [Launch(1, "reduce", (intra, inter), "backward", in_flight=1)]
+    assert predict(trace_of(events, c), c).seconds == pytest.approx(t_intra + t_inter)
+
+
 def test_host_driven_ranks_run_lane_kernels_on_the_compute_stream():
     # On CPU ranks the lane's quantize kernel takes the cores that compute: 0.05 s of compute
     # at the issue point, then the 0.2 s transfer overlaps the 0.3 s gemm that follows.

@@ -169,14 +169,27 @@ def test_zeropp_collectives(runs):
     for launch in backward:  # hpZ: the secondary shards, inside the node only
         assert all(not _spans_nodes(c.group) and len(c.group) == GPUS
                    for c in launch.collectives)
-    for launch in trace.launches("reduce"):  # qgZ: two all-to-alls in one sequence launch
+    reductions = trace.launches("reduce")
+    for launch in reductions:  # qgZ: two all-to-alls in one sequence launch
         intra, inter = launch.collectives
         assert (intra.name, inter.name) == ("all_to_all", "all_to_all")
         assert not _spans_nodes(intra.group) and _spans_nodes(inter.group)
-        names = {op.name for op in launch.compute_ops}  # swizzle, quantize, requantize, ...
-        assert {"zeropp.quantize_blockwise.default", "zeropp.dequantize_reduce_quantize.default",
-                "zeropp.dequantize_reduce.default"} <= names
-    assert not any(op.name.startswith("zeropp") for op in trace.compute_ops())
+        # the inter-node hop is left in flight: the lane goes on to the next reduction
+        assert launch.in_flight == 1
+        names = {op.name for op in launch.compute_ops}  # swizzle, quantize, requantize
+        assert {"zeropp.quantize_blockwise.default",
+                "zeropp.dequantize_reduce_quantize.default"} <= names
+        assert "zeropp.dequantize_reduce.default" not in names
+    assert not any(launch.in_flight for launch in gathers)
+    # The last hop is received at the reduction's wait, on the compute stream: one sum
+    # right after each Wait for a reduction, and no other quantization kernel there.
+    reduce_ids = {launch.id for launch in reductions}
+    after_waits = [(event, trace.events[i + 1]) for i, event in enumerate(trace.events)
+                   if isinstance(event, Wait) and event.launch_id in reduce_ids]
+    assert len(after_waits) == len(reductions)
+    assert all(op.name == "zeropp.dequantize_reduce.default" for _, op in after_waits)
+    assert [op.name for op in trace.compute_ops() if op.name.startswith("zeropp")] == \
+        ["zeropp.dequantize_reduce.default"] * len(reductions)
 
 
 @pytest.mark.parametrize("name", ["zero3", "zero3-ckpt", "zeropp-ckpt"])

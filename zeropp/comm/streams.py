@@ -8,8 +8,14 @@ never branch on the device themselves.
   the side stream waits for the compute stream (its inputs were written there); the
   collective is issued synchronously *on the side stream* (NCCL orders it on that stream, the
   host does not block), its completion step (qwZ's dequantize) runs there too, and an event
-  is recorded. ``Pending.wait()`` makes the compute stream wait for that event and only then
-  drops the references to the buffers, so a buffer allocated on the compute stream is never
+  is recorded. A *sequence* (qgZ's two hops, the weight-delta gather's) leaves its last
+  collectives in flight on their own communicators and completes at ``Pending.wait()``, on
+  the compute stream: the side stream goes on to the next unit's first hop while this one's
+  slow hop is still on the wire, instead of queueing it behind that hop. (qwZ's dequantize
+  stays on the gather stream: moved to the compute stream it made the 18B's predicted step
+  8% slower on the paper's 800 Gbit/s cluster, where compute sets the pace, for 4% on 8 x 8
+  H100; see [Note: completion steps] below.) ``Pending.wait()`` makes the compute stream
+  wait for that event and only then drops the references to the buffers, so a buffer allocated on the compute stream is never
   reused while a side stream still reads it: no ``record_stream``. The event then goes back
   to its lane to be recorded again: a stream waits for the record an event held when the
   wait was enqueued (``cudaStreamWaitEvent``), so a later record does not move that wait,
@@ -27,6 +33,16 @@ never branch on the device themselves.
   intra- and inter-node groups), so the order per communicator is still the same on every
   rank. A sequence may leave its last collective in flight for ``finish`` (qgZ's
   inter-node hop, summed at ``wait()``): the worker then prepares the next one meanwhile.
+
+[Note: completion steps]
+Where a collective's ``finish`` runs decides which stream pays for its kernels. On the
+side stream right after the transfer (qwZ's dequantize into the unit): the kernel overlaps
+compute, but the lane's next transfer queues behind it. At ``wait()`` on the compute stream
+(a sequence's receive, on every execution): nothing queues behind the transfer, but
+compute runs the kernel, and its buffers live until the wait. For a single gather the
+kernel costs little on the gather stream and as much on compute, so it stays on the lane;
+for a sequence the lane would otherwise idle through the slow hop. The simulated cluster's
+``InlineExecution`` follows the same rule, so traces and measured memory show it.
 
 The number of reductions in flight is bounded by the caller (``ShardedModel``), so memory
 held by in-flight collectives does not grow with the model's depth on any execution.
@@ -97,7 +113,8 @@ class Execution(abc.ABC):
     @abc.abstractmethod
     def launch(self, lane: str, issue: IssueFn, *, finish: Callable[[], None] | None = None,
                keep: tuple = (), sequence: bool = False) -> Pending:
-        """Issue a collective (``sequence``: several blocking collectives and kernels)."""
+        """Issue a collective (``sequence``: several collectives and kernels, the last
+        ones possibly left in flight for ``finish``, which then runs at ``wait()``)."""
 
     def close(self) -> None:  # noqa: B027 (most executions hold nothing to release)
         """Release threads or streams (the engine calls it when it is done)."""
@@ -154,11 +171,13 @@ class InlineExecution(Execution):
             work = issue(False)
             if work is not None:
                 work.wait()
-            if finish is not None:
+            if finish is not None and not sequence:
                 finish()
+                finish = None
         finally:
             _lanes.current = previous
-        return Pending(keep=keep, record=record)
+        # A sequence completes at wait(), on the compute lane ([Note: completion steps]).
+        return Pending(finish=finish, keep=keep, record=record)
 
 
 # CUDA's stream priorities: lower is higher; -1 is the highest torch's API exposes everywhere.
@@ -185,8 +204,12 @@ class CudaExecution(Execution):
     @contextlib.contextmanager
     def staging(self, lane: str) -> Iterator[None]:
         # What is allocated here is used on this stream only (the copy, then the collective
-        # issued after it), so the allocator's per-stream reuse is safe without events.
-        with torch.cuda.stream(self.streams[lane]):
+        # issued after it), so the allocator's per-stream reuse is safe without events once
+        # the stream waits for compute, where a completion step may still read a block this
+        # lane freed ([Note: completion steps]); ``launch`` waits the same way.
+        stream = self.streams[lane]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
             yield
 
     def launch(self, lane, issue, *, finish=None, keep=(), sequence=False) -> Pending:
@@ -196,11 +219,15 @@ class CudaExecution(Execution):
         free = self.free_events[lane]
         with torch.cuda.stream(stream):
             issue(False)
-            if finish is not None:
+            if finish is not None and not sequence:
                 finish()
+                finish = None
             event = free.pop() if free else torch.cuda.Event()
             event.record(stream)
-        return Pending(event=event, keep=keep, record=record, free_events=free)
+        # A sequence's finish runs at wait(), after the compute stream waits for the event
+        # ([Note: completion steps]): what it frees on this lane is reused here only after
+        # the next launch's ``wait_stream`` on compute, which follows it.
+        return Pending(finish=finish, event=event, keep=keep, record=record, free_events=free)
 
 
 class HostThreadExecution(Execution):

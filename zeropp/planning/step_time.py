@@ -48,12 +48,14 @@ A group of one rank costs nothing.
 [Note: replay and link contention]
 Events are issued in order. A ComputeOp advances the compute stream by its roofline time
 ``max(flops / (peak * gemm_fraction), bytes / (hbm * hbm_fraction))`` (ops with flops == 0
-are memory-bound by the same formula). A side-lane Launch starts at max(compute stream time at
-its issue point, the lane's free time) (the lane first waits for the compute stream, as
-CudaExecution does) and runs its ``compute_ops`` (quantize/dequantize kernels, copies) and
-then its collectives in order; on GPUs side-lane kernels are not charged against the compute
-stream's SMs (on CPU ranks they are: [Note: host-driven transports]). A Wait sets compute = max(compute, launch end); the gap is the launch's
-*exposed* time. A Launch on lane "compute" runs in place: all of it is exposed.
+are memory-bound by the same formula). A side-lane Launch starts at max(compute stream time
+at its issue point, the lane's free time) (the lane first waits for the compute stream, as
+CudaExecution does) and runs its ``compute_ops`` (quantize/dequantize kernels, copies), then
+its collectives in order; the lane is free again once it has issued those the launch leaves
+in flight (``Launch.in_flight``: a sequence's slow hop), else when all are done. On
+GPUs side-lane kernels are not charged against the compute stream's SMs (on CPU ranks they
+are: [Note: host-driven transports]). A Wait sets compute = max(compute, launch end); the
+gap is the launch's *exposed* time. A Launch on lane "compute" runs in place: all exposed.
 Contention rule: the node's NICs are one timeline. Any collective that crosses nodes (k > 1),
 from either lane or in place, starts no earlier than the previous cross-node collective
 ended, in issue order, and holds the timeline for its whole duration (its intra-node part
@@ -597,20 +599,25 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
         moved = sum(host_transport_bytes(c, cluster, trace.rank) for c in launch.collectives)
         return moved / cluster.host_transport_bandwidth
 
-    def run_launch(launch: Launch, start: float) -> float:
+    def run_launch(launch: Launch, start: float) -> tuple[float, float]:
+        """(when the launch's lane is free again, when the launch is done)."""
         nonlocal nic_free
         t = start
         if not cluster.host_driven:  # a GPU's side stream runs its own kernels first
             t += lane_kernel_seconds(launch)
         key = (launch.phase, launch.lane)
-        for c in launch.collectives:
+        held = len(launch.collectives) - launch.in_flight
+        lane_end = None
+        for i, c in enumerate(launch.collectives):
+            if i == held:
+                lane_end = t  # the lane issues the rest and moves on
             dt = collective_seconds(c, cluster, trace.rank)
             if _crosses_nodes(c, cluster):
                 t = max(t, nic_free)
                 nic_free = t + dt
             t += dt
             comm[key] = comm.get(key, 0.0) + dt
-        return t
+        return (t if lane_end is None else lane_end), t
 
     if offload:  # every rank of the node steps at once: its share of the host's bandwidth
         host_share = (cluster.host_memory_bandwidth / cluster.ranks_per_node
@@ -655,15 +662,14 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
             busy += dt
             if event.lane == "compute":
                 start = compute_start()
-                end = run_launch(event, start)
+                end = run_launch(event, start)[1]
                 key = (event.phase, event.lane)
                 exposed[key] = exposed.get(key, 0.0) + (end - start)
                 compute = end
             elif event.lane in lane_free:
                 # (a gather of offloaded weights reads what the bus brought to the device)
-                end = run_launch(event, max(compute, lane_free[event.lane], host,
-                                            bus_free["to_device"]))
-                lane_free[event.lane] = end
+                lane_free[event.lane], end = run_launch(
+                    event, max(compute, lane_free[event.lane], host, bus_free["to_device"]))
             else:
                 raise ValueError(f"unknown lane {event.lane!r}")
             if event.id in ends:
@@ -683,7 +689,8 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
         else:
             raise TypeError(f"unknown trace event {event!r}")
 
-    seconds = max(compute, host, *lane_free.values(), *bus_free.values())
+    seconds = max(compute, host, *lane_free.values(), *bus_free.values(),
+                  *(end for end, _, _ in ends.values()))
     tflops = trace.model_flops_per_iteration / seconds / 1e12 if seconds > 0 else 0.0
     return StepPrediction(cluster=cluster.name, seconds=seconds, tflops_per_gpu=tflops,
                           compute_busy_seconds=busy, comm_seconds=comm,

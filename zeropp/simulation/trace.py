@@ -10,7 +10,8 @@ inline), in the order the training thread issues things:
   for the compute stream (its inputs were written there), then runs its collectives in order,
   and the kernels the launch runs on the lane itself (``compute_ops``: qwZ's quantize and
   dequantize, qgZ's swizzle and requantization, a reduce-scatter's input cast);
-- ``Wait``: the compute stream waits for a launch to finish (``Pending.wait()``);
+- ``Wait``: the compute stream waits for a launch to finish (``Pending.wait()``); a
+  sequence's completion (qgZ's last sum) follows it as compute-stream ops;
 - a collective issued on the compute stream itself (the gradient norm's all-reduce) is a
   ``Launch`` with lane "compute": the compute stream runs it in place;
 - ``HostSync``: the host reads a device value (``item()``, ``cpu()``): it waits until the
@@ -67,6 +68,10 @@ class Launch:
     # Kernels run on the lane itself, around its collectives (their relative order is not
     # kept: a lane runs all of it serially). Always () on lane "compute".
     compute_ops: tuple[ComputeOp, ...] = ()
+    # How many of the last collectives the lane leaves in flight on their own communicators
+    # (a sequence's slow hop, received at ``Wait``): the lane goes on to its next launch
+    # once they are issued, and the launch ends when they do.
+    in_flight: int = 0
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,8 @@ def _event_to_dict(event: Event) -> dict[str, Any]:
     if isinstance(event, Launch):
         return {"type": "launch", "id": event.id, "lane": event.lane, "phase": event.phase,
                 "collectives": [asdict(c) | {"group": list(c.group)} for c in event.collectives],
-                "compute_ops": [asdict(op) for op in event.compute_ops]}
+                "compute_ops": [asdict(op) for op in event.compute_ops],
+                "in_flight": event.in_flight}
     if isinstance(event, Wait):
         return {"type": "wait", "launch_id": event.launch_id}
     if isinstance(event, HostSync):

@@ -23,10 +23,14 @@
   ``Launch``, placed where the training thread issued it. Its collectives are what the
   simulated process group sees while ``issue`` (and ``finish``) run, with the global ranks of
   each communicator and this rank's input and output bytes (an in-place collective such as
-  all-reduce: output = input). In the CUDA execution model ``issue`` and ``finish`` both run
-  *on the side stream* (``CudaExecution.launch``), so kernels they launch (qwZ's
-  quantize/dequantize, qgZ's swizzle and requantization, the cast/contiguous copy of a
-  reduce-scatter's input) are recorded in ``Launch.compute_ops``, not on the compute stream.
+  all-reduce: output = input). In the CUDA execution model ``issue`` and a single
+  collective's ``finish`` run *on the side stream* (``CudaExecution.launch``), so kernels
+  they launch (qwZ's quantize/dequantize, qgZ's swizzle and requantization, the
+  cast/contiguous copy of a reduce-scatter's input) are recorded in ``Launch.compute_ops``,
+  not on the compute stream. A sequence's ``finish`` runs at its wait on the compute stream
+  ([Note: completion steps] in zeropp/comm/streams.py): its kernels are compute ops after
+  the ``Wait``. The collectives a launch issued async and had not waited for when it
+  returned, at its end, are ``Launch.in_flight``.
 - A collective issued outside any launch (the gradient norm's all-reduce, the logged loss's
   all-reduce) is a ``Launch`` with lane "compute" and no ``Wait``: it runs in place on the
   compute stream.
@@ -197,7 +201,9 @@ class TraceRecorder:
         direction = "to_host" if self.in_host_memory(written.untyped_storage()) else "to_device"
         return direction, min(sum(host.values()), sum(device.values()))
 
-    def _collective(self, group: _SimProcessGroup, op: str, inputs, outputs) -> None:
+    def _collective(self, group: _SimProcessGroup, op: str, inputs,
+                    outputs) -> Collective | None:
+        """Record a collective; returned when it belongs to an open launch."""
         inputs, outputs = _flat(inputs), _flat(outputs)
         in_bytes = sum(map(_nbytes, inputs))
         out_bytes = sum(map(_nbytes, outputs)) if outputs else in_bytes  # in place
@@ -205,24 +211,36 @@ class TraceRecorder:
         collective = Collective(collective_name(op), ranks, in_bytes, out_bytes)
         if self._open:
             self._open[-1]["collectives"].append(collective)
-        else:  # synchronous, on the compute stream
-            self.events.append(Launch(self.next_id, "compute", (collective,), self.phase))
-            self.next_id += 1
+            return collective
+        # synchronous, on the compute stream
+        self.events.append(Launch(self.next_id, "compute", (collective,), self.phase))
+        self.next_id += 1
+        return None
+
+    def _issued(self, work: Any) -> None:
+        """The Work of the collective just recorded inside an open launch."""
+        self._open[-1]["works"].append(work)
 
     def _launch(self, lane: str, run) -> Any:
         launch_id = self.next_id
         self.next_id += 1
-        record = {"collectives": [], "ops": []}
+        record = {"collectives": [], "ops": [], "works": []}
         self._open.append(record)
         try:
             pending = run()
         finally:
             self._open.pop()
+        in_flight = 0  # the last collectives whose Work nobody waited for yet
+        for work in reversed(record["works"]):
+            if not getattr(work, "_pending", False):
+                break
+            in_flight += 1
         event = Launch(launch_id, lane, tuple(record["collectives"]), self.phase,
-                       compute_ops=tuple(record["ops"]))
+                       compute_ops=tuple(record["ops"]), in_flight=in_flight)
         if self._open:  # a launch inside a launch runs on the outer one's lane
             self._open[-1]["collectives"].extend(event.collectives)
             self._open[-1]["ops"].extend(event.compute_ops)
+            self._open[-1]["works"].extend(record["works"])
         else:
             self.events.append(event)
             if isinstance(pending, Pending) and not pending.done:
@@ -256,8 +274,11 @@ class TraceRecorder:
 
         def issue(original):
             def run(group, op, opts, inputs, outputs=(), *args, **kwargs):
-                recorder._collective(group, op, inputs, outputs)
-                return original(group, op, opts, inputs, outputs, *args, **kwargs)
+                inside = recorder._collective(group, op, inputs, outputs)
+                work = original(group, op, opts, inputs, outputs, *args, **kwargs)
+                if inside is not None:
+                    recorder._issued(work)
+                return work
             return run
 
         self._patch(InlineExecution, "launch", launch)
