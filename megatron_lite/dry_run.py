@@ -188,7 +188,7 @@ def predicted_clusters(args: argparse.Namespace, ranks_per_node: int,
                        kernel_rates=None) -> list:
     """The clusters to predict the step time on: the one ``--dry-run-cluster`` names, else
     every built-in one with ``ranks_per_node`` GPUs per node; with ``kernel_rates``
-    (``zeropp.planning.step_time.MeasuredKernelRates``) their kernels run at the measured rates."""
+    (``zeropp.planning.kernel_rates.MeasuredKernelRates``) their kernels run at the measured rates."""
     from zeropp.planning.step_time import CLUSTERS, with_kernel_rates
 
     named = named_cluster(args)
@@ -206,8 +206,8 @@ def predicted_clusters(args: argparse.Namespace, ranks_per_node: int,
 
 def measured_kernel_rates(args: argparse.Namespace):
     """The GPU check's kernel rates ``--dry-run-kernel-rates`` names, or None (raises
-    ``zeropp.planning.step_time.KernelRatesError``, a ValueError, with one line)."""
-    from zeropp.planning.step_time import load_kernel_rates
+    ``zeropp.planning.kernel_rates.KernelRatesError``, a ValueError, with one line)."""
+    from zeropp.planning.kernel_rates import load_kernel_rates
 
     path = getattr(args, "dry_run_kernel_rates", None)
     return None if path is None else load_kernel_rates(path)

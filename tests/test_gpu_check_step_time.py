@@ -1,5 +1,5 @@
 """The step-time model with the GPU check's measured kernel rates: the report's
-`kernel_rates` read by `zeropp.planning.step_time.load_kernel_rates`, slower rates lengthening the
+`kernel_rates` read by `zeropp.planning.kernel_rates.load_kernel_rates`, slower rates lengthening the
 quantization ops, and the dry run's --dry-run-kernel-rates."""
 
 from __future__ import annotations

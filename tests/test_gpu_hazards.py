@@ -92,8 +92,8 @@ def test_side_streams_are_created_at_high_priority(monkeypatch):
     made = []
     monkeypatch.setattr(torch.cuda, "Stream", lambda **kwargs: made.append(kwargs) or object())
     execution = CudaExecution(torch.device("cuda", 2))
-    assert set(execution.streams) == {"gather", "reduce"}
-    assert made == [{"device": torch.device("cuda", 2), "priority": -1}] * 2
+    assert set(execution.streams) == set(execution.completion_streams) == {"gather", "reduce"}
+    assert made == [{"device": torch.device("cuda", 2), "priority": -1}] * 4
 
 
 class FakeStreams:
@@ -179,24 +179,36 @@ def test_collective_events_are_reused_once_waited_for(monkeypatch):
     assert len(made) == 3  # the free ones are taken
 
 
-def test_a_sequence_completes_at_wait_on_the_compute_stream(monkeypatch):
-    """[Note: completion steps]: a single gather's finish (qwZ's dequantize) runs on its side
-    stream before the event is recorded; a sequence's (qgZ's last hop and sum) runs at
-    wait(), on the compute stream, after the compute stream waits for the event, so the
-    reduce stream is free for the next reduction while the slow hop is on the wire."""
+def test_completion_steps_run_where_nothing_waits_behind_them(monkeypatch):
+    """[Note: completion steps]: a single gather's finish (qwZ's dequantize) runs on the
+    lane's completion stream after the transfer's event, so the gather stream's next
+    transfer does not queue behind it, and the compute stream waits for the completion; a
+    sequence's finish (qgZ's last hop and sum) runs at wait(), on the compute stream, after
+    the compute stream waits for the event, so the reduce stream is free for the next
+    reduction while the slow hop is on the wire."""
     from zeropp.comm.streams import CudaExecution
 
     cuda = FakeStreams(monkeypatch)
     execution = CudaExecution(torch.device("cuda", 0))
     gather, reduce = execution.streams["gather"], execution.streams["reduce"]
+    completion = execution.completion_streams["gather"]
 
     def step(name):
         return lambda *args: cuda.log.append((name, cuda.current.name))
 
-    single = execution.launch("gather", step("issue"), finish=step("finish"))
-    assert cuda.log == [("wait_stream", gather.name, "compute"), ("issue", gather.name),
-                        ("finish", gather.name), ("record", 0, gather.name)]
-    single.wait()
+    first = execution.launch("gather", step("issue"), finish=step("finish"))
+    second = execution.launch("gather", step("issue"), finish=step("finish"))
+    one_launch = [("wait_stream", gather.name, "compute"), ("issue", gather.name),
+                  ("record", 0, gather.name), ("wait", 0, gather.name),
+                  ("finish", completion.name), ("record", 0, completion.name)]
+    # the second transfer is issued on the gather stream with nothing of the first's
+    # completion before it there; each launch's event is re-recorded for its completion
+    assert cuda.log == one_launch + [(kind, 1 if isinstance(x, int) else x, *rest)
+                                     for kind, x, *rest in one_launch]
+    cuda.log.clear()
+    first.wait()
+    second.wait()
+    assert cuda.log == [("wait", 0, completion.name), ("wait", 1, completion.name)]
     cuda.log.clear()
     first = execution.launch("reduce", step("send"), finish=step("receive"), sequence=True)
     second = execution.launch("reduce", step("send"), finish=step("receive"), sequence=True)
@@ -205,8 +217,9 @@ def test_a_sequence_completes_at_wait_on_the_compute_stream(monkeypatch):
     cuda.log.clear()
     first.wait()
     second.wait()
-    assert cuda.log == [("wait", 1, reduce.name), ("receive", "compute"),  # event 0: gather's
-                        ("wait", 2, reduce.name), ("receive", "compute")]
+    ids = [event.id for event in execution.free_events["reduce"]]
+    assert cuda.log == [("wait", ids[0], reduce.name), ("receive", "compute"),
+                        ("wait", ids[1], reduce.name), ("receive", "compute")]
     # staging on a lane (an offloaded shard's copy) waits for compute, where a receive may
     # still read a block the lane freed
     cuda.log.clear()

@@ -264,6 +264,30 @@ def test_a_hop_left_in_flight_frees_the_lane_for_the_next_reduction():
     assert predict(trace_of(events, c), c).seconds == pytest.approx(t_intra + t_inter)
 
 
+def test_completion_kernels_run_beside_the_lane_and_the_wait_takes_them():
+    """qwZ's dequantize runs on the gather lane's completion stream: the next gather's
+    transfer starts when the previous transfer ends, and a Wait waits for the dequantize."""
+    c = toy_cluster()
+    size = int(0.2 * 2 * 100 * GB)  # 0.2 s on a 2-rank intra-node ring
+    dequantize = quantize(0.05, c)
+    events = [Launch(1, "gather", (gather([0, 1], size),), "forward",
+                     completion_ops=(dequantize,)),
+              Launch(2, "gather", (gather([0, 1], size),), "forward",
+                     completion_ops=(dequantize,)),
+              Wait(1), gemm(0.1, c), Wait(2)]
+    p = predict(trace_of(events, c), c)
+    # transfers 0-0.2 and 0.2-0.4; completions 0.2-0.25 and 0.4-0.45; compute waits for the
+    # first completion (0.25), runs 0.25-0.35, then waits for the second (0.45)
+    assert p.seconds == pytest.approx(0.45)
+    assert p.lane_compute_seconds["gather"] == pytest.approx(0.1)
+    # a completion that outlasts the next transfer queues on its own stream
+    slow = quantize(0.3, c)
+    events = [Launch(1, "gather", (gather([0, 1], size),), "forward", completion_ops=(slow,)),
+              Launch(2, "gather", (gather([0, 1], size),), "forward", completion_ops=(slow,)),
+              Wait(2)]
+    assert predict(trace_of(events, c), c).seconds == pytest.approx(0.2 + 0.3 + 0.3)
+
+
 def test_host_driven_ranks_run_lane_kernels_on_the_compute_stream():
     # On CPU ranks the lane's quantize kernel takes the cores that compute: 0.05 s of compute
     # at the issue point, then the 0.2 s transfer overlaps the 0.3 s gemm that follows.
@@ -280,6 +304,12 @@ def test_host_driven_ranks_run_lane_kernels_on_the_compute_stream():
     assert on_cpu.compute_busy_seconds == pytest.approx(0.35)
     assert on_cpu.lane_compute_seconds["gather"] == pytest.approx(0.05)
     assert on_cpu.host_transport_seconds == pytest.approx(size / 1e30)
+    # so does a completion step (qwZ's dequantize): the host runs it too
+    events[0] = dataclasses.replace(events[0], completion_ops=(quantize(0.1, gpu),))
+    assert predict(trace_of(events, cpu), cpu).compute_busy_seconds == pytest.approx(0.45)
+    # (on a GPU it runs after the transfer, 0.25 to 0.35, beside the gemm)
+    on_gpu = predict(trace_of(events, gpu), gpu)
+    assert on_gpu.seconds == pytest.approx(0.35) and on_gpu.compute_busy_seconds == 0.3
 
 
 def test_measured_kernel_rate_replaces_the_roofline():

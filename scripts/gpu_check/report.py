@@ -12,7 +12,7 @@ holds what they share and what the tests exercise on fake data:
 - the report (`gpu_check.json`): its schema, writer, validation and the printed table.
 
 The report's `kernel_rates` maps the step-time trace's op names ("zeropp.quantize_blockwise.
-default", ...) to measured bytes/s; `zeropp.planning.step_time.load_kernel_rates` reads it back.
+default", ...) to measured bytes/s; `zeropp.planning.kernel_rates.load_kernel_rates` reads it back.
 """
 
 from __future__ import annotations

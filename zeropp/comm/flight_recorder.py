@@ -188,8 +188,8 @@ def issued(lane: str, issue: Callable, keep: tuple) -> Record | _NoRecord:
     kind, cell = site
     group = "?" if cell is None else describe_group(issue.__closure__[cell].cell_contents)
     nbytes = 0
-    for tensor in keep:
-        nbytes += tensor.nbytes
+    for held in keep:  # the caller's tensors (a dict of buffers the issue fills is empty yet)
+        nbytes += getattr(held, "nbytes", 0)
     return recorder.issue(kind, group, nbytes, lane)
 
 

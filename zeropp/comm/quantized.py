@@ -52,8 +52,9 @@ from zeropp.topology import Topology
 class QuantizedAllGather(Collective):
     """qwZ: ``AllGather`` with the shard sent block-quantized; scales travel in the payload.
 
-    Quantization and dequantization run where the transfer runs (the gather stream on CUDA),
-    so they overlap compute like the transfer itself.
+    The quantization runs where the transfer runs (the gather stream on CUDA), the
+    dequantization on that lane's completion stream ([Note: completion steps]): both overlap
+    compute, and the next transfer does not wait for the dequantization.
     """
 
     lane = "gather"
@@ -103,15 +104,17 @@ class QuantizedAllGather(Collective):
             return all_gather_into_tensor(gathered, payload, group=group.group, async_op=async_op)
 
         def finish() -> None:
-            gathered = buffers.pop("gathered").view(group.size, -1)
+            gathered = buffers["gathered"].view(group.size, -1)
             if retain is not None:
                 retain(gathered)
             # Straight into the unit's buffer: no [N, numel] temporary.
             kernels.dequantize_blockwise_many(gathered, numel, bits, block_size, output.dtype,
                                               out=output)
-            buffers.clear()
 
-        return self.execution.launch(self.lane, issue, finish=finish, keep=(output, shard))
+        # The payloads are held to the wait: the completion step may still read them on its
+        # own stream ([Note: completion steps]).
+        return self.execution.launch(self.lane, issue, finish=finish,
+                                     keep=(output, shard, buffers))
 
 
 class QuantizedSecondaryGather(Collective):
@@ -195,10 +198,11 @@ class QuantizedSecondaryGather(Collective):
 
         def finish() -> None:
             kernels.dequantize_blockwise_many(
-                buffers.pop("gathered"), shard_numel, self.bits, self.block_size, output.dtype,
+                buffers["gathered"], shard_numel, self.bits, self.block_size, output.dtype,
                 out=output)
 
-        return self.execution.launch(self.lane, issue, finish=finish, keep=(output, secondary))
+        return self.execution.launch(self.lane, issue, finish=finish,
+                                     keep=(output, secondary, buffers))
 
 
 class HierarchicalReduceScatter(Collective):

@@ -4,25 +4,19 @@
 The engine issues every collective through an ``Execution``; the collectives and the units
 never branch on the device themselves.
 
-- ``CudaExecution`` (FSDP2's pattern): a gather stream and a reduce stream. Before issuing,
-  the side stream waits for the compute stream (its inputs were written there); the
-  collective is issued synchronously *on the side stream* (NCCL orders it on that stream, the
-  host does not block), its completion step (qwZ's dequantize) runs there too, and an event
-  is recorded. A *sequence* (qgZ's two hops, the weight-delta gather's) leaves its last
-  collectives in flight on their own communicators and completes at ``Pending.wait()``, on
-  the compute stream: the side stream goes on to the next unit's first hop while this one's
-  slow hop is still on the wire, instead of queueing it behind that hop. (qwZ's dequantize
-  stays on the gather stream: moved to the compute stream it made the 18B's predicted step
-  8% slower on the paper's 800 Gbit/s cluster, where compute sets the pace, for 4% on 8 x 8
-  H100; see [Note: completion steps] below.) ``Pending.wait()`` makes the compute stream
-  wait for that event and only then drops the references to the buffers, so a buffer allocated on the compute stream is never
-  reused while a side stream still reads it: no ``record_stream``. The event then goes back
-  to its lane to be recorded again: a stream waits for the record an event held when the
-  wait was enqueued (``cudaStreamWaitEvent``), so a later record does not move that wait,
-  and a collective takes a free event rather than creating one (a host cost per
-  collective). Everything is issued from the thread running forward and backward, so every
-  rank issues the same order on every communicator, and kernels launch on this thread's
-  current device.
+- ``CudaExecution`` (FSDP2's pattern): a gather stream and a reduce stream, each with a
+  completion stream beside it. Before issuing, the side stream waits for the compute stream
+  (its inputs were written there); the collective is issued synchronously *on the side
+  stream* (NCCL orders it on that stream, the host does not block) and an event is
+  recorded; its completion step runs where [Note: completion steps] says. ``Pending.wait()``
+  makes the compute stream wait for the last event and only then drops the references to
+  the buffers, so a buffer allocated on the compute stream is never reused while a side
+  stream still reads it: no ``record_stream``. An event then goes back to its lane to be
+  recorded again: a stream waits for the record an event held when the wait was enqueued
+  (``cudaStreamWaitEvent``), so a later record does not move that wait, and a collective
+  takes a free event rather than creating one (a host cost per collective). Everything is
+  issued from the thread running forward and backward, so every rank issues the same order
+  on every communicator, and kernels launch on this thread's current device.
 - ``InlineExecution``: the same protocol with no streams (each collective runs to completion
   when issued, references still held until ``wait()``). This is the CUDA model on the meta
   device (the simulated GPU cluster: memory and order exactly as on GPUs), and the
@@ -31,18 +25,29 @@ never branch on the device themselves.
   sequence of collectives (qgZ's two hops) is issued by one worker thread, the CPU's
   stand-in for a reduce stream. Only that thread issues on the groups it is given (qgZ's
   intra- and inter-node groups), so the order per communicator is still the same on every
-  rank. A sequence may leave its last collective in flight for ``finish`` (qgZ's
-  inter-node hop, summed at ``wait()``): the worker then prepares the next one meanwhile.
+  rank. Every ``finish`` runs at ``wait()``; the worker prepares the next sequence while the
+  last collective of one is in flight (qgZ's inter-node hop, summed at ``wait()``).
 
 [Note: completion steps]
-Where a collective's ``finish`` runs decides which stream pays for its kernels. On the
-side stream right after the transfer (qwZ's dequantize into the unit): the kernel overlaps
-compute, but the lane's next transfer queues behind it. At ``wait()`` on the compute stream
-(a sequence's receive, on every execution): nothing queues behind the transfer, but
-compute runs the kernel, and its buffers live until the wait. For a single gather the
-kernel costs little on the gather stream and as much on compute, so it stays on the lane;
-for a sequence the lane would otherwise idle through the slow hop. The simulated cluster's
-``InlineExecution`` follows the same rule, so traces and measured memory show it.
+A collective's ``finish`` is its completion step on the device: qwZ's dequantize into the
+unit, qgZ's receive and last sum. Where it runs decides what waits behind it:
+- on the side stream after the transfer, the lane's next transfer would queue behind the
+  kernel (NCCL's stream waits for the side stream when a collective is issued);
+- on the compute stream at ``wait()``, compute would run it (FSDP2's copy-out).
+The step-time model ranked both for the 18B: on the gather stream, the forward's gathers
+are the bound on 8 x 8 H100 (compute idles behind them); on the compute stream, backward's
+compute is the bound on the paper's DGX-2 cluster at 400-800 Gbit/s (8% slower). So a
+single collective's ``finish`` runs on the lane's *completion stream*, issued at once after
+the transfer's event: it overlaps compute and the next transfer both, and the compute
+stream waits for the completion's event. What the completion reads (qwZ's received
+payloads) is held by the ``Pending`` until that wait, and freed blocks of the lane are
+reused only after the next launch's ``wait_stream`` on compute, which follows it.
+A *sequence* (qgZ's two hops, the weight-delta gather's) leaves its last collectives in
+flight on their own communicators; its ``finish`` waits for them, so it runs at ``wait()``
+on the compute stream: the side stream goes on to the next unit's first hop while this one's
+slow hop is still on the wire. ``InlineExecution`` keeps the same lifetimes, and allocates a
+completion's buffers on the lane's completion pool (``completion_lane``), so traces and
+measured memory show all of this.
 
 The number of reductions in flight is bounded by the caller (``ShardedModel``), so memory
 held by in-flight collectives does not grow with the model's depth on any execution.
@@ -69,7 +74,8 @@ class Pending:
 
     ``work``: a torch Work or a Future to wait for; ``finish``: the completion step to run
     after it (on host executions); ``event``: the side-stream event the compute stream must
-    wait for (CUDA); ``keep``: tensors that must outlive the collective.
+    wait for (CUDA); ``keep``: tensors that must outlive the collective (or a dict the
+    issue fills with the buffers it allocates).
     """
 
     def __init__(self, work: object | None = None, finish: Callable[[], None] | None = None,
@@ -127,8 +133,9 @@ class Execution(abc.ABC):
 
 
 # [Note: allocation lanes]
-# On CUDA what a collective allocates while issued or finished (quantized payloads, receive
-# buffers, hpZ's kept secondary) comes from its side stream's pool of the caching allocator,
+# On CUDA what a collective allocates while issued or completed (quantized payloads, receive
+# buffers; hpZ's kept secondary on the completion stream) comes from the pool of the stream
+# it runs on ([Note: completion steps]) in the caching allocator,
 # and a freed block there is reused only by allocations on that stream: the device holds
 # each stream's peak, not the peak of their sum. The executions without streams say which
 # lane they stand in for while they run a collective's steps (``allocation_lane``), so the
@@ -138,6 +145,11 @@ class Execution(abc.ABC):
 _lanes = threading.local()
 COMPUTE_LANE = "compute"
 HOST_LANE = "host"
+
+
+def completion_lane(lane: str) -> str:
+    """The pool of ``lane``'s completion stream ([Note: completion steps])."""
+    return f"{lane} completion"
 
 
 def allocation_lane() -> str:
@@ -171,12 +183,13 @@ class InlineExecution(Execution):
             work = issue(False)
             if work is not None:
                 work.wait()
-            if finish is not None and not sequence:
+            if finish is not None and not sequence:  # [Note: completion steps]
+                _lanes.current = completion_lane(lane)
                 finish()
                 finish = None
         finally:
             _lanes.current = previous
-        # A sequence completes at wait(), on the compute lane ([Note: completion steps]).
+        # A sequence completes at wait(), on the compute lane.
         return Pending(finish=finish, keep=keep, record=record)
 
 
@@ -198,6 +211,10 @@ class CudaExecution(Execution):
         # next unit's weights are late.
         self.streams = {lane: torch.cuda.Stream(device=device, priority=HIGH_STREAM_PRIORITY)
                         for lane in ("gather", "reduce")}
+        # Where a single collective's completion step runs ([Note: completion steps]).
+        self.completion_streams = {
+            lane: torch.cuda.Stream(device=device, priority=HIGH_STREAM_PRIORITY)
+            for lane in self.streams}
         # Events waited for, ready to be recorded again (see [Note: execution models]).
         self.free_events: dict[str, list] = {lane: [] for lane in self.streams}
 
@@ -219,14 +236,16 @@ class CudaExecution(Execution):
         free = self.free_events[lane]
         with torch.cuda.stream(stream):
             issue(False)
-            if finish is not None and not sequence:
-                finish()
-                finish = None
             event = free.pop() if free else torch.cuda.Event()
             event.record(stream)
-        # A sequence's finish runs at wait(), after the compute stream waits for the event
-        # ([Note: completion steps]): what it frees on this lane is reused here only after
-        # the next launch's ``wait_stream`` on compute, which follows it.
+        if finish is not None and not sequence:  # [Note: completion steps]
+            completion = self.completion_streams[lane]
+            completion.wait_event(event)
+            with torch.cuda.stream(completion):
+                finish()
+                event.record(completion)  # the wait above took the transfer's record
+            finish = None
+        # A sequence's finish runs at wait(), after the compute stream waits for the event.
         return Pending(finish=finish, event=event, keep=keep, record=record, free_events=free)
 
 

@@ -50,9 +50,11 @@ Events are issued in order. A ComputeOp advances the compute stream by its roofl
 ``max(flops / (peak * gemm_fraction), bytes / (hbm * hbm_fraction))`` (ops with flops == 0
 are memory-bound by the same formula). A side-lane Launch starts at max(compute stream time
 at its issue point, the lane's free time) (the lane first waits for the compute stream, as
-CudaExecution does) and runs its ``compute_ops`` (quantize/dequantize kernels, copies), then
-its collectives in order; the lane is free again once it has issued those the launch leaves
-in flight (``Launch.in_flight``: a sequence's slow hop), else when all are done. On
+CudaExecution does) and runs its ``compute_ops`` (quantize kernels, copies), then its
+collectives in order; the lane is free again once it has issued those the launch leaves in
+flight (``Launch.in_flight``: a sequence's slow hop), else when all are done. Its
+``completion_ops`` (qwZ's dequantize) then run on the lane's completion stream, in order
+with the lane's earlier completions, and the launch ends with them. On
 GPUs side-lane kernels are not charged against the compute stream's SMs (on CPU ranks they
 are: [Note: host-driven transports]). A Wait sets compute = max(compute, launch end); the
 gap is the launch's *exposed* time. A Launch on lane "compute" runs in place: all exposed.
@@ -109,12 +111,18 @@ memory channels (theoretical) and PCIe from the generation's x16 rate x 0.8 (an 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
+# The GPU check's measured rates (read there, applied by ``with_kernel_rates`` here).
+from zeropp.planning.kernel_rates import (  # noqa: F401 (re-exported)
+    KERNEL_RATES_SCHEMA,
+    KERNEL_RATES_VERSION,
+    KernelRatesError,
+    MeasuredKernelRates,
+    load_kernel_rates,
+)
 from zeropp.simulation.trace import (
     Collective,
     ComputeOp,
@@ -318,77 +326,6 @@ def lab_cluster(compute_flops: float, memory_bandwidth: float, link_bits_per_sec
 
 # -- measured kernel rates -----------------------------------------------------------------
 
-KERNEL_RATES_SCHEMA = "zeropp-gpu-check"  # scripts/gpu_check/report.py's report
-KERNEL_RATES_VERSION = 1
-
-
-class KernelRatesError(ValueError):
-    """A kernel-rates file that cannot be used (one line, naming the file)."""
-
-
-@dataclass(frozen=True)
-class MeasuredKernelRates:
-    """Bytes/s per trace op name, measured on one GPU by the GPU check
-    (``scripts/gpu_check.sh``, its ``gpu_check.json``)."""
-
-    rates: dict[str, float]
-    device: str  # the GPU they were measured on
-    peak_memory_bandwidth: float | None  # that GPU's peak, bytes/s, when the report has it
-    path: str
-    # The host's issue time per GPU launch the check measured (section e), when it did.
-    host_seconds_per_op: float | None = None
-
-
-def _positive_number(value: object) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value) and value > 0)
-
-
-def load_kernel_rates(path: str | Path) -> MeasuredKernelRates:
-    """Read the ``kernel_rates`` of a GPU check report (a minimal ``{"kernel_rates": {op:
-    bytes/s}}`` file works too); raises KernelRatesError with one line saying what is wrong."""
-    path = Path(path)
-    where = f"kernel rates file {path}"
-    if not path.is_file():
-        raise KernelRatesError(f"{where} does not exist (scripts/gpu_check.sh writes one)")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise KernelRatesError(f"{where} is not JSON: {error.msg} at line {error.lineno}") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise KernelRatesError(f"{where} cannot be read: {error}") from None
-    if not isinstance(data, dict):
-        raise KernelRatesError(f"{where} must hold a JSON object, got {type(data).__name__}")
-    schema, version = data.get("schema"), data.get("version")
-    if schema is not None and schema != KERNEL_RATES_SCHEMA:
-        raise KernelRatesError(f"{where} is a {schema!r} file, not a GPU check report")
-    if schema is not None and version != KERNEL_RATES_VERSION:
-        raise KernelRatesError(f"{where} has report version {version!r}; this reader knows "
-                               f"version {KERNEL_RATES_VERSION}")
-    rates = data.get("kernel_rates")
-    if not isinstance(rates, dict):
-        raise KernelRatesError(f"{where} has no 'kernel_rates' object")
-    if not rates:
-        raise KernelRatesError(f"{where} has no kernel rates: the check's bandwidth section "
-                               "(b) did not measure any")
-    for op, rate in rates.items():
-        if not _positive_number(rate):
-            raise KernelRatesError(f"{where}: kernel_rates[{op!r}] must be a positive number "
-                                   f"of bytes/s, got {rate!r}")
-    host_cost = data.get("host_seconds_per_op")
-    if host_cost is not None and not _positive_number(host_cost):
-        raise KernelRatesError(f"{where}: host_seconds_per_op must be a positive number of "
-                               f"seconds, got {host_cost!r}")
-    device = data.get("device") if isinstance(data.get("device"), dict) else {}
-    peak = (device.get("peak_memory_bandwidth") or {})
-    peak_rate = peak.get("bytes_per_second") if isinstance(peak, dict) else None
-    return MeasuredKernelRates(
-        rates={str(op): float(rate) for op, rate in rates.items()},
-        device=str(device.get("name") or "an unnamed device"),
-        peak_memory_bandwidth=float(peak_rate) if _positive_number(peak_rate) else None,
-        path=str(path), host_seconds_per_op=None if host_cost is None else float(host_cost))
-
-
 def with_kernel_rates(cluster: ClusterSpec,
                       measured: MeasuredKernelRates | Mapping[str, float]) -> ClusterSpec:
     """``cluster`` with measured kernel rates in ``kernel_bandwidth`` (they replace the
@@ -559,6 +496,7 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
     compute = 0.0  # the compute stream's clock
     busy = 0.0
     lane_free = dict.fromkeys(SIDE_LANES, 0.0)
+    completion_free: dict[str, float] = {}  # each side lane's completion stream
     nic_free = 0.0  # the node's NICs: one timeline (the contention rule)
     ends: dict[int, tuple[float, str, str]] = {}  # launch id -> (end, phase, lane)
     comm: dict[tuple[str, str], float] = {}
@@ -587,9 +525,9 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
             compute = host
         return compute
 
-    def lane_kernel_seconds(launch: Launch) -> float:
-        dt = sum(compute_seconds(op, cluster, trace.dtype_bytes) for op in launch.compute_ops)
-        lane_kernels[launch.lane] = lane_kernels.get(launch.lane, 0.0) + dt
+    def lane_kernel_seconds(lane: str, ops: tuple[ComputeOp, ...]) -> float:
+        dt = sum(compute_seconds(op, cluster, trace.dtype_bytes) for op in ops)
+        lane_kernels[lane] = lane_kernels.get(lane, 0.0) + dt
         return dt
 
     def transport_cost(launch: Launch) -> float:
@@ -604,7 +542,7 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
         nonlocal nic_free
         t = start
         if not cluster.host_driven:  # a GPU's side stream runs its own kernels first
-            t += lane_kernel_seconds(launch)
+            t += lane_kernel_seconds(launch.lane, launch.compute_ops)
         key = (launch.phase, launch.lane)
         held = len(launch.collectives) - launch.in_flight
         lane_end = None
@@ -617,7 +555,12 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
                 nic_free = t + dt
             t += dt
             comm[key] = comm.get(key, 0.0) + dt
-        return (t if lane_end is None else lane_end), t
+        lane_end = t if lane_end is None else lane_end
+        if launch.completion_ops and not cluster.host_driven:  # on the completion stream
+            t = max(t, completion_free.get(launch.lane, 0.0))
+            t += lane_kernel_seconds(launch.lane, launch.completion_ops)
+            completion_free[launch.lane] = t
+        return lane_end, t
 
     if offload:  # every rank of the node steps at once: its share of the host's bandwidth
         host_share = (cluster.host_memory_bandwidth / cluster.ranks_per_node
@@ -651,13 +594,14 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
             compute += dt
             busy += dt
         elif isinstance(event, Launch):
-            issue(len(event.collectives) + sum(map(launches_kernel, event.compute_ops)))
+            issue(len(event.collectives)
+                  + sum(map(launches_kernel, event.compute_ops + event.completion_ops)))
             # A host-driven rank moves the bytes and runs the lane's kernels on its own
             # cores: the compute stream pays for both where the launch is issued.
             dt = transport_cost(event)
             host_seconds += dt
             if cluster.host_driven:
-                dt += lane_kernel_seconds(event)
+                dt += lane_kernel_seconds(event.lane, event.compute_ops + event.completion_ops)
             compute += dt
             busy += dt
             if event.lane == "compute":

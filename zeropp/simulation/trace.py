@@ -8,8 +8,9 @@ inline), in the order the training thread issues things:
 - ``Launch``: one or more collectives issued together on a side lane ("gather" or "reduce",
   the CUDA execution model's side streams; see zeropp/comm/streams.py). The lane first waits
   for the compute stream (its inputs were written there), then runs its collectives in order,
-  and the kernels the launch runs on the lane itself (``compute_ops``: qwZ's quantize and
-  dequantize, qgZ's swizzle and requantization, a reduce-scatter's input cast);
+  and the kernels the launch runs on the lane itself (``compute_ops``: qwZ's quantize, qgZ's
+  swizzle and requantization, a reduce-scatter's input cast); its completion kernels
+  (``completion_ops``: qwZ's dequantize) run after them on the lane's completion stream;
 - ``Wait``: the compute stream waits for a launch to finish (``Pending.wait()``); a
   sequence's completion (qgZ's last sum) follows it as compute-stream ops;
 - a collective issued on the compute stream itself (the gradient norm's all-reduce) is a
@@ -72,6 +73,9 @@ class Launch:
     # (a sequence's slow hop, received at ``Wait``): the lane goes on to its next launch
     # once they are issued, and the launch ends when they do.
     in_flight: int = 0
+    # Kernels of its completion step on the lane's completion stream, after its collectives
+    # (qwZ's dequantize); a Wait for the launch waits for them too.
+    completion_ops: tuple[ComputeOp, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,8 @@ def _event_to_dict(event: Event) -> dict[str, Any]:
         return {"type": "launch", "id": event.id, "lane": event.lane, "phase": event.phase,
                 "collectives": [asdict(c) | {"group": list(c.group)} for c in event.collectives],
                 "compute_ops": [asdict(op) for op in event.compute_ops],
-                "in_flight": event.in_flight}
+                "in_flight": event.in_flight,
+                "completion_ops": [asdict(op) for op in event.completion_ops]}
     if isinstance(event, Wait):
         return {"type": "wait", "launch_id": event.launch_id}
     if isinstance(event, HostSync):
@@ -174,7 +179,8 @@ def _event_from_dict(data: dict[str, Any]) -> Event:
     if kind == "launch":
         fields["collectives"] = tuple(
             Collective(**(c | {"group": tuple(c["group"])})) for c in fields["collectives"])
-        fields["compute_ops"] = tuple(ComputeOp(**op) for op in fields.get("compute_ops", ()))
+        for key in ("compute_ops", "completion_ops"):
+            fields[key] = tuple(ComputeOp(**op) for op in fields.get(key, ()))
         return Launch(**fields)
     if kind == "wait":
         return Wait(**fields)

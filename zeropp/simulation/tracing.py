@@ -23,11 +23,12 @@
   ``Launch``, placed where the training thread issued it. Its collectives are what the
   simulated process group sees while ``issue`` (and ``finish``) run, with the global ranks of
   each communicator and this rank's input and output bytes (an in-place collective such as
-  all-reduce: output = input). In the CUDA execution model ``issue`` and a single
-  collective's ``finish`` run *on the side stream* (``CudaExecution.launch``), so kernels
-  they launch (qwZ's quantize/dequantize, qgZ's swizzle and requantization, the
-  cast/contiguous copy of a reduce-scatter's input) are recorded in ``Launch.compute_ops``,
-  not on the compute stream. A sequence's ``finish`` runs at its wait on the compute stream
+  all-reduce: output = input). In the CUDA execution model ``issue`` runs *on the side
+  stream* (``CudaExecution.launch``), so kernels it launches (qwZ's quantize, qgZ's swizzle
+  and requantization, the cast/contiguous copy of a reduce-scatter's input) are recorded in
+  ``Launch.compute_ops``, not on the compute stream; a single collective's ``finish`` runs
+  on the lane's completion stream: its kernels (qwZ's dequantize) are
+  ``Launch.completion_ops``. A sequence's ``finish`` runs at its wait on the compute stream
   ([Note: completion steps] in zeropp/comm/streams.py): its kernels are compute ops after
   the ``Wait``. The collectives a launch issued async and had not waited for when it
   returned, at its end, are ``Launch.in_flight``.
@@ -180,7 +181,8 @@ class TraceRecorder:
             where, nbytes = self._placement(inputs + outputs, nbytes)
         op = ComputeOp(str(func), float(flops), int(nbytes), self.phase, where)
         if self._open:
-            self._open[-1]["ops"].append(op)
+            record = self._open[-1]
+            record["completion_ops" if record["completing"] else "ops"].append(op)
         else:
             self.events.append(op)
 
@@ -224,7 +226,8 @@ class TraceRecorder:
     def _launch(self, lane: str, run) -> Any:
         launch_id = self.next_id
         self.next_id += 1
-        record = {"collectives": [], "ops": [], "works": []}
+        record = {"collectives": [], "ops": [], "works": [], "completion_ops": [],
+                  "completing": False}
         self._open.append(record)
         try:
             pending = run()
@@ -236,16 +239,32 @@ class TraceRecorder:
                 break
             in_flight += 1
         event = Launch(launch_id, lane, tuple(record["collectives"]), self.phase,
-                       compute_ops=tuple(record["ops"]), in_flight=in_flight)
+                       compute_ops=tuple(record["ops"]), in_flight=in_flight,
+                       completion_ops=tuple(record["completion_ops"]))
         if self._open:  # a launch inside a launch runs on the outer one's lane
-            self._open[-1]["collectives"].extend(event.collectives)
-            self._open[-1]["ops"].extend(event.compute_ops)
-            self._open[-1]["works"].extend(record["works"])
+            outer = self._open[-1]
+            for key in ("collectives", "works", "completion_ops"):
+                outer[key].extend(record[key])
+            outer["ops"].extend(event.compute_ops)
         else:
             self.events.append(event)
             if isinstance(pending, Pending) and not pending.done:
                 self._launch_of[pending] = launch_id
         return pending
+
+    def _completing(self, finish: Callable[[], None]) -> Callable[[], None]:
+        """``finish`` recording its ops as the open launch's completion ops."""
+        def run() -> None:
+            if not self._open:  # a sequence's, at its wait: compute-stream ops
+                finish()
+                return
+            record = self._open[-1]
+            record["completing"] = True
+            try:
+                finish()
+            finally:
+                record["completing"] = False
+        return run
 
     def _wait(self, pending: Pending) -> None:
         launch_id = self._launch_of.pop(pending, None)
@@ -262,6 +281,8 @@ class TraceRecorder:
 
         def launch(original):
             def run(execution, lane, issue, *, finish=None, keep=(), sequence=False):
+                if finish is not None:
+                    finish = recorder._completing(finish)
                 return recorder._launch(lane, lambda: original(
                     execution, lane, issue, finish=finish, keep=keep, sequence=sequence))
             return run
