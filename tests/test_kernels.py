@@ -125,11 +125,28 @@ def test_quantized_nbytes(numel: int, bits: int, block_size: int, expected: int)
         ((10, 8, 0), "block_size"),
         ((-1, 8, 4), "numel"),
         ((10, 8.0, 4), "bits"),
+        ((10.0, 8, 4), "numel"),
+        ((True, 8, 4), "numel"),
+        (([10], 8, 4), "numel"),  # unhashable: not a TypeError from the layouts kept
+        ((10, 8, [4]), "block_size"),
     ],
 )
 def test_quantized_nbytes_rejects_bad_arguments(args: tuple, message: str) -> None:
+    # the same values as ints first: a kept layout must not answer for a float or a bool
+    kernels.quantized_nbytes(10, 8, 4)
+    kernels.quantized_nbytes(1, 8, 4)
     with pytest.raises(ValueError, match=message):
         kernels.quantized_nbytes(*args)
+
+
+def test_a_layout_is_worked_out_once_and_compares_by_its_arguments() -> None:
+    layout = kernels.payload_layout(1000, 4, 256)
+    assert kernels.payload_layout(1000, 4, 256) is layout
+    assert (layout.nblocks, layout.padded_numel, layout.data_nbytes, layout.nbytes) == \
+        (4, 1024, 512, 512 + 4 * 4)
+    fresh = reference.PayloadLayout(1000, 4, 256)
+    assert fresh == layout and hash(fresh) == hash(layout) and fresh is not layout
+    assert reference.PayloadLayout(1001, 4, 256) != layout
 
 
 def test_int8_layout_of_hand_made_blocks() -> None:

@@ -68,6 +68,7 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+@cache
 def _triton_backend() -> ModuleType:
     return importlib.import_module("zeropp.kernels.triton_kernels")
 

@@ -46,11 +46,27 @@ def int_class(value: int) -> int:
     return kind + (8 if value % 16 == 0 else 16)
 
 
+# int_class of the ints launches pass (sizes and counts, a few per unit), looked up rather
+# than worked out at every launch; cleared when it grows past any model's needs.
+_int_classes: dict[int, int] = {}
+
+
 def argument_key(args: Sequence) -> tuple:
     """The specialization class of each argument ([Note: specialization key]): for a
     tensor whether its address is 16-byte aligned, for an int its `int_class`."""
-    return tuple(int_class(arg) if type(arg) is int else arg.data_ptr() % 16 == 0
-                 for arg in args)
+    classes = _int_classes
+    key = []
+    for arg in args:
+        if type(arg) is int:
+            found = classes.get(arg)
+            if found is None:
+                if len(classes) > 65536:
+                    classes.clear()
+                found = classes[arg] = int_class(arg)
+            key.append(found)
+        else:
+            key.append(arg.data_ptr() % 16 == 0)
+    return tuple(key)
 
 
 def _interpreting() -> bool:

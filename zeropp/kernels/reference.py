@@ -41,7 +41,8 @@ starting from zero, so that every backend produces bit-identical sums.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -74,32 +75,42 @@ class PayloadLayout:
     numel: int
     bits: int
     block_size: int
+    # Worked out once: every kernel call reads them several times.
+    nblocks: int = field(init=False, compare=False, repr=False)
+    padded_numel: int = field(init=False, compare=False, repr=False)
+    data_nbytes: int = field(init=False, compare=False, repr=False)  # the packed codes
+    nbytes: int = field(init=False, compare=False, repr=False)  # codes and fp32 scales
 
-    @property
-    def nblocks(self) -> int:
-        return -(-self.numel // self.block_size)
-
-    @property
-    def padded_numel(self) -> int:
-        return self.nblocks * self.block_size
-
-    @property
-    def data_nbytes(self) -> int:
-        return -(-self.padded_numel * self.bits // 8)
-
-    @property
-    def nbytes(self) -> int:
-        return self.data_nbytes + self.nblocks * SCALE_NBYTES
+    def __post_init__(self) -> None:
+        nblocks = -(-self.numel // self.block_size)
+        padded = nblocks * self.block_size
+        data_nbytes = -(-padded * self.bits // 8)
+        for name, value in (("nblocks", nblocks), ("padded_numel", padded),
+                            ("data_nbytes", data_nbytes),
+                            ("nbytes", data_nbytes + nblocks * SCALE_NBYTES)):
+            object.__setattr__(self, name, value)
 
 
 def payload_layout(numel: int, bits: int, block_size: int) -> PayloadLayout:
-    """Validated layout of a payload; raises ValueError naming the bad argument."""
+    """Validated layout of a payload; raises ValueError naming the bad argument. Layouts are
+    kept per (numel, bits, block_size), told apart by type (a bool or a float is refused,
+    not taken for the int it equals)."""
+    try:
+        return _cached_layout(numel, bits, block_size)
+    except TypeError:  # an unhashable argument: the checks name it
+        return _checked_layout(numel, bits, block_size)
+
+
+def _checked_layout(numel: int, bits: int, block_size: int) -> PayloadLayout:
     _check_bits(bits)
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ValueError(f"numel must be a non-negative int, got {numel!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     return PayloadLayout(numel=numel, bits=bits, block_size=block_size)
+
+
+_cached_layout = lru_cache(maxsize=4096, typed=True)(_checked_layout)
 
 
 def quantized_nbytes(numel: int, bits: int, block_size: int) -> int:

@@ -56,7 +56,7 @@ import, the kernels run on CPU tensors through Triton's interpreter (used by the
 from __future__ import annotations
 
 import os
-from functools import cache, lru_cache
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -399,8 +399,7 @@ def _prepare(spec: LaunchSpec, nblocks: int, *args, grid: tuple[int, ...] = ()) 
                             _grid(variant, nblocks, grid), args)
 
 
-# typed: payload_layout rejects bools and floats, which equal and hash as ints do.
-_layout = lru_cache(maxsize=None, typed=True)(reference.payload_layout)
+_layout = reference.payload_layout  # validated and kept per (numel, bits, block_size) there
 
 
 def _scales_readable_as_words(payloads: Tensor, layout: PayloadLayout) -> bool:
