@@ -310,6 +310,23 @@ def test_overlap_is_measured_per_lane_after_the_markers():
                                     "host: little compute to overlap)")
 
 
+def test_the_completion_stream_is_labelled_and_must_work():
+    """Section d marks the gather lane's completion stream too (qwZ's dequantize runs there):
+    its overlap is reported, and a run where it did nothing fails."""
+    lanes = gpu_check_engine.STREAM_LANES
+    events = [GpuEvent(13, 0, 1, MARKER), GpuEvent(17, 2, 3, MARKER), GpuEvent(19, 3, 4, MARKER),
+              GpuEvent(7, 4, 5, MARKER), GpuEvent(7, 10, 20, "gemm"),
+              GpuEvent(13, 10, 12, "nccl all_gather"), GpuEvent(19, 12, 14, "dequantize"),
+              GpuEvent(17, 15, 16, "requantize")]
+    analysis = analyse_streams(events, side_lanes=lanes)
+    assert analysis["lanes"]["gather completion"]["stream"] == 19
+    verdict = gpu_check_engine.overlap_verdict(analysis)
+    assert verdict.status == "pass" and "gather completion 2000.00 of 2000.00 ms" in verdict.summary
+    idle = [e for e in events if e.stream != 19 or e.name == MARKER]
+    assert "no GPU work on the gather completion" in gpu_check_engine.overlap_verdict(
+        analyse_streams(idle, side_lanes=lanes)).summary
+
+
 def test_overlap_verdicts_that_fail():
     no_reduce = [e for e in marked_events() if e.stream != 17 or e.name == MARKER]
     assert "no GPU work on the reduce" in gpu_check_engine.overlap_verdict(
@@ -629,7 +646,7 @@ def test_gpu_streams_are_labelled_and_busy(nccl_sections, tmp_path):
     figures = outcome.figures
     assert (tmp_path / figures["trace"]).exists()
     assert figures["labels"] == "marker kernels" and figures["streams_with_events"] >= 3
-    assert all(figures["lanes"][lane]["events"] > 0 for lane in ("gather", "reduce"))
+    assert all(figures["lanes"][lane]["events"] > 0 for lane in gpu_check_engine.STREAM_LANES)
 
 
 @pytest.mark.gpu

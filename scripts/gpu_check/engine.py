@@ -73,7 +73,9 @@ OVERLAP_GPT = {"full": dict(num_layers=4, hidden_size=2048, num_attention_heads=
                              micro_batch=2)}
 WARMUP_ITERATIONS = 2  # the first iteration records the gather order and compiles kernels
 MARKER_CYCLES = 20_000  # a few microseconds of spinning per marker kernel
-STREAM_LANES = ("gather", "reduce")
+# The side streams section d labels: the lanes and the gather lane's completion stream, where
+# qwZ's dequantize runs ([Note: completion steps] in zeropp/comm/streams.py).
+STREAM_LANES = ("gather", "reduce", "gather completion")
 # Section e passes when the GPU is busy for at least this share of an iteration's wall time:
 # below it the host (Python, launches, syncs) leaves the GPU waiting.
 GPU_BUSY_TARGET = 0.7
@@ -257,16 +259,15 @@ def launch_stream_markers(streams: dict[str, torch.cuda.Stream]) -> None:
 
 
 def overlap_verdict(analysis: dict[str, Any]) -> Outcome:
-    """Pass when kernels ran on more than one stream and each side lane (gather, reduce; or,
-    without markers, at least two unlabelled side streams) overlapped compute."""
+    """Pass when kernels ran on more than one stream and each labelled side lane (gather,
+    reduce, the gather's completion stream; or, without markers, at least two unlabelled side
+    streams) overlapped compute."""
     lanes = analysis.get("lanes", {})
     if analysis.get("streams_with_events", 0) < 2:
         return Outcome("fail", f"GPU work on {analysis.get('streams_with_events', 0)} "
                        "stream(s) only", analysis)
-    if analysis.get("labels") == "marker kernels":
-        required = list(STREAM_LANES)
-    else:
-        required = list(lanes)
+    required = list(lanes)  # every labelled lane (or unlabelled side stream) must work
+    if analysis.get("labels") != "marker kernels":
         if len(required) < 2:
             return Outcome("fail", "streams unlabelled (no marker kernels) and fewer than two "
                            "side streams", analysis)
@@ -324,14 +325,16 @@ def check_stream_overlap(out_dir: Path, num_layers: int, hidden_size: int,
             train_iteration(engine, tokens)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
-            launch_stream_markers(execution.streams)
+            launch_stream_markers({**execution.streams,
+                                   "gather completion": execution.completion_streams["gather"]})
             train_iteration(engine, tokens)
             torch.cuda.synchronize()
     finally:
         engine.close()
     trace_path = out_dir / TRACE_NAME
     profiler.export_chrome_trace(str(trace_path))
-    analysis = analyse_streams(gpu_events_from_chrome_trace(json.loads(trace_path.read_text())))
+    analysis = analyse_streams(gpu_events_from_chrome_trace(json.loads(trace_path.read_text())),
+                               side_lanes=STREAM_LANES)
     analysis.update(trace=trace_path.name, model=dict(
         num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
         seq=seq, micro_batch=micro_batch, dtype="bf16", system="ZeRO++ (qwZ + qgZ)"))
