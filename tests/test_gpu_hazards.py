@@ -92,8 +92,10 @@ def test_side_streams_are_created_at_high_priority(monkeypatch):
     made = []
     monkeypatch.setattr(torch.cuda, "Stream", lambda **kwargs: made.append(kwargs) or object())
     execution = CudaExecution(torch.device("cuda", 2))
-    assert set(execution.streams) == set(execution.completion_streams) == {"gather", "reduce"}
-    assert made == [{"device": torch.device("cuda", 2), "priority": -1}] * 4
+    assert set(execution.streams) == {"gather", "reduce"}
+    execution.completion_stream("gather")  # made at first use, once
+    execution.completion_stream("gather")
+    assert made == [{"device": torch.device("cuda", 2), "priority": -1}] * 3
 
 
 class FakeStreams:
@@ -191,7 +193,8 @@ def test_completion_steps_run_where_nothing_waits_behind_them(monkeypatch):
     cuda = FakeStreams(monkeypatch)
     execution = CudaExecution(torch.device("cuda", 0))
     gather, reduce = execution.streams["gather"], execution.streams["reduce"]
-    completion = execution.completion_streams["gather"]
+    completion = execution.completion_stream("gather")
+    assert execution.completion_streams == {"gather": completion}  # none for reduce yet
 
     def step(name):
         return lambda *args: cuda.log.append((name, cuda.current.name))
@@ -226,6 +229,26 @@ def test_completion_steps_run_where_nothing_waits_behind_them(monkeypatch):
     with execution.staging("reduce"):
         assert cuda.current is reduce
     assert cuda.log == [("wait_stream", reduce.name, "compute")]
+
+
+def test_overlap_comm_false_completes_a_sequence_when_issued():
+    """``overlap_comm: false`` runs every collective to completion, qgZ's last hop included;
+    the simulated GPU cluster's model of CUDA leaves it to the wait, as CUDA does."""
+    from zeropp.comm.streams import CUDA_MODEL, SYNCHRONOUS, execution_for
+
+    orders = {}
+    for execution in (SYNCHRONOUS, CUDA_MODEL):
+        log: list[str] = []
+        pending = execution.launch("reduce", lambda async_op: log.append("send"),
+                                   finish=lambda: log.append("receive"), sequence=True)
+        log.append("launched")
+        pending.wait()
+        orders[execution] = log
+    assert orders[SYNCHRONOUS] == ["send", "receive", "launched"]
+    assert orders[CUDA_MODEL] == ["send", "launched", "receive"]
+    assert execution_for(torch.device("meta"), True) is CUDA_MODEL
+    assert execution_for(torch.device("meta"), False) is SYNCHRONOUS
+    assert execution_for(torch.device("cpu"), False) is SYNCHRONOUS
 
 
 def _groups_of_an_engine(rank: int, world: int) -> dict:

@@ -172,6 +172,49 @@ def test_hpz_with_cpu_offload_trains_as_zero3():
 
 
 
+def staging_of_exact_gathers(rank, world):
+    """Where each offloaded shard's device copy was made, and what read it: (copies made on
+    the gather lane, copies made on the current stream, exact gathers on the current stream
+    that read a lane's copy)."""
+    import zeropp.unit
+
+    lane_copies: set[int] = set()
+    counts = {"lane": 0, "current": 0}
+    misread: list[str] = []
+    stage, gather = zeropp.unit.to_device, zeropp.unit.all_gather
+
+    def to_device(host, device, execution):
+        staged = stage(host, device, execution)
+        counts["lane" if execution is not None else "current"] += 1
+        if execution is not None:
+            lane_copies.add(staged.data_ptr())
+        return staged
+
+    def exact_gather(output, shard, *args, **kwargs):
+        # On CUDA the lane's copy is on the gather stream, which the current stream never
+        # waited for: NCCL would send the buffer before the copy lands.
+        if shard.data_ptr() in lane_copies:
+            misread.append(f"{tuple(shard.shape)}")
+        return gather(output, shard, *args, **kwargs)
+
+    zeropp.unit.to_device, zeropp.unit.all_gather = to_device, exact_gather
+    try:
+        config = _with_offload(_config({"stage3_param_persistence_threshold": 2000}), True)
+        _train(rank, world, config, 2, steps=2)
+    finally:
+        zeropp.unit.to_device, zeropp.unit.all_gather = stage, gather
+    return counts, misread
+
+
+def test_exact_gathers_on_the_current_stream_read_copies_made_there():
+    """An offloaded shard is brought to the device on the gather lane for the unit's own
+    gather (issued there), but on the current stream for the exact gathers issued on it (the
+    persistent units' joint gather after each step, a unit's exact re-gather)."""
+    for counts, misread in run_ranks(staging_of_exact_gathers, 2):
+        assert counts["lane"] > 0 and counts["current"] > 0, counts
+        assert misread == []
+
+
 def save_and_resume(rank, world, tmp, save_offloaded, load_offloaded):
     import zeropp
 

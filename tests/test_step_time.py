@@ -262,6 +262,11 @@ def test_a_hop_left_in_flight_frees_the_lane_for_the_next_reduction():
     # an iteration with nothing waiting still ends when the hop left in flight does
     events = [Launch(1, "reduce", (intra, inter), "backward", in_flight=1)]
     assert predict(trace_of(events, c), c).seconds == pytest.approx(t_intra + t_inter)
+    # a collective on the communicator of one left in flight waits for it (NCCL runs a
+    # communicator's collectives in order): the weight-delta gather's intra-node hops
+    events = [Launch(1, "reduce", (inter, intra), "backward", in_flight=1),
+              Launch(2, "reduce", (intra,), "backward"), Wait(2)]
+    assert predict(trace_of(events, c), c).seconds == pytest.approx(t_inter + 2 * t_intra)
 
 
 def test_completion_kernels_run_beside_the_lane_and_the_wait_takes_them():

@@ -23,6 +23,7 @@ after the step fills in the other ranks' ranges.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass, field
 
@@ -296,8 +297,8 @@ class ShardedUnit:
             pending = self.comm.secondary_gather(
                 self.full, self.secondary_shard, self.comm.hpz, self.comm.stats, phase)
         elif self.joins_persistent_gather:  # exact on every path ([Note: persistent units])
-            pending = all_gather(self.full, self.shard_on_device(), self.comm.world,
-                                 self.comm.stats, phase)
+            pending = all_gather(self.full, self.shard_on_device(on_lane=False),
+                                 self.comm.world, self.comm.stats, phase)
         else:
             # A replicated unit's shard lies inside ``full``: NCCL allows that in-place
             # gather, gloo copies each input into its slot with memcpy (source == target),
@@ -309,12 +310,14 @@ class ShardedUnit:
                                        phase, key=self.name, **keep)
         self._gather_pending = pending
 
-    def shard_on_device(self) -> torch.Tensor:
+    def shard_on_device(self, on_lane: bool = True) -> torch.Tensor:
         """The working shard where collectives read it: the shard itself, or where it lives in
-        host memory ([Note: offload]) a device copy, made on the gather lane."""
+        host memory ([Note: offload]) a device copy, made on the gather lane (``on_lane``:
+        for the unit's own gather) or on the current stream (for an exact collective issued
+        there, which would not wait for the lane's copy)."""
         if not self.shard_in_host_memory:
             return self.shard
-        return to_device(self.shard, self.device, self.comm.execution)
+        return to_device(self.shard, self.device, self.comm.execution if on_lane else None)
 
     def _retain_secondary_payload(self, gathered: torch.Tensor) -> None:
         """Keep this rank's secondary shard out of the forward gather: its node slice of
@@ -357,7 +360,7 @@ class ShardedUnit:
         self.drop_secondary()
         self._alloc_full()
         # A replicated unit's shard lies inside ``full``: sent from a copy (see start_gather).
-        shard = self.shard.clone() if self.replicated else self.shard_on_device()
+        shard = self.shard.clone() if self.replicated else self.shard_on_device(on_lane=False)
         all_gather(self.full, shard, self.comm.world, stats, "optimizer").wait()
         self.state = ShardState.GATHERED
 
@@ -584,7 +587,7 @@ class PersistentUnits:
         world = self.comm.world
         shards = torch.cat([u.shard for u in units])
         if units[0].shard_in_host_memory:  # one copy for all of them ([Note: offload])
-            shards = to_device(shards, units[0].device, self.comm.execution)
+            shards = to_device(shards, units[0].device, None)  # read on this stream
         gathered = torch.empty(world.size * shards.numel(), dtype=shards.dtype,
                                device=shards.device)
         all_gather(gathered, shards, world, self.comm.stats, phase).wait()
@@ -622,9 +625,10 @@ class PersistentUnits:
 
 
 def to_device(host: torch.Tensor, device: torch.device, execution) -> torch.Tensor:
-    """A device copy of a host tensor, made where the gather that reads it runs (its lane's
-    pool and stream, ``Execution.staging``); asynchronous from pinned memory."""
-    with execution.staging("gather"):
+    """A device copy of a host tensor, made where the gather that reads it runs: the gather
+    lane's pool and stream (``Execution.staging``), or with ``execution`` None the current
+    stream, for a collective issued on it; asynchronous from pinned memory."""
+    with contextlib.nullcontext() if execution is None else execution.staging("gather"):
         staged = torch.empty(host.shape, dtype=host.dtype, device=device)
         staged.copy_(host, non_blocking=True)
     return staged

@@ -326,7 +326,7 @@ def check_stream_overlap(out_dir: Path, num_layers: int, hidden_size: int,
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
             launch_stream_markers({**execution.streams,
-                                   "gather completion": execution.completion_streams["gather"]})
+                                   "gather completion": execution.completion_stream("gather")})
             train_iteration(engine, tokens)
             torch.cuda.synchronize()
     finally:

@@ -4,11 +4,12 @@
 The engine issues every collective through an ``Execution``; the collectives and the units
 never branch on the device themselves.
 
-- ``CudaExecution`` (FSDP2's pattern): a gather stream and a reduce stream, each with a
-  completion stream beside it. Before issuing, the side stream waits for the compute stream
-  (its inputs were written there); the collective is issued synchronously *on the side
-  stream* (NCCL orders it on that stream, the host does not block) and an event is
-  recorded; its completion step runs where [Note: completion steps] says. ``Pending.wait()``
+- ``CudaExecution`` (FSDP2's pattern): a gather stream and a reduce stream, and a
+  completion stream beside a lane whose collectives have a completion step (the gather
+  lane's). Before issuing, the side stream waits for the compute stream (its inputs were
+  written there); the collective is issued synchronously *on the side stream* (NCCL orders
+  it on that stream, the host does not block) and an event is recorded; its completion step
+  runs where [Note: completion steps] says. ``Pending.wait()``
   makes the compute stream wait for the last event and only then drops the references to
   the buffers, so a buffer allocated on the compute stream is never reused while a side
   stream still reads it: no ``record_stream``. An event then goes back to its lane to be
@@ -17,10 +18,11 @@ never branch on the device themselves.
   takes a free event rather than creating one (a host cost per collective). Everything is
   issued from the thread running forward and backward, so every rank issues the same order
   on every communicator, and kernels launch on this thread's current device.
-- ``InlineExecution``: the same protocol with no streams (each collective runs to completion
-  when issued, references still held until ``wait()``). This is the CUDA model on the meta
-  device (the simulated GPU cluster: memory and order exactly as on GPUs), and the
-  synchronous mode of ``overlap_comm: false`` on any device.
+- ``InlineExecution``: the same protocol with no streams (each collective runs when
+  issued, references still held until ``wait()``). ``CUDA_MODEL`` is the CUDA model on the
+  meta device (the simulated GPU cluster: memory and order exactly as on GPUs; a sequence
+  completes at ``wait()``, as on CUDA); ``SYNCHRONOUS`` is ``overlap_comm: false`` on any
+  device: everything, a sequence's last hop included, completes when issued.
 - ``HostThreadExecution`` (CPU / gloo): single collectives use gloo's own async work; a
   sequence of collectives (qgZ's two hops) is issued by one worker thread, the CPU's
   stand-in for a reduce stream. Only that thread issues on the groups it is given (qgZ's
@@ -73,7 +75,8 @@ class Pending:
     """A collective in flight; ``wait()`` finishes it once and releases what it holds.
 
     ``work``: a torch Work or a Future to wait for; ``finish``: the completion step to run
-    after it (on host executions); ``event``: the side-stream event the compute stream must
+    after it (a sequence's, or any on host executions); ``event``: the side-stream event the
+    compute stream must
     wait for (CUDA); ``keep``: tensors that must outlive the collective (or a dict the
     issue fills with the buffers it allocates).
     """
@@ -169,9 +172,13 @@ def allocating_on(lane: str) -> Iterator[None]:
 
 
 class InlineExecution(Execution):
-    """Run each collective to completion when issued; hold its buffers until ``wait()``."""
+    """Run each collective when issued and hold its buffers until ``wait()``; a sequence's
+    completion too, unless ``defer_sequences`` (the CUDA model: at ``wait()``)."""
 
     name = "inline"
+
+    def __init__(self, defer_sequences: bool = False) -> None:
+        self.defer_sequences = defer_sequences
 
     def launch(self, lane, issue, *, finish=None, keep=(), sequence=False) -> Pending:
         record = flight_recorder.issued(lane, issue, keep)
@@ -183,13 +190,15 @@ class InlineExecution(Execution):
             work = issue(False)
             if work is not None:
                 work.wait()
-            if finish is not None and not sequence:  # [Note: completion steps]
-                _lanes.current = completion_lane(lane)
+            if finish is not None and not (sequence and self.defer_sequences):
+                # [Note: completion steps]: on the lane's completion stream, or for a
+                # sequence run synchronously, where its hops ran
+                _lanes.current = lane if sequence else completion_lane(lane)
                 finish()
                 finish = None
         finally:
             _lanes.current = previous
-        # A sequence completes at wait(), on the compute lane.
+        # A deferred sequence completes at wait(), on the compute lane.
         return Pending(finish=finish, keep=keep, record=record)
 
 
@@ -211,19 +220,27 @@ class CudaExecution(Execution):
         # next unit's weights are late.
         self.streams = {lane: torch.cuda.Stream(device=device, priority=HIGH_STREAM_PRIORITY)
                         for lane in ("gather", "reduce")}
-        # Where a single collective's completion step runs ([Note: completion steps]).
-        self.completion_streams = {
-            lane: torch.cuda.Stream(device=device, priority=HIGH_STREAM_PRIORITY)
-            for lane in self.streams}
+        # Where a single collective's completion step runs ([Note: completion steps]),
+        # made at a lane's first (only the gather lane's collectives have one today).
+        self.completion_streams: dict[str, object] = {}
         # Events waited for, ready to be recorded again (see [Note: execution models]).
         self.free_events: dict[str, list] = {lane: [] for lane in self.streams}
 
+    def completion_stream(self, lane: str):
+        """The stream of ``lane``'s completion steps ([Note: completion steps])."""
+        stream = self.completion_streams.get(lane)
+        if stream is None:
+            stream = self.completion_streams[lane] = torch.cuda.Stream(
+                device=self.device, priority=HIGH_STREAM_PRIORITY)
+        return stream
+
     @contextlib.contextmanager
     def staging(self, lane: str) -> Iterator[None]:
-        # What is allocated here is used on this stream only (the copy, then the collective
-        # issued after it), so the allocator's per-stream reuse is safe without events once
-        # the stream waits for compute, where a completion step may still read a block this
-        # lane freed ([Note: completion steps]); ``launch`` waits the same way.
+        # What is allocated here is used on this stream only (the copy, then the lane's
+        # collective issued after it: a collective on another stream stages there instead,
+        # ``zeropp.unit.to_device``), so the allocator's per-stream reuse is safe without
+        # events once the stream waits for compute, where a completion step may still read a
+        # block this lane freed ([Note: completion steps]); ``launch`` waits the same way.
         stream = self.streams[lane]
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -239,7 +256,7 @@ class CudaExecution(Execution):
             event = free.pop() if free else torch.cuda.Event()
             event.record(stream)
         if finish is not None and not sequence:  # [Note: completion steps]
-            completion = self.completion_streams[lane]
+            completion = self.completion_stream(lane)
             completion.wait_event(event)
             with torch.cuda.stream(completion):
                 finish()
@@ -272,6 +289,7 @@ class HostThreadExecution(Execution):
 
 
 SYNCHRONOUS = InlineExecution()
+CUDA_MODEL = InlineExecution(defer_sequences=True)
 
 
 def execution_for(device: torch.device, overlap: bool) -> Execution:
@@ -284,5 +302,5 @@ def execution_for(device: torch.device, overlap: bool) -> Execution:
         return HostThreadExecution()
     # meta (the simulated GPU cluster) and any other accelerator take the CUDA model's order
     # and lifetimes without real streams (the inline execution holds no state).
-    return SYNCHRONOUS
+    return CUDA_MODEL
 

@@ -315,9 +315,10 @@ def stream_buffer_nbytes(units: Sequence[UnitPlan], hpz: int, dtype: torch.dtype
                          collectives: Collectives) -> int:
     """The largest single call's buffers on the gather stream (forward gather, or hpZ's
     backward one) plus on the reduce stream: each stream reuses its pool call after call.
-    (qwZ's received payloads live until their unit's wait, [Note: completion steps], so the
-    gathers in flight at once hold theirs together; at the 18B the plan, which adds every
-    transient as if simultaneous, stays above the measured reserve: 9.40 against 9.16 GiB.)"""
+    (qwZ's received payloads and qgZ's last hop live until their unit's wait, [Note:
+    completion steps], so the calls in flight at once hold theirs together; at the 18B the
+    plan, which adds every transient as if simultaneous, stays above the measured reserve:
+    9.40 against 9.16 GiB.)"""
     world_size = units[0].padded_numel // units[0].shard_numel
     world = CommGroup(None, world_size, 0, False)
     node = CommGroup(None, hpz, 0, False)

@@ -2,7 +2,8 @@
 
 ``predict(trace, cluster)`` replays an ``IterationTrace`` (zeropp/simulation/trace.py) with
 roofline costs for kernels and alpha-beta costs for collectives, under the CUDA execution
-model of zeropp/comm/streams.py: one compute stream, two side lanes ("gather", "reduce").
+model of zeropp/comm/streams.py: one compute stream, two side lanes ("gather", "reduce"),
+each with a completion stream.
 
 [Note: collective cost model]
 Notation: a collective's group has n ranks on k nodes, m of them on this rank's node (rank r
@@ -52,7 +53,8 @@ are memory-bound by the same formula). A side-lane Launch starts at max(compute 
 at its issue point, the lane's free time) (the lane first waits for the compute stream, as
 CudaExecution does) and runs its ``compute_ops`` (quantize kernels, copies), then its
 collectives in order; the lane is free again once it has issued those the launch leaves in
-flight (``Launch.in_flight``: a sequence's slow hop), else when all are done. Its
+flight (``Launch.in_flight``: a sequence's slow hop; a later collective of the lane on the
+same communicator still waits for it), else when all are done. Its
 ``completion_ops`` (qwZ's dequantize) then run on the lane's completion stream, in order
 with the lane's earlier completions, and the launch ends with them. On
 GPUs side-lane kernels are not charged against the compute stream's SMs (on CPU ranks they
@@ -497,6 +499,8 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
     busy = 0.0
     lane_free = dict.fromkeys(SIDE_LANES, 0.0)
     completion_free: dict[str, float] = {}  # each side lane's completion stream
+    # each communicator's end, as (lane, ranks): a lane's collectives share communicators
+    communicator_free: dict[tuple[str, tuple[int, ...]], float] = {}
     nic_free = 0.0  # the node's NICs: one timeline (the contention rule)
     ends: dict[int, tuple[float, str, str]] = {}  # launch id -> (end, phase, lane)
     comm: dict[tuple[str, str], float] = {}
@@ -550,10 +554,13 @@ def predict(trace: IterationTrace, cluster: ClusterSpec) -> StepPrediction:
             if i == held:
                 lane_end = t  # the lane issues the rest and moves on
             dt = collective_seconds(c, cluster, trace.rank)
+            # one communicator runs its collectives in order, one left in flight included
+            t = max(t, communicator_free.get((launch.lane, c.group), 0.0))
             if _crosses_nodes(c, cluster):
                 t = max(t, nic_free)
                 nic_free = t + dt
             t += dt
+            communicator_free[(launch.lane, c.group)] = t
             comm[key] = comm.get(key, 0.0) + dt
         lane_end = t if lane_end is None else lane_end
         if launch.completion_ops and not cluster.host_driven:  # on the completion stream

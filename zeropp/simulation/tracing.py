@@ -223,11 +223,14 @@ class TraceRecorder:
         """The Work of the collective just recorded inside an open launch."""
         self._open[-1]["works"].append(work)
 
-    def _launch(self, lane: str, run) -> Any:
+    def _launch(self, lane: str, run, owner: list | None = None) -> Any:
+        """Record one launch; ``owner`` receives its record (for its completion step)."""
         launch_id = self.next_id
         self.next_id += 1
         record = {"collectives": [], "ops": [], "works": [], "completion_ops": [],
                   "completing": False}
+        if owner is not None:
+            owner.append(record)
         self._open.append(record)
         try:
             pending = run()
@@ -252,13 +255,14 @@ class TraceRecorder:
                 self._launch_of[pending] = launch_id
         return pending
 
-    def _completing(self, finish: Callable[[], None]) -> Callable[[], None]:
-        """``finish`` recording its ops as the open launch's completion ops."""
+    def _completing(self, finish: Callable[[], None], owner: list) -> Callable[[], None]:
+        """``finish`` recording its ops as its own launch's completion ops while that launch
+        is open (a sequence's runs at its wait, later: compute-stream ops)."""
         def run() -> None:
-            if not self._open:  # a sequence's, at its wait: compute-stream ops
+            record = owner[0] if owner else None
+            if record is None or not any(r is record for r in self._open):
                 finish()
                 return
-            record = self._open[-1]
             record["completing"] = True
             try:
                 finish()
@@ -281,10 +285,12 @@ class TraceRecorder:
 
         def launch(original):
             def run(execution, lane, issue, *, finish=None, keep=(), sequence=False):
+                owner: list = []
                 if finish is not None:
-                    finish = recorder._completing(finish)
+                    finish = recorder._completing(finish, owner)
                 return recorder._launch(lane, lambda: original(
-                    execution, lane, issue, finish=finish, keep=keep, sequence=sequence))
+                    execution, lane, issue, finish=finish, keep=keep, sequence=sequence),
+                    owner)
             return run
 
         def wait(original):
