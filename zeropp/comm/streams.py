@@ -9,10 +9,10 @@ never branch on the device themselves.
   lane's). Before issuing, the side stream waits for the compute stream (its inputs were
   written there); the collective is issued synchronously *on the side stream* (NCCL orders
   it on that stream, the host does not block) and an event is recorded; its completion step
-  runs where [Note: completion steps] says. ``Pending.wait()``
-  makes the compute stream wait for the last event and only then drops the references to
-  the buffers, so a buffer allocated on the compute stream is never reused while a side
-  stream still reads it: no ``record_stream``. An event then goes back to its lane to be
+  runs where [Note: completion steps] says. ``Pending.wait()`` makes the compute stream
+  wait for the last event and only then drops the references to the buffers, so a buffer
+  allocated on the compute stream is never reused while a side stream still reads it: no
+  ``record_stream``. An event then goes back to its lane to be
   recorded again: a stream waits for the record an event held when the wait was enqueued
   (``cudaStreamWaitEvent``), so a later record does not move that wait, and a collective
   takes a free event rather than creating one (a host cost per collective). Everything is
@@ -76,9 +76,8 @@ class Pending:
 
     ``work``: a torch Work or a Future to wait for; ``finish``: the completion step to run
     after it (a sequence's, or any on host executions); ``event``: the side-stream event the
-    compute stream must
-    wait for (CUDA); ``keep``: tensors that must outlive the collective (or a dict the
-    issue fills with the buffers it allocates).
+    compute stream must wait for (CUDA); ``keep``: tensors that must outlive the collective
+    (or a dict the issue fills with the buffers it allocates).
     """
 
     def __init__(self, work: object | None = None, finish: Callable[[], None] | None = None,
