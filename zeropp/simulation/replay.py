@@ -28,7 +28,7 @@ class IssuedOp(NamedTuple):
     op: str
     inputs: tuple  # (shape, dtype) of each tensor argument, in order
     outputs: tuple  # (shape, dtype, bytes of its storage) of each tensor output
-    lane: str  # "compute", "gather" or "reduce": the stream it runs on
+    lane: str  # "compute", "gather", "reduce" or "gather completion": the stream it runs on
 
 
 def _tensor_leaves(value) -> list[torch.Tensor]:
