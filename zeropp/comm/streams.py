@@ -48,7 +48,7 @@ A *sequence* (qgZ's two hops, the weight-delta gather's) leaves its last collect
 flight on their own communicators; its ``finish`` waits for them, so it runs at ``wait()``
 on the compute stream: the side stream goes on to the next unit's first hop while this one's
 slow hop is still on the wire. ``InlineExecution`` keeps the same lifetimes, and allocates a
-completion's buffers on the lane's completion pool (``completion_lane``), so traces and
+completion's buffers on the lane's completion pool (``COMPLETION_LANES``), so traces and
 measured memory show all of this.
 
 The number of reductions in flight is bounded by the caller (``ShardedModel``), so memory
@@ -149,9 +149,8 @@ COMPUTE_LANE = "compute"
 HOST_LANE = "host"
 
 
-def completion_lane(lane: str) -> str:
-    """The pool of ``lane``'s completion stream ([Note: completion steps])."""
-    return f"{lane} completion"
+# The pool of each lane's completion stream ([Note: completion steps]).
+COMPLETION_LANES = {"gather": "gather completion", "reduce": "reduce completion"}
 
 
 def allocation_lane() -> str:
@@ -192,7 +191,7 @@ class InlineExecution(Execution):
             if finish is not None and not (sequence and self.defer_sequences):
                 # [Note: completion steps]: on the lane's completion stream, or for a
                 # sequence run synchronously, where its hops ran
-                _lanes.current = lane if sequence else completion_lane(lane)
+                _lanes.current = lane if sequence else COMPLETION_LANES[lane]
                 finish()
                 finish = None
         finally:
