@@ -62,7 +62,7 @@ _POSITIVE_IF_SET = (
 )
 _NON_NEGATIVE_IF_SET = (
     "lr", "min_lr", "weight_decay", "clip_grad", "eval_iters", "num_workers", "lr_warmup_iters",
-    "lr_warmup_samples", "sgd_momentum", "decoupled_min_lr",
+    "lr_warmup_samples", "sgd_momentum", "decoupled_min_lr", "manual_gc_interval",
 )
 _FP8_FLAGS = ("fp8_format", "fp8_recipe", "fp8_margin", "fp8_amax_history_len",
               "fp8_amax_compute_algo", "fp8_param_gather")
@@ -141,7 +141,14 @@ def _add_training_args(group: argparse._ArgumentGroup) -> None:
                        "each micro-batch holds as many loss tokens and the mean of "
                        "micro-batch means is the mean over tokens.")
     group.add_argument("--manual-gc", action="store_true",
-                       help="Accepted, no effect: Python's garbage collector runs on its own.")
+                       help="Stop Python's automatic garbage collection during training and "
+                       "collect only at --manual-gc-interval and around evaluations (as "
+                       "Megatron): no collector pass inside an iteration's host work.")
+    group.add_argument("--manual-gc-interval", type=int, default=0, metavar="N",
+                       help="With --manual-gc, collect every N iterations (0: never while "
+                       "training).")
+    group.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                       help="With --manual-gc, do not collect before and after evaluations.")
     group.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
                        help="Accepted, no effect: the CUDA caching allocator keeps its blocks.")
     group.add_argument("--compile", action="store_true",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import math
 import resource
 import sys
@@ -166,6 +167,30 @@ class IntervalTotals:
                 totals[locality] = totals.get(locality, 0) + int(nbytes)
 
 
+@contextlib.contextmanager
+def manual_garbage_collection(enabled: bool) -> Iterator[None]:
+    """[Note: manual garbage collection] Megatron's ``--manual-gc``: Python's collector stops
+    running on its own for the training loop, and collects only where the loop says
+    (``--manual-gc-interval`` iterations, around evaluations unless ``--no-manual-gc-eval``).
+    On its own it runs whenever enough objects were allocated since the last pass: inside
+    whatever the host is issuing (a unit's gather, a reduction), at different moments on
+    different ranks, and every rank then waits for the slowest at the next collective.
+    (On one CPU rank, ``scripts.bench.host_ops --python-time``'s probe, its share of the
+    engine's Python time was within the run-to-run noise.) One collection at the start; the
+    collector's state is restored at the end."""
+    if not enabled:
+        yield
+        return
+    was_enabled = gc.isenabled()
+    gc.disable()
+    gc.collect()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def perplexity(loss: float) -> float:
     """exp(loss), clamped as Megatron does so a diverged loss prints a number, not inf."""
     return math.exp(min(loss, MAX_LOSS_FOR_PERPLEXITY))
@@ -218,6 +243,10 @@ class LoopConfig:
     exit_interval: int | None = None  # stop after a multiple of this many iterations
     checkpoint_activations: bool = False  # counted in the FLOPs per token
     fp16: bool = False  # the log line shows the loss scale
+    # Megatron's --manual-gc: [Note: manual garbage collection]
+    manual_gc: bool = False
+    manual_gc_interval: int = 0  # iterations between collections; 0: none while training
+    manual_gc_eval: bool = True  # collect before and after each evaluation
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LoopConfig:
@@ -300,6 +329,16 @@ class Trainer:
         self.engine.train()
         self.engine.comm_bytes(reset=True)  # materializing the model is not training traffic
         self.timers("interval-time").start()
+        with manual_garbage_collection(config.manual_gc):
+            self._train_iterations(batches)
+        if self._interval.iterations:
+            self._log_interval()
+        self.timers("interval-time").stop()
+        if self.run_control is not None:
+            self.run_control.save_at_end(self)
+
+    def _train_iterations(self, batches: Iterator) -> None:
+        config = self.config
         while self.iteration < config.train_iters:
             if self.watchdog is not None:
                 self.watchdog.step_started(self.iteration + 1)
@@ -322,11 +361,9 @@ class Trainer:
                 self.log(f"exiting after iteration {self.iteration} (--exit-interval "
                             f"{config.exit_interval})")
                 break
-        if self._interval.iterations:
-            self._log_interval()
-        self.timers("interval-time").stop()
-        if self.run_control is not None:
-            self.run_control.save_at_end(self)
+            if (config.manual_gc and config.manual_gc_interval
+                    and self.iteration % config.manual_gc_interval == 0):
+                gc.collect()
 
     def train_step(self, batches: Iterator[torch.Tensor]) -> tuple[torch.Tensor,
                                                                    bool | torch.Tensor]:
@@ -450,7 +487,12 @@ class Trainer:
             return self.last_evaluation[1]
         # Evaluation gathers weights too; keep its traffic out of the per-iteration figures.
         self._interval.add_comm_bytes(self.engine.comm_bytes(reset=True))
+        collect = self.config.manual_gc and self.config.manual_gc_eval
+        if collect:
+            gc.collect()
         loss = self.evaluate(self.valid_loader_factory)
+        if collect:
+            gc.collect()
         self.engine.comm_bytes(reset=True)
         self.last_evaluation = (self.iteration, loss)
         self.print_evaluation(f"validation loss at iteration {self.iteration}", loss)

@@ -197,7 +197,7 @@ def test_apply_layernorm_1p_changes_nothing():
     "--no-gradient-accumulation-fusion", "--no-query-key-layer-scaling",
     "--apply-query-key-layer-scaling", "--no-async-tensor-model-parallel-allreduce",
     "--cross-entropy-loss-fusion", "--use-mcore-models", "--DDP-impl torch",
-    "--DDP-impl local", "--sequence-parallel", "--manual-gc", "--empty-unused-memory-level 1",
+    "--DDP-impl local", "--sequence-parallel", "--empty-unused-memory-level 1",
     "--calculate-per-token-loss", "--log-throughput", "--profile --profile-step-start 4",
     "--ckpt-format torch_dist", "--tiktoken-pattern v2", "--no-mmap-bin-files",
     "--no-create-attention-mask-in-dataloader", "--data-impl mmap", "--data-impl infer",

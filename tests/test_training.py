@@ -291,3 +291,47 @@ def test_offloaded_states_give_the_same_run(process_group, corpus, tmp_path):
     assert losses(offloaded) == losses(plain)
     assert [r["grad_norm"] for r in offloaded] == [r["grad_norm"] for r in plain]
     assert [r["lr"] for r in offloaded] == [r["lr"] for r in plain]
+
+
+def test_manual_gc_collects_where_the_loop_says_and_trains_the_same(process_group, corpus,
+                                                                    tmp_path, monkeypatch):
+    """Megatron's --manual-gc: no automatic collection inside iterations, a collection at
+    the start, every --manual-gc-interval iterations and around each evaluation; the losses
+    do not change, and the collector is on again afterwards."""
+    import gc
+
+    import megatron_lite.training as training_module
+
+    events: list[str] = []
+    collect = gc.collect
+
+    def counting_collect(*args):
+        events.append("collect")
+        return collect(*args)
+
+    step = training_module.Trainer.train_step
+
+    def observed_step(self, batches):
+        events.append("step, collector on" if gc.isenabled() else "step")
+        return step(self, batches)
+
+    common = ["--lr", "1e-3", "--train-iters", "4", "--micro-batch-size", "2",
+              "--eval-interval", "2"]
+    _, plain, plain_evals = train(corpus, tmp_path, *common)
+    monkeypatch.setattr(training_module.gc, "collect", counting_collect)
+    monkeypatch.setattr(training_module.Trainer, "train_step", observed_step)
+    assert gc.isenabled()
+    _, managed, managed_evals = train(corpus, tmp_path, *common, "--manual-gc",
+                                      "--manual-gc-interval", "3")
+    assert gc.isenabled()
+    assert losses(managed) == losses(plain)
+    assert [r["val_loss"] for r in managed_evals] == [r["val_loss"] for r in plain_evals]
+    # start; 2 steps; around the evaluation at 2; step 3, then its collection; step 4 and the
+    # evaluation at 4 (the final one, after the loop, runs with the collector on again)
+    assert events[:10] == ["collect", "step", "step", "collect", "collect", "step", "collect",
+                           "step", "collect", "collect"]
+    events.clear()
+    train(corpus, tmp_path, *common, "--manual-gc", "--no-manual-gc-eval")
+    assert events == ["collect", "step", "step", "step", "step"]
+    with pytest.raises(Exception, match="manual-gc-interval"):
+        train(corpus, tmp_path, *common, "--manual-gc", "--manual-gc-interval", "-1")

@@ -95,7 +95,9 @@ class Pending:
     def wait(self) -> None:
         if self.done:
             return
-        self._record.waiting()
+        record = self._record  # (no calls at all without a flight recorder: every collective)
+        if record is not flight_recorder.NO_RECORD:
+            record.waiting()
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
             if self._free_events is not None:
@@ -110,7 +112,8 @@ class Pending:
             self._finish()
         self._keep = ()
         self.done = True
-        self._record.finished()
+        if record is not flight_recorder.NO_RECORD:
+            record.finished()
 
 
 class Execution(abc.ABC):
