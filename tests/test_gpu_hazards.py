@@ -239,8 +239,9 @@ def test_overlap_comm_false_completes_a_sequence_when_issued():
     orders = {}
     for execution in (SYNCHRONOUS, CUDA_MODEL):
         log: list[str] = []
-        pending = execution.launch("reduce", lambda async_op: log.append("send"),
-                                   finish=lambda: log.append("receive"), sequence=True)
+        pending = execution.launch("reduce", lambda async_op, log=log: log.append("send"),
+                                   finish=lambda log=log: log.append("receive"),
+                                   sequence=True)
         log.append("launched")
         pending.wait()
         orders[execution] = log
