@@ -10,8 +10,8 @@ goes through the Triton backend's host side and the launcher's direct path
 (``zeropp/kernels/launcher.py``) exactly as on a GPU, with the compiled kernel's launch
 replaced by a no-op (its first launch of each key runs in Triton's interpreter, once). What
 this reports is therefore the host time per call *before* the C launch: on a GPU add that
-launch (5-9 us measured by the GPU check's section b, docs/gpu_runs.md, where the whole call
-is timed).
+launch (the H200 profile in docs/gpu_runs.md measured `cudaLaunchKernel` alone at 9 us; the
+GPU check's section b times the whole call).
 
 Per call: the best of ``--repeats`` timings of ``--calls`` calls on tiny tensors (so no
 kernel work hides in it), and the share of cProfile's self-time per file of one more pass.

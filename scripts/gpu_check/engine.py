@@ -46,6 +46,7 @@ from scripts.gpu_check.report import (
     merge_intervals,
     one_line,
 )
+from zeropp.comm.streams import COMPLETION_LANES
 from zeropp.deepspeed_api.initialize import QuantizationOptions, build_engine, make_loss_scaler
 from zeropp.sharded_model import ShardingOptions
 
@@ -75,7 +76,7 @@ WARMUP_ITERATIONS = 2  # the first iteration records the gather order and compil
 MARKER_CYCLES = 20_000  # a few microseconds of spinning per marker kernel
 # The side streams section d labels: the lanes and the gather lane's completion stream, where
 # qwZ's dequantize runs ([Note: completion steps] in zeropp/comm/streams.py).
-STREAM_LANES = ("gather", "reduce", "gather completion")
+STREAM_LANES = ("gather", "reduce", COMPLETION_LANES["gather"])
 # Section e passes when the GPU is busy for at least this share of an iteration's wall time:
 # below it the host (Python, launches, syncs) leaves the GPU waiting.
 GPU_BUSY_TARGET = 0.7
@@ -325,8 +326,8 @@ def check_stream_overlap(out_dir: Path, num_layers: int, hidden_size: int,
             train_iteration(engine, tokens)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
-            launch_stream_markers({**execution.streams,
-                                   "gather completion": execution.completion_stream("gather")})
+            launch_stream_markers({**execution.streams, COMPLETION_LANES["gather"]:
+                                   execution.completion_stream("gather")})
             train_iteration(engine, tokens)
             torch.cuda.synchronize()
     finally:

@@ -38,10 +38,10 @@ unit, qgZ's receive and last sum. Where it runs decides what waits behind it:
 - on the compute stream at ``wait()``, compute would run it (FSDP2's copy-out).
 The step-time model ranked both for the 18B: on the gather stream, the forward's gathers
 are the bound on 8 x 8 H100 (compute idles behind them); on the compute stream, backward's
-compute is the bound on the paper's DGX-2 cluster at 400-800 Gbit/s (8% slower). So a
-single collective's ``finish`` runs on the lane's *completion stream*, issued at once after
-the transfer's event: it overlaps compute and the next transfer both, and the compute
-stream waits for the completion's event. What the completion reads (qwZ's received
+compute is the bound on the paper's DGX-2 cluster at 400 and 800 Gbit/s (5% and 8%
+slower). So a single collective's ``finish`` runs on the lane's *completion stream*, issued
+at once after the transfer's event: it overlaps compute and the next transfer both, and the
+compute stream waits for the completion's event. What the completion reads (qwZ's received
 payloads) is held by the ``Pending`` until that wait, and freed blocks of the lane are
 reused only after the next launch's ``wait_stream`` on compute, which follows it.
 A *sequence* (qgZ's two hops, the weight-delta gather's) leaves its last collectives in

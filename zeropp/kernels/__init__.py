@@ -161,8 +161,8 @@ class KernelVariant:
     """The kernels the calls on tensors of `numel` values launch, as `prepare_variants`
     compiles them ahead: quantization of `dtype` values to `bits` (plain, and swizzled for
     each (nodes, per_node) of `swizzles`), dequantization of one payload and of `payloads`,
-    their reduction (into fp32 and into `dtype`), and its requantization to `bits_out` (None: `bits`) in `parts`
-    pieces. A collective names the variants it launches for a buffer size
+    their reduction (into fp32 and into `dtype`), and its requantization to `bits_out`
+    (None: `bits`) in `parts` pieces. A collective names the variants it launches for a buffer size
     (``Collective.kernel_variants``), so an engine prepares exactly what it will run."""
 
     numel: int

@@ -234,6 +234,11 @@ class _SimWork(dist.Work):
         self._outputs = []
         return True
 
+    @property
+    def awaiting_wait(self) -> bool:
+        """An async collective nobody has waited for yet (its tensors still held)."""
+        return self._pending
+
     def is_completed(self) -> bool:
         return True  # the (instantaneous) transfer is done; only the hold waits for wait()
 

@@ -238,7 +238,7 @@ class TraceRecorder:
             self._open.pop()
         in_flight = 0  # the last collectives whose Work nobody waited for yet
         for work in reversed(record["works"]):
-            if not getattr(work, "_pending", False):
+            if not getattr(work, "awaiting_wait", False):
                 break
             in_flight += 1
         event = Launch(launch_id, lane, tuple(record["collectives"]), self.phase,
