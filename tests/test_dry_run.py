@@ -298,10 +298,10 @@ def test_dry_run_without_ds_config_plans_plain_zero3():
 
 
 def test_prefetch_allows_the_next_unit_whatever_the_live_cap():
-    from zeropp.prefetch import units_to_prefetch
+    from zeropp.prefetch import PlannedUnit, units_to_prefetch
 
     # 18B's shape: root 312M + current block 453M live, cap 1e9: the next block still comes
-    upcoming = [(453_000_000, False), (453_000_000, False)]
+    upcoming = [PlannedUnit(453_000_000, False), PlannedUnit(453_000_000, False)]
     assert units_to_prefetch(upcoming, 765_000_000, 50_000_000, 1_000_000_000) == [0]
     # beyond the next unit the cap holds; a bucket of 0 still disables prefetch
     assert units_to_prefetch(upcoming, 0, 2_000_000_000, 1_000_000_000) == [0, 1]

@@ -258,3 +258,33 @@ def test_qgz_requantizes_into_one_payload_per_node(parts, bits_in, bits_out, blo
     with pytest.raises(ValueError, match="out.dtype"):
         kernels.dequantize_reduce(payloads, numel, bits_in, block,
                                   out=torch.empty(numel, dtype=torch.int32))
+
+
+def test_quantized_gather_chooses_its_kernels_once_per_device_type(monkeypatch):
+    """The backend choice (environment read and checks) is made at a collective's first launch
+    on a device type, not at every launch; CPU and meta tensors still get their own."""
+    from zeropp import kernels
+    from zeropp.comm import CommGroup, CommStats
+    from zeropp.comm.quantized import QuantizedAllGather
+    from zeropp.kernels import meta, reference
+
+    chosen = []
+    choose = kernels.backend_for
+
+    def counted(tensor, block_size):
+        chosen.append(tensor.device.type)
+        return choose(tensor, block_size)
+
+    monkeypatch.setattr(kernels, "backend_for", counted)
+    gather, group = QuantizedAllGather(bits=8, block_size=64), CommGroup(None, 1, 0, False)
+    shard = _shard(0, 300, torch.float32)
+    for _ in range(3):
+        out = torch.empty(300)
+        gather(out, shard, group, CommStats(), "forward_all_gather").wait()
+        assert (out - shard).abs().max() <= shard.abs().max() / 127
+    assert chosen == ["cpu"]
+    # The choice is the one backend_for makes, per device type.
+    gather(torch.empty(300, device="meta"), shard.to("meta"), group, CommStats(),
+           "forward_all_gather").wait()
+    assert chosen == ["cpu", "meta"]
+    assert gather._kernels(shard) is reference and gather._kernels(shard.to("meta")) is meta

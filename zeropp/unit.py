@@ -129,6 +129,7 @@ class ShardedUnit:
         self.name = name
         self.module = module
         self.layout = layout
+        self.padded_numel = layout.padded_numel  # elements gathered (read by the prefetch rule)
         self.comm = comm
         self.dtype = dtype
         self.device = device
@@ -249,7 +250,7 @@ class ShardedUnit:
     @property
     def live_numel(self) -> int:
         """Elements of gathered weights this unit holds now (counts a gather in flight)."""
-        return self.layout.padded_numel if self.is_live else 0
+        return self.padded_numel if self.is_live else 0
 
     # The two fields that make a unit live, kept in step with ``comm.live`` on every change.
     @property
@@ -274,7 +275,7 @@ class ShardedUnit:
         live = self._state is ShardState.GATHERED or self._gather_pending_ is not None
         if live != self.is_live:
             self.is_live = live
-            self.comm.live.numel += self.layout.padded_numel if live else -self.layout.padded_numel
+            self.comm.live.numel += self.padded_numel if live else -self.padded_numel
         if self._shown_status is not None:
             status = (ZeroParamStatus.AVAILABLE if self._state is ShardState.GATHERED else
                       ZeroParamStatus.INFLIGHT if live else ZeroParamStatus.NOT_AVAILABLE)

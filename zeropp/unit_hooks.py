@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch, window_ahead
+from zeropp.prefetch import blocks_kept_for_backward, distinct_ahead, units_to_prefetch
 from zeropp.unit import ShardedUnit, UnitComm
 
 if TYPE_CHECKING:
@@ -133,6 +133,9 @@ class UnitHooks:
         self._kept_for_backward: set[ShardedUnit] = set()  # from the last forward's order
         # Gathered whenever they are used: never in a prefetch window.
         self._never_prefetched = {u for u in units if u is self.root or u.persistent}
+        # Each prefetch window's units (``distinct_ahead``) by plan position, per plan
+        # (forward, backward): kept while the plan an iteration leaves equals the last one.
+        self._windows: dict[bool, dict[int, list[ShardedUnit]]] = {True: {}, False: {}}
         self._handles = []
         for unit in units:
             self._handles += [
@@ -168,6 +171,8 @@ class UnitHooks:
         self._backward_started.clear()
         self._recomputed.clear()
         self._uses_left.clear()  # uses whose backward never came: reduced at the end
+        if self._backward_needs and self._backward_needs != self._last_backward_needs:
+            self._windows[False].clear()
         self._last_backward_needs = self._backward_needs or self._last_backward_needs
 
     # ---- forward -------------------------------------------------------------------------
@@ -182,6 +187,8 @@ class UnitHooks:
             self.phase = TrainingPhase.FORWARD
             self._training_forward = torch.is_grad_enabled()
             if self._forward_order:
+                if self._forward_order != self._last_forward_order:
+                    self._windows[True].clear()
                 self._last_forward_order = self._forward_order
                 self._forward_position = {u: i for i, u in
                                           reversed(list(enumerate(self._forward_order)))}
@@ -359,14 +366,17 @@ class UnitHooks:
 
     def _prefetch(self, forward: bool, plan: list[ShardedUnit], start: int) -> None:
         """Start the gathers of the units of ``plan`` from ``start`` on that the
-        prefetch rule allows. The window is read lazily: the work is the window's, not the
-        model's ([Note: live count])."""
+        prefetch rule allows. The work is the window's, not the model's ([Note: live
+        count])."""
         phase = "forward_all_gather" if forward else "backward_all_gather"
         # Units gathered already (kept from forward, recomputed) fill the window ahead like
         # gathers in flight: prefetching past them would only hold more memory sooner.
-        seen: list[ShardedUnit] = []
-        for index in units_to_prefetch(window_ahead(plan, start, self._never_prefetched, seen),
-                                       self.comm.live.numel,
+        windows = self._windows[forward]
+        window = windows.get(start)
+        if window is None:
+            window = windows[start] = distinct_ahead(plan, start, self._never_prefetched,
+                                                     self.options.prefetch_bucket_numel)
+        for index in units_to_prefetch(window, self.comm.live.numel,
                                        self.options.prefetch_bucket_numel,
                                        self.options.max_live_numel):
-            seen[index].start_gather(phase)
+            window[index].start_gather(phase)

@@ -49,7 +49,7 @@ class CommStats:
         if phase not in PHASES:
             raise ValueError(f"unknown communication phase {phase!r}; expected one of {PHASES}")
         if self.enabled and nbytes:
-            self._bytes[phase][locality(spans_nodes)] += int(nbytes)
+            self._bytes[phase]["inter_node" if spans_nodes else "intra_node"] += int(nbytes)
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         """``{phase: {intra_node: int, inter_node: int}}`` for every phase (zeros included)."""

@@ -28,7 +28,14 @@ from typing import ClassVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import (
+    AllgatherOptions,
+    AllToAllOptions,
+    ReduceScatterOptions,
+    _get_default_group,
+)
 
+from zeropp import kernels
 from zeropp.comm.accounting import (
     CommStats,
     all_gather_bytes,
@@ -39,9 +46,57 @@ from zeropp.comm.accounting import (
 from zeropp.comm.streams import SYNCHRONOUS, Execution, Pending
 from zeropp.kernels import KernelVariant
 
-# torch 2.13 renamed the tensor collectives; keep working on older releases too.
-all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# [Note: issued to the process group]
+# The engine's transfers call the process group's own methods, which is where c10d's Python
+# functions (``dist.all_gather_single`` and the like) end. Those functions first check their
+# arguments, look the default group up, test for a coalescing context and a torch-function
+# mode, and wrap the call in an exception logger: about 6-12 us of Python per call on the CPU
+# (measured on torch's fake process group), paid by every gather and reduction of every unit.
+# None of it applies here: the engine issues on groups it made and belongs to, with
+# contiguous tensors of one dtype it allocated, never inside a coalescing manager. The
+# backend still checks what it must (device, size, contiguity) in C++. torch 2.13 renamed the
+# methods (``_allgather_base`` -> ``all_gather_single``); older releases keep the old names.
+_GATHER, _REDUCE_SCATTER, _ALL_TO_ALL = (
+    ("all_gather_single", "reduce_scatter_single", "all_to_all_single")
+    if hasattr(dist.ProcessGroup, "all_gather_single")
+    else ("_allgather_base", "_reduce_scatter_base", "alltoall_base"))
+
+
+def _finish(work, async_op: bool):
+    """What c10d's functions return: the work when asynchronous, else None once it ended."""
+    if async_op:
+        return work
+    if work is not None:
+        work.wait()
+    return None
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
+                           async_op: bool = False):
+    """``dist.all_gather_single`` issued to the group ([Note: issued to the process group])."""
+    options = AllgatherOptions()
+    options.asyncOp = async_op
+    work = getattr(group or _get_default_group(), _GATHER)(output, input, options)
+    return _finish(work, async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
+                          async_op: bool = False):
+    """``dist.reduce_scatter_single`` with SUM, issued to the group (as above)."""
+    options = ReduceScatterOptions()
+    options.reduceOp = dist.ReduceOp.SUM
+    options.asyncOp = async_op
+    work = getattr(group or _get_default_group(), _REDUCE_SCATTER)(output, input, options)
+    return _finish(work, async_op)
+
+
+def all_to_all_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
+                      async_op: bool = False):
+    """``dist.all_to_all_single`` in equal chunks, issued to the group (as above)."""
+    options = AllToAllOptions()
+    options.asyncOp = async_op
+    work = getattr(group or _get_default_group(), _ALL_TO_ALL)(output, input, [], [], options)
+    return _finish(work, async_op)
 
 
 @dataclass(frozen=True)
@@ -74,6 +129,7 @@ class Collective(abc.ABC):
         # (numel, dtype, group) -> ((inter-node?, bytes), ...): ``bytes_sent`` of a call,
         # worked out once per buffer size rather than at every call.
         self._sent: dict[tuple, tuple[tuple[bool, int], ...]] = {}
+        self._backends: dict[str, object] = {}  # device type -> kernel module (``_kernels``)
 
     @abc.abstractmethod
     def bytes_sent(self, numel: int, dtype: torch.dtype, group: CommGroup) -> dict[str, int]:
@@ -110,6 +166,18 @@ class Collective(abc.ABC):
 
     def forget(self, key: object) -> None:  # noqa: B027
         """The unit's shards changed in any other way (edited, loaded from elsewhere)."""
+
+    def _kernels(self, tensor: torch.Tensor):
+        """The quantization kernels' module for ``tensor`` (``zeropp.kernels.backend_for`` at
+        this collective's ``block_size``), chosen once per device type: the environment read
+        and the checks behind the choice are not repeated at every launch, so
+        ``ZEROPP_KERNELS`` counts as it was at a collective's first launch on a device."""
+        device_type = tensor.device.type
+        backend = self._backends.get(device_type)
+        if backend is None:
+            backend = kernels.backend_for(tensor, self.block_size)
+            self._backends[device_type] = backend
+        return backend
 
     def _record(self, stats: CommStats, phase: str, numel: int, dtype: torch.dtype,
                 group: CommGroup) -> None:
@@ -186,8 +254,8 @@ class ReduceScatter(Collective):
         return self.execution.launch(
             self.lane,
             lambda async_op: reduce_scatter_tensor(
-                output, full.reshape(-1).to(output.dtype), op=dist.ReduceOp.SUM,
-                group=group.group, async_op=async_op),
+                output, full.reshape(-1).to(output.dtype), group=group.group,
+                async_op=async_op),
             keep=(output, full),
         )
 
@@ -227,24 +295,18 @@ all_gather = AllGather()
 reduce_scatter_sum = ReduceScatter()
 
 
-def all_to_all(
-    output: torch.Tensor,
-    send: torch.Tensor,
-    group: CommGroup,
-    stats: CommStats,
-    phase: str,
-    async_op: bool = False,
-):
+def all_to_all(output: torch.Tensor, send: torch.Tensor, group: CommGroup,
+               async_op: bool = False):
     """Chunk j of ``send`` goes to group rank j; chunk j of ``output`` comes from rank j.
 
+    A hop inside a collective that records its own bytes (qgZ's), so it records none.
     Blocking on the host executions; on CUDA ordered on the current (side) stream. With
     ``async_op`` it returns the work to wait for (None when it completed: a group of one).
     """
-    stats.record(phase, group.spans_nodes, reduce_scatter_bytes(_nbytes(send), group.size))
     if group.size == 1:
         output.copy_(send)
         return None
-    return dist.all_to_all_single(output, send, group=group.group, async_op=async_op)
+    return all_to_all_tensor(output, send, group=group.group, async_op=async_op)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: CommGroup, stats: CommStats, phase: str) -> None:

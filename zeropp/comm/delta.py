@@ -205,12 +205,13 @@ class DeltaWeightGather(Collective):
             else:
                 current = base
                 own = current.values[self.inter.rank]
-                delta = kernels.quantize_blockwise(shard.float() - own.float(), self.bits,
+                backend = self._kernels(shard)
+                delta = backend.quantize_blockwise(shard.float() - own.float(), self.bits,
                                                    self.block_size)
                 received = torch.empty(self.nodes, delta.numel(), dtype=torch.uint8,
                                        device=shard.device)
                 _AllOf([_all_gather(received.view(-1), delta, self.inter, False)]).wait()
-                deltas = kernels.dequantize_blockwise_many(
+                deltas = backend.dequantize_blockwise_many(
                     received, numel, self.bits, self.block_size, torch.float32)
                 if current.values.dtype == torch.float32:
                     current.values.add_(deltas)  # the same fp32 sum as below, without a copy

@@ -93,8 +93,10 @@ class QuantizedAllGather(Collective):
         payload_nbytes = kernels.quantized_nbytes(numel, bits, block_size)
         buffers: dict[str, torch.Tensor] = {}
 
+        backend = self._kernels(shard)
+
         def issue(async_op: bool):
-            payload = kernels.quantize_blockwise(shard, bits, block_size)
+            payload = backend.quantize_blockwise(shard, bits, block_size)
             gathered = torch.empty(group.size * payload_nbytes, dtype=torch.uint8,
                                    device=shard.device)
             buffers.update(payload=payload, gathered=gathered)
@@ -108,7 +110,7 @@ class QuantizedAllGather(Collective):
             if retain is not None:
                 retain(gathered)
             # Straight into the unit's buffer: no [N, numel] temporary.
-            kernels.dequantize_blockwise_many(gathered, numel, bits, block_size, output.dtype,
+            backend.dequantize_blockwise_many(gathered, numel, bits, block_size, output.dtype,
                                               out=output)
 
         # The payloads are held to the wait: the completion step may still read them on its
@@ -197,7 +199,7 @@ class QuantizedSecondaryGather(Collective):
                                           group=group.group, async_op=async_op)
 
         def finish() -> None:
-            kernels.dequantize_blockwise_many(
+            self._kernels(output).dequantize_blockwise_many(
                 buffers["gathered"], shard_numel, self.bits, self.block_size, output.dtype,
                 out=output)
 
@@ -348,8 +350,8 @@ class HierarchicalReduceScatter(Collective):
         sent[locality(self.inter.spans_nodes)] += all_to_all_bytes(second, self.nodes)
         return sent
 
-    # The hops' bytes are recorded by __call__, in the caller's thread: not again here.
-    _UNTRACKED = CommStats()
+    # The hops' bytes are recorded by __call__, in the caller's thread: ``all_to_all``
+    # records none.
 
     def _send(self, output: torch.Tensor, full: torch.Tensor, key: object,
               in_flight: dict[str, object]) -> None:
@@ -361,23 +363,23 @@ class HierarchicalReduceScatter(Collective):
         if self.bits is None:
             swizzled = kernels.swizzle(full.reshape(-1), self.nodes, self.per_node)
             received = torch.empty_like(swizzled)
-            all_to_all(received, swizzled, self.intra, self._UNTRACKED, "gradient_reduce")
+            all_to_all(received, swizzled, self.intra)
             partial = received.view(self.per_node, chunk_numel).float().sum(0)
             second = torch.empty_like(partial)
-            in_flight["work"] = all_to_all(second, partial, self.inter, self._UNTRACKED,
-                                           "gradient_reduce", async_op=True)
+            in_flight["work"] = all_to_all(second, partial, self.inter, async_op=True)
             in_flight["received"] = second
             return
 
         bits, inter_bits, block = self.bits, self.inter_node_bits, self.block_size
         feedback = self.error_feedback
+        backend = self._kernels(full)
         in_flight["bits"] = inter_bits
         if self.per_node == 1 and self.nodes > 1:
             # [Note: no quantized send to itself] One rank per node: hop 1 would send this
             # rank's values to itself, so its sum is the values themselves, exact; only the
             # inter-node hop quantizes.
             if feedback is None:
-                send2 = kernels.quantize_swizzled(full, 1, self.nodes, inter_bits, block)
+                send2 = backend.quantize_swizzled(full, 1, self.nodes, inter_bits, block)
             else:
                 partial = feedback.compensate(key, full.reshape(-1).float())
                 send2 = self._requantize_with_feedback(key, partial, slice_numel)
@@ -386,9 +388,9 @@ class HierarchicalReduceScatter(Collective):
 
         # Steps 1 and 2 in one kernel: quantized straight into the swizzled order, the
         # per_node payloads one after another, as the all-to-all splits its input.
-        send = kernels.quantize_swizzled(full, self.nodes, self.per_node, bits, block)
+        send = backend.quantize_swizzled(full, self.nodes, self.per_node, bits, block)
         received = torch.empty_like(send)
-        all_to_all(received, send, self.intra, self._UNTRACKED, "gradient_reduce")
+        all_to_all(received, send, self.intra)
         del send
         received = received.view(self.per_node, -1)
         if self.nodes == 1:
@@ -400,11 +402,11 @@ class HierarchicalReduceScatter(Collective):
 
         if feedback is None:
             # Step 3 writes the node's n slices as n payloads, the second hop's layout.
-            send2 = kernels.dequantize_reduce_quantize(received, chunk_numel, bits, inter_bits,
+            send2 = backend.dequantize_reduce_quantize(received, chunk_numel, bits, inter_bits,
                                                        block, parts=self.nodes)
         else:
             partial = feedback.compensate(
-                key, kernels.dequantize_reduce(received, chunk_numel, bits, block))
+                key, backend.dequantize_reduce(received, chunk_numel, bits, block))
             send2 = self._requantize_with_feedback(key, partial, slice_numel)
         self._send_across_nodes(send2, in_flight)
 
@@ -413,8 +415,9 @@ class HierarchicalReduceScatter(Collective):
         """The node's partial sums (already compensated) as one payload per node, and what
         that dropped kept for the next reduction ([Note: error feedback])."""
         inter_bits, block = self.inter_node_bits, self.block_size
-        send = kernels.quantize_swizzled(partial, 1, self.nodes, inter_bits, block)
-        sent = kernels.dequantize_blockwise_many(send.view(self.nodes, -1), slice_numel,
+        backend = self._kernels(partial)
+        send = backend.quantize_swizzled(partial, 1, self.nodes, inter_bits, block)
+        sent = backend.dequantize_blockwise_many(send.view(self.nodes, -1), slice_numel,
                                                  inter_bits, block, torch.float32)
         self.error_feedback.record(key, partial, sent.view(-1))
         return send
@@ -422,8 +425,7 @@ class HierarchicalReduceScatter(Collective):
     def _send_across_nodes(self, send: torch.Tensor, in_flight: dict[str, object]) -> None:
         """Step 4, left in flight: slice m of ``send`` to node m."""
         received = torch.empty_like(send)
-        in_flight["work"] = all_to_all(received, send, self.inter, self._UNTRACKED,
-                                       "gradient_reduce", async_op=True)
+        in_flight["work"] = all_to_all(received, send, self.inter, async_op=True)
         in_flight["received"] = received.view(self.nodes, -1)
 
     def _receive(self, output: torch.Tensor, in_flight: dict[str, object]) -> None:
@@ -438,7 +440,8 @@ class HierarchicalReduceScatter(Collective):
             output.copy_(received.view(self.nodes, slice_numel).sum(0))
             return
         bits = in_flight.pop("bits")
+        backend = self._kernels(received)
         if output.is_contiguous():
-            kernels.dequantize_reduce(received, slice_numel, bits, self.block_size, out=output)
+            backend.dequantize_reduce(received, slice_numel, bits, self.block_size, out=output)
         else:
-            output.copy_(kernels.dequantize_reduce(received, slice_numel, bits, self.block_size))
+            output.copy_(backend.dequantize_reduce(received, slice_numel, bits, self.block_size))

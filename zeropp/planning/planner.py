@@ -42,7 +42,7 @@ from zeropp.comm.registry import Collectives, collectives_for
 from zeropp.config import ZeroConfig
 from zeropp.deepspeed_api.initialize import gradient_shard_dtype, options_from_config
 from zeropp.flat_layout import FlatLayout
-from zeropp.prefetch import blocks_kept_for_backward, units_to_prefetch
+from zeropp.prefetch import PlannedUnit, blocks_kept_for_backward, units_to_prefetch
 from zeropp.residency import Residency, shard_alignment, stays_gathered
 from zeropp.sharded_model import ShardingOptions
 from zeropp.topology import ClusterShape, Topology, TopologyError
@@ -250,7 +250,7 @@ def peak_gathered_numel(units: Sequence[UnitPlan], zero: ZeroConfig, backward: b
                 + sum(blocks[j] for j in held))
         upcoming = [j for j in range(index + 1, len(blocks)) if not (backward and j in kept)]
         chosen = units_to_prefetch(
-            [(blocks[c], c in in_flight) for c in upcoming], live,
+            [PlannedUnit(blocks[c], c in in_flight) for c in upcoming], live,
             zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
         )
         for position in chosen:
