@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.distributed import run_ranks
-from tests.toy_models import ToyBlock, toy_batches, train_data_parallel, train_unsharded
+from tests.toy_models import ToyBlock, toy_batches, toy_loss, train_data_parallel, train_unsharded
 
 LR, WD, CLIP = 3e-3, 0.1, 0.5
 WORLD, STEPS, BATCH = 2, 4, 8
@@ -196,3 +196,53 @@ def test_a_module_run_twice_trains_through_initialize(forwards):
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         for name, value in model.state_dict().items():
             torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _Reordered(nn.Module):
+    """Three blocks run in the order ``self.order`` names: a forward unlike the last one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(257, 17)
+        self.layers = nn.ModuleList([ToyBlock(17, 33) for _ in range(3)])
+        self.order = [0, 1, 2]
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for index in self.order:
+            x = self.layers[index](x)
+        return F.linear(x, self.embed.weight)
+
+
+def reordered_run(rank, world):
+    from zeropp.deepspeed_api.initialize import build_engine
+    from zeropp.prefetch import distinct_ahead
+    from zeropp.sharded_model import ShardingOptions
+
+    model = _Reordered()
+    engine = build_engine(model, lr=LR, ranks_per_node=world, sharding=ShardingOptions(
+        stage=3, persistence_threshold=0, prefetch_bucket_numel=2000))
+    hooks = engine.sharded.hooks
+    data = toy_batches(5, 1, BATCH)
+    stale = []
+    for step, order in enumerate([[0, 1, 2], [0, 1, 2], [2, 0, 1], [2, 0, 1], [2, 0, 1]]):
+        model.order = order
+        tokens = data[step, 0, rank::world]
+        engine.backward(toy_loss(engine(tokens), tokens))
+        engine.step()
+        # Every window kept is the one the plan the next iteration reads gives.
+        for forward, plan in ((True, hooks._last_forward_order),
+                              (False, hooks._last_backward_needs)):
+            for start, window in hooks._windows[forward].items():
+                if window != distinct_ahead(plan, start, hooks._never_prefetched,
+                                            hooks.options.prefetch_bucket_numel):
+                    stale.append((step, forward, start))
+    engine.close()
+    return stale, len(hooks._windows[True])
+
+
+def test_prefetch_windows_follow_a_forward_unlike_the_last():
+    for stale, windows in run_ranks(reordered_run, WORLD):
+        assert stale == []
+        assert windows > 0  # windows were kept, and checked
