@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zeropp.comm import CommGroup, CommStats
@@ -162,7 +163,9 @@ class ShardedModel:
         self.dp_size = topology.world_size
         reduce_world = None
         if self.residency.shard_optimizer_states:
-            self.world = CommGroup(None, topology.world_size, topology.rank,
+            # The default group itself, not None: no lookup of it at every collective.
+            world_group = dist.group.WORLD if dist.is_initialized() else None
+            self.world = CommGroup(world_group, topology.world_size, topology.rank,
                                    topology.spans_nodes)
             if topology.reduce_world_group is not None:
                 reduce_world = CommGroup(topology.reduce_world_group, topology.world_size,

@@ -215,13 +215,13 @@ def _group_cell(issue: Callable) -> int | None:
 def describe_group(group) -> str:
     """A ``CommGroup`` as the dumps name it: 'world(4)' for the default group, 'ranks 0,1'
     for another."""
-    if group.group is None:
+    import torch.distributed as dist
+
+    if group.group is None or group.group is dist.group.WORLD:
         return f"world({group.size})"
     key = id(group.group)
     name = _groups.get(key)
     if name is None:
-        import torch.distributed as dist
-
         ranks = dist.get_process_group_ranks(group.group)
         name = _groups[key] = "ranks " + ",".join(str(r) for r in ranks)
     return name
