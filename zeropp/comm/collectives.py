@@ -62,22 +62,16 @@ _GATHER, _REDUCE_SCATTER, _ALL_TO_ALL = (
     else ("_allgather_base", "_reduce_scatter_base", "alltoall_base"))
 
 
-def _finish(work, async_op: bool):
-    """What c10d's functions return: the work when asynchronous, else None once it ended."""
-    if async_op:
-        return work
-    if work is not None:
-        work.wait()
-    return None
-
-
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
                            async_op: bool = False):
     """``dist.all_gather_single`` issued to the group ([Note: issued to the process group])."""
     options = AllgatherOptions()
     options.asyncOp = async_op
     work = getattr(group or _get_default_group(), _GATHER)(output, input, options)
-    return _finish(work, async_op)
+    if not async_op and work is not None:  # as c10d's functions: done on return
+        work.wait()
+        return None
+    return work
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
@@ -87,7 +81,10 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
     options.reduceOp = dist.ReduceOp.SUM
     options.asyncOp = async_op
     work = getattr(group or _get_default_group(), _REDUCE_SCATTER)(output, input, options)
-    return _finish(work, async_op)
+    if not async_op and work is not None:  # as c10d's functions: done on return
+        work.wait()
+        return None
+    return work
 
 
 def all_to_all_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
@@ -96,7 +93,10 @@ def all_to_all_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
     options = AllToAllOptions()
     options.asyncOp = async_op
     work = getattr(group or _get_default_group(), _ALL_TO_ALL)(output, input, [], [], options)
-    return _finish(work, async_op)
+    if not async_op and work is not None:  # as c10d's functions: done on return
+        work.wait()
+        return None
+    return work
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class Collective(abc.ABC):
         # (numel, dtype, group) -> ((inter-node?, bytes), ...): ``bytes_sent`` of a call,
         # worked out once per buffer size rather than at every call.
         self._sent: dict[tuple, tuple[tuple[bool, int], ...]] = {}
-        self._backends: dict[str, object] = {}  # device type -> kernel module (``_kernels``)
+        self._backends: dict[str, object] = {}  # device type -> kernels (``_choose_kernels``)
 
     @abc.abstractmethod
     def bytes_sent(self, numel: int, dtype: torch.dtype, group: CommGroup) -> dict[str, int]:
@@ -167,16 +167,14 @@ class Collective(abc.ABC):
     def forget(self, key: object) -> None:  # noqa: B027
         """The unit's shards changed in any other way (edited, loaded from elsewhere)."""
 
-    def _kernels(self, tensor: torch.Tensor):
-        """The quantization kernels' module for ``tensor`` (``zeropp.kernels.backend_for`` at
-        this collective's ``block_size``), chosen once per device type: the environment read
-        and the checks behind the choice are not repeated at every launch, so
+    def _choose_kernels(self, tensor: torch.Tensor):
+        """The quantization kernels' module for tensors on ``tensor``'s device
+        (``zeropp.kernels.backend_for`` at this collective's ``block_size``), chosen once per
+        device type and kept in ``_backends``, which the launches read inline: the environment
+        read and the checks behind the choice are not repeated at every launch, so
         ``ZEROPP_KERNELS`` counts as it was at a collective's first launch on a device."""
-        device_type = tensor.device.type
-        backend = self._backends.get(device_type)
-        if backend is None:
-            backend = kernels.backend_for(tensor, self.block_size)
-            self._backends[device_type] = backend
+        backend = self._backends[tensor.device.type] = kernels.backend_for(tensor,
+                                                                            self.block_size)
         return backend
 
     def _record(self, stats: CommStats, phase: str, numel: int, dtype: torch.dtype,
