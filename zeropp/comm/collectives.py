@@ -87,18 +87,6 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
     return work
 
 
-def all_to_all_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
-                      async_op: bool = False):
-    """``dist.all_to_all_single`` in equal chunks, issued to the group (as above)."""
-    options = AllToAllOptions()
-    options.asyncOp = async_op
-    work = getattr(group or _get_default_group(), _ALL_TO_ALL)(output, input, [], [], options)
-    if not async_op and work is not None:  # as c10d's functions: done on return
-        work.wait()
-        return None
-    return work
-
-
 @dataclass(frozen=True)
 class CommGroup:
     """A process group plus the facts the engine and the accounting need about it."""
@@ -295,7 +283,9 @@ reduce_scatter_sum = ReduceScatter()
 
 def all_to_all(output: torch.Tensor, send: torch.Tensor, group: CommGroup,
                async_op: bool = False):
-    """Chunk j of ``send`` goes to group rank j; chunk j of ``output`` comes from rank j.
+    """Chunk j of ``send`` goes to group rank j; chunk j of ``output`` comes from rank j
+    (``dist.all_to_all_single`` in equal chunks, issued to the group: [Note: issued to the
+    process group]).
 
     A hop inside a collective that records its own bytes (qgZ's), so it records none.
     Blocking on the host executions; on CUDA ordered on the current (side) stream. With
@@ -304,7 +294,14 @@ def all_to_all(output: torch.Tensor, send: torch.Tensor, group: CommGroup,
     if group.size == 1:
         output.copy_(send)
         return None
-    return all_to_all_tensor(output, send, group=group.group, async_op=async_op)
+    options = AllToAllOptions()
+    options.asyncOp = async_op
+    work = getattr(group.group or _get_default_group(), _ALL_TO_ALL)(output, send, [], [],
+                                                                     options)
+    if not async_op and work is not None:  # as c10d's functions: done on return
+        work.wait()
+        return None
+    return work
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: CommGroup, stats: CommStats, phase: str) -> None:

@@ -33,6 +33,7 @@ one-hop path the error is then measured against.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -287,7 +288,7 @@ class HierarchicalReduceScatter(Collective):
         in_flight: dict[str, object] = {}
         return self.execution.launch(
             self.lane, lambda async_op: self._send(output, full, key, in_flight),
-            finish=lambda: self._receive(output, in_flight),
+            finish=partial(self._receive, output, in_flight),
             keep=(output, full), sequence=True,
         )
 
