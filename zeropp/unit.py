@@ -142,6 +142,7 @@ class ShardedUnit:
         self.shard_start, self.shard_end = layout.shard_range(rank)
 
         self.full = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        self._full_nbytes = self.full.numel() * self.full.element_size()
         if replicated:
             self.shard = self.full[self.shard_start : self.shard_end]
         elif shard is not None:
@@ -235,9 +236,9 @@ class ShardedUnit:
             self._data_released = True
 
     def _alloc_full(self) -> None:
-        nbytes = self.full.numel() * self.full.element_size()
-        if self.full.untyped_storage().nbytes() != nbytes:
-            self.full.untyped_storage().resize_(nbytes)
+        storage = self.full.untyped_storage()
+        if storage.nbytes() != self._full_nbytes:
+            storage.resize_(self._full_nbytes)
         if self._data_released:
             for param, view in zip(self.params, self._views, strict=True):
                 param.data = view
@@ -259,25 +260,18 @@ class ShardedUnit:
 
     @state.setter
     def state(self, value: ShardState) -> None:
-        self._state = value
-        self._count_live()
+        self._become(value, self._gather_pending_)
 
-    @property
-    def _gather_pending(self) -> Pending | None:
-        return self._gather_pending_
-
-    @_gather_pending.setter
-    def _gather_pending(self, value: Pending | None) -> None:
-        self._gather_pending_ = value
-        self._count_live()
-
-    def _count_live(self) -> None:
-        live = self._state is ShardState.GATHERED or self._gather_pending_ is not None
+    def _become(self, state: ShardState, pending: Pending | None = None) -> None:
+        """Set both fields at once, then ``comm.live`` and the status shown to DeepSpeed
+        scripts from them: every transition goes through here, once."""
+        self._state, self._gather_pending_ = state, pending
+        live = state is ShardState.GATHERED or pending is not None
         if live != self.is_live:
             self.is_live = live
             self.comm.live.numel += self.padded_numel if live else -self.padded_numel
         if self._shown_status is not None:
-            status = (ZeroParamStatus.AVAILABLE if self._state is ShardState.GATHERED else
+            status = (ZeroParamStatus.AVAILABLE if state is ShardState.GATHERED else
                       ZeroParamStatus.INFLIGHT if live else ZeroParamStatus.NOT_AVAILABLE)
             if status is not self._shown_status:
                 self._shown_status = status
@@ -309,7 +303,7 @@ class ShardedUnit:
             keep = {"retain": self._retain_secondary_payload} if self._keeps_payload else {}
             pending = self.comm.gather(self.full, shard, self.comm.world, self.comm.stats,
                                        phase, key=self.name, **keep)
-        self._gather_pending = pending
+        self._become(self._state, pending)
 
     def shard_on_device(self, on_lane: bool = True) -> torch.Tensor:
         """The working shard where collectives read it: the shard itself, or where it lives in
@@ -330,10 +324,7 @@ class ShardedUnit:
         pending = self._gather_pending_
         if pending is not None:
             pending.wait()
-            # Both fields at once, counted once (the ``state`` and ``_gather_pending``
-            # setters would count twice).
-            self._gather_pending_, self._state = None, ShardState.GATHERED
-            self._count_live()
+            self._become(ShardState.GATHERED)
         elif self._state is not ShardState.GATHERED:
             raise RuntimeError(f"unit {self.name!r} used while {self._state.value}")
 
@@ -379,9 +370,9 @@ class ShardedUnit:
                 start = self.comm.hpz.rank * size
                 self.secondary_shard = self.full[start : start + size].clone()
             has_secondary = self.secondary_shard is not None
-            self.state = ShardState.SECONDARY if has_secondary else ShardState.SHARDED
+            self._become(ShardState.SECONDARY if has_secondary else ShardState.SHARDED)
         else:
-            self.state = ShardState.SHARDED
+            self._become(ShardState.SHARDED)
         self._forward_payload = None
         self._free_full()
 
