@@ -22,8 +22,9 @@ Python that issues them. The setting (issue 47's probe):
 
 Python self-time (cProfile's tottime) is split by owner, from each function's file:
 - ``engine``: this engine's modules (``zeropp/``) without its CPU reference kernels, plus
-  ``torch/distributed/`` (FSDP2's own code lives there, and this engine's collectives go
-  through c10d's Python wrappers): the figure the issue's targets compare;
+  ``torch/distributed/`` (FSDP2's own code lives there; this engine's collectives call the
+  process group's methods directly, [Note: issued to the process group] in
+  zeropp/comm/collectives.py): the figure the issue's targets compare;
 - ``reference kernels``: ``zeropp/kernels/reference.py``, the CPU stand-in for Triton;
 - ``torch.distributed`` (part of ``engine``, shown alone too), ``model`` (megatron_lite),
   ``torch`` (nn modules, autograd, optim, checkpoint), and ``builtins`` (C functions and
