@@ -223,8 +223,11 @@ def test_python_time_is_measured_for_fsdp2_and_the_engine_in_one_run():
     for result in results:
         (run,) = result.runs
         assert run["engine"] > 0 and run["calls"] > 0 and run["model"] > 0
-        assert run["engine"] >= run["torch.distributed"] > 0  # engine includes c10d's Python
+        # The engine figure includes torch.distributed's Python: all of FSDP2's, and what
+        # this engine's collectives no longer go through ([Note: issued to the process group]).
+        assert run["engine"] >= run["torch.distributed"] >= 0
     by_system = {r.system: r.runs[0] for r in results}
+    assert by_system["fsdp2"]["torch.distributed"] == by_system["fsdp2"]["engine"] > 0
     # Only ZeRO++ quantizes: its CPU reference kernels are timed apart from the engine.
     assert by_system["zeropp"]["reference kernels"] > 0
     assert by_system["zero3"]["reference kernels"] == by_system["fsdp2"]["reference kernels"] == 0

@@ -102,8 +102,8 @@ def test_a_failing_rank_ends_the_others():
 # ---- byte counting ------------------------------------------------------------------------------
 
 
-# In a fresh interpreter: the engine keeps the torch.distributed functions it finds when it
-# is imported, so importing the benchmark must not import it before the counter is installed.
+# In a fresh interpreter: importing the benchmark imports nothing of the engine, whose
+# accounting rules the counter takes only when installed.
 _RULES_CHECK = """
 import sys
 from scripts.bench import bench_step, collective_bytes
@@ -137,6 +137,17 @@ def _count_collectives(rank, world):
         node = dist.new_group([0, 1]), dist.new_group([2, 3])
         dist.all_reduce(torch.ones(10), group=node[rank // 2])  # inside one node
         dist.all_to_all_single(torch.empty(4), torch.ones(4))
+        # The engine calls the process group's methods directly: counted the same, once.
+        from zeropp.comm.collectives import (
+            CommGroup,
+            all_gather_into_tensor,
+            all_to_all,
+            reduce_scatter_tensor,
+        )
+
+        all_gather_into_tensor(torch.empty(40), shard)
+        reduce_scatter_tensor(torch.empty(10), torch.ones(40), group=dist.group.WORLD)
+        all_to_all(torch.empty(4), torch.ones(4), CommGroup(None, world, rank, True))
         return counter.snapshot()
     finally:
         counter.uninstall()
@@ -145,10 +156,10 @@ def _count_collectives(rank, world):
 def test_counter_sees_every_collective_once_with_its_locality():
     snapshots = run_ranks(_count_collectives, 4, timeout=120)
     expected = {
-        "all_gather_single": {"intra_node": 0, "inter_node": 40 * 3},
-        "reduce_scatter_single": {"intra_node": 0, "inter_node": 160 * 3 // 4},
+        "all_gather_single": {"intra_node": 0, "inter_node": 2 * 40 * 3},
+        "reduce_scatter_single": {"intra_node": 0, "inter_node": 2 * (160 * 3 // 4)},
         "all_reduce": {"intra_node": 2 * 40 * 1 // 2, "inter_node": 0},
-        "all_to_all_single": {"intra_node": 0, "inter_node": 16 * 3 // 4},
+        "all_to_all_single": {"intra_node": 0, "inter_node": 2 * (16 * 3 // 4)},
     }
     for snapshot in snapshots:
         assert snapshot == expected

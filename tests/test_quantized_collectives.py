@@ -288,3 +288,28 @@ def test_quantized_gather_chooses_its_kernels_once_per_device_type(monkeypatch):
            "forward_all_gather").wait()
     assert chosen == ["cpu", "meta"]
     assert gather._backends == {"cpu": reference, "meta": meta}
+
+
+def test_qgz_chooses_its_kernels_once_per_device_type(monkeypatch):
+    """qgZ's send and receive (a one-rank cluster: its quantize and its sum) launch with the
+    kernels chosen at its first call."""
+    from zeropp import kernels
+    from zeropp.comm import CommGroup, CommStats
+    from zeropp.comm.quantized import HierarchicalReduceScatter
+    from zeropp.kernels import reference
+    from zeropp.topology import ClusterShape, Topology
+
+    chosen = []
+    choose = kernels.backend_for
+    monkeypatch.setattr(kernels, "backend_for",
+                        lambda tensor, block: chosen.append(tensor.device.type) or choose(tensor,
+                                                                                          block))
+    reduce = HierarchicalReduceScatter(Topology.planned(ClusterShape(world_size=1,
+                                                                     ranks_per_node=1)),
+                                       bits=8, block_size=64)
+    full = _shard(0, 256, torch.float32)
+    for _ in range(3):
+        out = torch.empty(256)
+        reduce(out, full, CommGroup(None, 1, 0, False), CommStats(), "gradient_reduce").wait()
+        assert (out - full).abs().max() <= full.abs().max() / 127
+    assert chosen == ["cpu"] and reduce._backends == {"cpu": reference}

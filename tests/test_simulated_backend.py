@@ -59,6 +59,19 @@ def test_cpu_tensor_is_a_violation_at_the_call_site():
         f"{__file__}:{line} in test_cpu_tensor_is_a_violation_at_the_call_site")
 
 
+def test_the_engines_direct_issue_is_not_the_call_site():
+    """The engine calls the group's methods from three functions of its own ([Note: issued
+    to the process group]); a violation names what called them."""
+    from zeropp.comm.collectives import all_gather_into_tensor
+
+    with simulated_process_group(rank=0, world_size=8) as sim:
+        line = inspect.currentframe().f_lineno + 1
+        all_gather_into_tensor(torch.empty(16), torch.zeros(2))
+    (violation,) = sim.violations
+    assert violation.rule == "device"
+    assert violation.site == f"{__file__}:{line} in test_the_engines_direct_issue_is_not_the_call_site"
+
+
 def test_a_communicator_first_used_after_training_started_is_a_violation():
     """[Note: eager communicators] NCCL would create it there, from a side stream perhaps."""
     with simulated_process_group(rank=0, world_size=4) as sim:

@@ -174,6 +174,7 @@ class UnitHooks:
         if self._backward_needs and self._backward_needs != self._last_backward_needs:
             self._windows[False].clear()
         self._last_backward_needs = self._backward_needs or self._last_backward_needs
+        self._backward_needs = []  # the plan is not appended to by a backward outside these
 
     # ---- forward -------------------------------------------------------------------------
     def _pre_forward(self, unit: ShardedUnit, module, args, kwargs):

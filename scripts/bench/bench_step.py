@@ -29,9 +29,9 @@ Inter-node bytes, per rank and iteration, three ways:
   FSDP2 and DeepSpeed, the same convention applied to every torch.distributed collective they
   call (``collective_bytes.py``, source "collective calls"). The engine's runs carry that
   count too (``collective_inter_node_bytes_per_iter``) as a cross-check of the two. That
-  counter wraps the torch.distributed functions, and the engine keeps the functions it finds
-  when it is imported: so ``zeropp`` is imported inside functions here, never at the top,
-  and only after the counter is installed.
+  counter wraps the process group's methods, which every caller reaches (this engine calls
+  them directly); ``zeropp`` is still imported inside functions here, after the counter is
+  installed, as it was when the counter wrapped torch.distributed's functions.
 - ``theory_inter_node_bytes_per_iter`` (FSDP2 only): its documented data path applied to
   the actual shard sizes.
 - ``wire_inter_node_bytes_per_iter``: what really crossed the shaped links, the growth of

@@ -1,25 +1,23 @@
 """Count the bytes a rank hands to torch.distributed collectives, whichever library calls them.
 
 FSDP2 and DeepSpeed keep no byte counters of their own that say which group a collective ran
-in, so the lab counts at the one layer all systems share: the torch.distributed functions.
-``CollectiveByteCounter.install()`` wraps them; it must run before any library captures a
-reference to one of them (this engine and DeepSpeed both keep references made at import or
-start-up), i.e. before those libraries are imported.
+in, so the lab counts at the one layer all systems share: the process group's methods, where
+torch.distributed's functions end and where this engine calls directly ([Note: issued to the
+process group] in zeropp/comm/collectives.py). ``CollectiveByteCounter.install()`` wraps them
+on ``ProcessGroup`` itself, so a call is counted however the caller reached the method (a
+backend that overrides them in Python, as the simulated one does, is not counted).
 
 The byte rules are the engine's own (``zeropp/comm/accounting.py``), so both counts follow one
 convention: the bytes leaving this rank for other ranks, each peer's piece counted as sent
 directly; a collective is ``inter_node`` when its group holds ranks of more than one node.
 For a group of G ranks and an input of B bytes: all-gather B*(G-1), reduce-scatter and
-all-to-all B*(G-1)/G, all-reduce 2*B*(G-1)/G. ``install()`` imports those rules only after
-its wrappers are in place, because importing them imports the engine, which keeps the
-torch.distributed functions it finds at that moment; this module imports nothing of the
-engine before then.
+all-to-all B*(G-1)/G, all-reduce 2*B*(G-1)/G. ``install()`` imports those rules only then, so
+importing this module imports nothing of the engine.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -34,15 +32,30 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-# name -> (parameter holding the input tensor, its bytes rule in zeropp.comm.accounting). The
-# deprecated names (all_gather_into_tensor, reduce_scatter_tensor, _all_gather_base) call
-# these through the module's globals, so wrapping these counts them too, and exactly once.
+# A collective by the name of torch.distributed's function -> its bytes rule in
+# zeropp.comm.accounting, and the ``ProcessGroup`` methods that run it (torch 2.13's names and
+# the older ones; each is a binding of its own, so a call is counted once). Every method takes
+# (output, input, ...) except ``allreduce``, which takes the list of tensors it reduces.
 _COUNTED = {
-    "all_gather_single": ("input_tensor", "all_gather_bytes"),
-    "reduce_scatter_single": ("input", "reduce_scatter_bytes"),
-    "all_reduce": ("tensor", "all_reduce_bytes"),
-    "all_to_all_single": ("input", "all_to_all_bytes"),
+    "all_gather_single": ("all_gather_bytes", ("all_gather_single", "_allgather_base")),
+    "reduce_scatter_single": ("reduce_scatter_bytes",
+                              ("reduce_scatter_single", "_reduce_scatter_base")),
+    "all_reduce": ("all_reduce_bytes", ("allreduce",)),
+    "all_to_all_single": ("all_to_all_bytes", ("all_to_all_single", "alltoall_base")),
 }
+
+
+def _input_bytes(name: str, args: tuple) -> int | None:
+    """Bytes of the input of a ``ProcessGroup`` method's call (its arguments after the group)."""
+    if name == "all_reduce":
+        tensors = args[0] if args else None
+        if isinstance(tensors, torch.Tensor):
+            return _nbytes(tensors)
+        if isinstance(tensors, (list, tuple)):
+            return sum(_nbytes(t) for t in tensors if isinstance(t, torch.Tensor))
+        return None
+    tensor = args[1] if len(args) > 1 else None
+    return _nbytes(tensor) if isinstance(tensor, torch.Tensor) else None
 
 
 class CollectiveByteCounter:
@@ -59,39 +72,31 @@ class CollectiveByteCounter:
 
     # ---- installation ---------------------------------------------------------------------
     def install(self) -> CollectiveByteCounter:
-        for name in _COUNTED:
-            if name in self._originals:
-                continue
-            original = getattr(distributed_c10d, name, None)
-            if original is None:  # an older torch without the renamed function
-                continue
-            self._originals[name] = original
-            wrapped = self._wrap(name, original)
-            setattr(distributed_c10d, name, wrapped)
-            setattr(dist, name, wrapped)
-        # Only now: this import imports the engine, which then keeps the wrappers.
+        for name, (_, methods) in _COUNTED.items():
+            for method in methods:
+                original = dist.ProcessGroup.__dict__.get(method)
+                if original is None or method in self._originals:
+                    continue  # not in this torch, or wrapped already
+                self._originals[method] = original
+                setattr(dist.ProcessGroup, method, self._wrap(name, original))
+        # Only now: importing the rules imports the engine.
         from zeropp.comm import accounting
 
-        self.rules = {name: getattr(accounting, rule) for name, (_, rule) in _COUNTED.items()}
+        self.rules = {name: getattr(accounting, rule) for name, (rule, _) in _COUNTED.items()}
         return self
 
     def uninstall(self) -> None:
-        for name, original in self._originals.items():
-            setattr(distributed_c10d, name, original)
-            setattr(dist, name, original)
+        for method, original in self._originals.items():
+            setattr(dist.ProcessGroup, method, original)
         self._originals.clear()
 
     def _wrap(self, name: str, original: Callable) -> Callable:
-        input_parameter = _COUNTED[name][0]
-        signature = inspect.signature(original)
-
         @functools.wraps(original)
-        def counted(*args, **kwargs):
-            arguments = signature.bind_partial(*args, **kwargs).arguments
-            tensor = arguments.get(input_parameter)
-            if isinstance(tensor, torch.Tensor):
-                self.record(name, arguments.get("group"), _nbytes(tensor))
-            return original(*args, **kwargs)
+        def counted(group, *args, **kwargs):
+            input_bytes = _input_bytes(name, args)
+            if input_bytes is not None:
+                self.record(name, group, input_bytes)
+            return original(group, *args, **kwargs)
 
         return counted
 

@@ -49,24 +49,30 @@ from zeropp.kernels import KernelVariant
 # [Note: issued to the process group]
 # The engine's transfers call the process group's own methods, which is where c10d's Python
 # functions (``dist.all_gather_single`` and the like) end. Those functions first check their
-# arguments, look the default group up, test for a coalescing context and a torch-function
-# mode, and wrap the call in an exception logger: about 6-12 us of Python per call on the CPU
-# (measured on torch's fake process group), paid by every gather and reduction of every unit.
-# None of it applies here: the engine issues on groups it made and belongs to, with
-# contiguous tensors of one dtype it allocated, never inside a coalescing manager. The
+# arguments and that this rank is in the group, look the default group up, test for a
+# coalescing context, dispatch tensor subclasses with ``__torch_function__``, and wrap the call
+# in an exception logger: about 6-12 us of Python per call on the CPU (measured on torch's
+# fake process group), paid by every gather and reduction of every unit. None of it applies
+# here: the engine issues on groups it made and belongs to, with plain contiguous tensors of
+# one dtype it allocated, never inside a coalescing manager. The
 # backend still checks what it must (device, size, contiguity) in C++. torch 2.13 renamed the
 # methods (``_allgather_base`` -> ``all_gather_single``); older releases keep the old names.
 _GATHER, _REDUCE_SCATTER, _ALL_TO_ALL = (
     ("all_gather_single", "reduce_scatter_single", "all_to_all_single")
     if hasattr(dist.ProcessGroup, "all_gather_single")
     else ("_allgather_base", "_reduce_scatter_base", "alltoall_base"))
+# Whether each options type carries ``asyncOp`` (set by c10d's functions where it exists;
+# older releases have none on some types, and their objects take no new attribute).
+_ASYNC_OPTION = {kind: hasattr(kind(), "asyncOp")
+                 for kind in (AllgatherOptions, ReduceScatterOptions, AllToAllOptions)}
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
                            async_op: bool = False):
     """``dist.all_gather_single`` issued to the group ([Note: issued to the process group])."""
     options = AllgatherOptions()
-    options.asyncOp = async_op
+    if _ASYNC_OPTION[AllgatherOptions]:
+        options.asyncOp = async_op
     work = getattr(group or _get_default_group(), _GATHER)(output, input, options)
     if not async_op and work is not None:  # as c10d's functions: done on return
         work.wait()
@@ -79,7 +85,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
     """``dist.reduce_scatter_single`` with SUM, issued to the group (as above)."""
     options = ReduceScatterOptions()
     options.reduceOp = dist.ReduceOp.SUM
-    options.asyncOp = async_op
+    if _ASYNC_OPTION[ReduceScatterOptions]:
+        options.asyncOp = async_op
     work = getattr(group or _get_default_group(), _REDUCE_SCATTER)(output, input, options)
     if not async_op and work is not None:  # as c10d's functions: done on return
         work.wait()
@@ -295,7 +302,8 @@ def all_to_all(output: torch.Tensor, send: torch.Tensor, group: CommGroup,
         output.copy_(send)
         return None
     options = AllToAllOptions()
-    options.asyncOp = async_op
+    if _ASYNC_OPTION[AllToAllOptions]:
+        options.asyncOp = async_op
     work = getattr(group.group or _get_default_group(), _ALL_TO_ALL)(output, send, [], [],
                                                                      options)
     if not async_op and work is not None:  # as c10d's functions: done on return

@@ -32,8 +32,8 @@ one-hop path the error is then measured against.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from functools import partial
 
 import torch
 
@@ -288,7 +288,7 @@ class HierarchicalReduceScatter(Collective):
         in_flight: dict[str, object] = {}
         return self.execution.launch(
             self.lane, lambda async_op: self._send(output, full, key, in_flight),
-            finish=partial(self._receive, output, in_flight),
+            finish=functools.partial(self._receive, output, in_flight),
             keep=(output, full), sequence=True,
         )
 

@@ -6,7 +6,9 @@ importable and the block size fits them, meta tensors (the simulated GPU cluster
 `meta` (the Triton kernels' allocations, no compute), everything else to the pure-torch
 reference. The
 two are bit-identical (see `reference` for the payload layout and the numeric contract).
-`ZEROPP_KERNELS=reference|triton` forces one backend, read at every call.
+`ZEROPP_KERNELS=reference|triton` forces one backend, read at every call of these
+functions (the engine's quantized collectives choose once per device type, at their first
+launch).
 
 The Triton module is imported only when a call selects it, so CPU-only runs never import
 Triton. Its launches go through a cached compiled kernel's launcher with the raw CUDA stream

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from zeropp.comm import collectives as engine_collectives
 from zeropp.deepspeed_api.initialize import SIMULATED_BACKEND
 
 # zeropp.initialize puts the engine on the meta device when the process group is this one.
@@ -164,6 +165,11 @@ _SKIP_FILES = {__file__} | {
     getattr(sys.modules.get(name), "__file__", None)
     for name in ("typing_extensions", "warnings", "functools", "contextlib")
 }
+# The engine's own functions that call a group's methods ([Note: issued to the process group]):
+# the call site is what called them.
+_ISSUING_CODES = {function.__code__ for function in (
+    engine_collectives.all_gather_into_tensor, engine_collectives.reduce_scatter_tensor,
+    engine_collectives.all_to_all)}
 # torch's object collectives put their pickles on the backend's object device (the current
 # CUDA device under NCCL; here the CPU, since a Python group registers no device). That is
 # legitimate, so their tensors are exempt from the device rule.
@@ -182,7 +188,7 @@ def _call_site() -> tuple[str, bool]:
         code = frame.f_code
         if code.co_filename.startswith(_TORCH_DIR):
             from_object_collective |= code.co_name in _OBJECT_COLLECTIVES
-        elif code.co_filename not in _SKIP_FILES:
+        elif code.co_filename not in _SKIP_FILES and code not in _ISSUING_CODES:
             return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}", from_object_collective
         frame = frame.f_back
     return "<unknown>", from_object_collective
