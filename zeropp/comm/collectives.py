@@ -61,37 +61,45 @@ _GATHER, _REDUCE_SCATTER, _ALL_TO_ALL = (
     ("all_gather_single", "reduce_scatter_single", "all_to_all_single")
     if hasattr(dist.ProcessGroup, "all_gather_single")
     else ("_allgather_base", "_reduce_scatter_base", "alltoall_base"))
-# Whether each options type carries ``asyncOp`` (set by c10d's functions where it exists;
-# older releases have none on some types, and their objects take no new attribute).
-_ASYNC_OPTION = {kind: hasattr(kind(), "asyncOp")
-                 for kind in (AllgatherOptions, ReduceScatterOptions, AllToAllOptions)}
 
 
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
-                           async_op: bool = False):
-    """``dist.all_gather_single`` issued to the group ([Note: issued to the process group])."""
-    options = AllgatherOptions()
-    if _ASYNC_OPTION[AllgatherOptions]:
+def _options(kind, async_op: bool, **fields):
+    """An options object as c10d's functions fill it; made once per kind and flag (the
+    backends read them, nothing writes them). ``asyncOp`` only where the type has it:
+    older releases have none on some types, and their objects take no new attribute."""
+    options = kind()
+    if hasattr(options, "asyncOp"):
         options.asyncOp = async_op
-    work = getattr(group or _get_default_group(), _GATHER)(output, input, options)
-    if not async_op and work is not None:  # as c10d's functions: done on return
-        work.wait()
-        return None
-    return work
+    for name, value in fields.items():
+        setattr(options, name, value)
+    return options
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
-                          async_op: bool = False):
-    """``dist.reduce_scatter_single`` with SUM, issued to the group (as above)."""
-    options = ReduceScatterOptions()
-    options.reduceOp = dist.ReduceOp.SUM
-    if _ASYNC_OPTION[ReduceScatterOptions]:
-        options.asyncOp = async_op
-    work = getattr(group or _get_default_group(), _REDUCE_SCATTER)(output, input, options)
-    if not async_op and work is not None:  # as c10d's functions: done on return
-        work.wait()
+_GATHER_OPTIONS = {flag: _options(AllgatherOptions, flag) for flag in (False, True)}
+_SUM_OPTIONS = {flag: _options(ReduceScatterOptions, flag, reduceOp=dist.ReduceOp.SUM)
+                for flag in (False, True)}
+_ALL_TO_ALL_OPTIONS = {flag: _options(AllToAllOptions, flag) for flag in (False, True)}
+
+
+def _issued_to_the_group(method: str, options: dict[bool, object], doc: str):
+    """A function ``(output, input, group=None, async_op=False)`` that calls ``method`` on the
+    group as c10d's function of that name does ([Note: issued to the process group])."""
+
+    def issue(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+        work = getattr(group or _get_default_group(), method)(output, input, options[async_op])
+        if async_op or work is None:
+            return work
+        work.wait()  # as c10d's functions do: done on return
         return None
-    return work
+
+    issue.__doc__ = doc
+    return issue
+
+
+all_gather_into_tensor = _issued_to_the_group(
+    _GATHER, _GATHER_OPTIONS, "``dist.all_gather_single``, issued to the group.")
+reduce_scatter_tensor = _issued_to_the_group(
+    _REDUCE_SCATTER, _SUM_OPTIONS, "``dist.reduce_scatter_single`` with SUM, issued to the group.")
 
 
 @dataclass(frozen=True)
@@ -301,15 +309,12 @@ def all_to_all(output: torch.Tensor, send: torch.Tensor, group: CommGroup,
     if group.size == 1:
         output.copy_(send)
         return None
-    options = AllToAllOptions()
-    if _ASYNC_OPTION[AllToAllOptions]:
-        options.asyncOp = async_op
-    work = getattr(group.group or _get_default_group(), _ALL_TO_ALL)(output, send, [], [],
-                                                                     options)
-    if not async_op and work is not None:  # as c10d's functions: done on return
-        work.wait()
-        return None
-    return work
+    work = getattr(group.group or _get_default_group(), _ALL_TO_ALL)(
+        output, send, [], [], _ALL_TO_ALL_OPTIONS[async_op])
+    if async_op or work is None:
+        return work
+    work.wait()
+    return None
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: CommGroup, stats: CommStats, phase: str) -> None:
