@@ -79,11 +79,13 @@ class _FakeKernel:
 def direct_launcher(monkeypatch):
     """A fresh launcher that takes the direct path, with a fake raw stream."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    launcher._interpreting.cache_clear()  # read once per process: read again here
     monkeypatch.setattr(launcher, "_raw_stream", lambda index: 1234)
     monkeypatch.setattr(launcher.KernelLauncher, "_hooked", staticmethod(lambda: False))
     fresh = launcher.KernelLauncher()
     fresh._direct = True
-    return fresh
+    yield fresh
+    launcher._interpreting.cache_clear()
 
 
 CONSTANTS = {"BLOCK": 256, "ROWS": 8}
@@ -166,12 +168,14 @@ def test_the_interpreter_and_launch_hooks_take_the_plain_path(direct_launcher, m
     kernel = _FakeKernel()
     buffer = torch.empty(64, dtype=torch.uint8)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launcher._interpreting.cache_clear()
     for _ in range(2):
         _launch(direct_launcher, kernel, buffer, 4096, 32)
     assert [entry[0] for entry in kernel.log] == ["plain", "plain"]
     assert not direct_launcher.prepare(kernel, ("quantize_kernel", 1), CONSTANTS, 4, (5, 2),
                                        (buffer, 4096, 32))
     monkeypatch.delenv("TRITON_INTERPRET")
+    launcher._interpreting.cache_clear()
     monkeypatch.setattr(launcher.KernelLauncher, "_hooked", staticmethod(lambda: True))
     for _ in range(2):
         _launch(direct_launcher, kernel, buffer, 4096, 32)

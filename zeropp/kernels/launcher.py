@@ -69,7 +69,11 @@ def argument_key(args: Sequence) -> tuple:
     return tuple(key)
 
 
+@cache
 def _interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels, read once rather than at every launch:
+    Triton reads the variable when it decorates the kernels (their module's import), so a
+    later change would not switch them anyway."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
