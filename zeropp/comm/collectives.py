@@ -54,9 +54,9 @@ from zeropp.kernels import KernelVariant
 # in an exception logger: about 6-12 us of Python per call on the CPU (measured on torch's
 # fake process group), paid by every gather and reduction of every unit. None of it applies
 # here: the engine issues on groups it made and belongs to, with plain contiguous tensors of
-# one dtype it allocated, never inside a coalescing manager. The
-# backend still checks what it must (device, size, contiguity) in C++. torch 2.13 renamed the
-# methods (``_allgather_base`` -> ``all_gather_single``); older releases keep the old names.
+# one dtype it allocated, never inside a coalescing manager. The backend still checks what it
+# must (device, size, contiguity) in C++. torch 2.13 renamed the methods (``_allgather_base``
+# -> ``all_gather_single``); older releases keep the old names.
 _GATHER, _REDUCE_SCATTER, _ALL_TO_ALL = (
     ("all_gather_single", "reduce_scatter_single", "all_to_all_single")
     if hasattr(dist.ProcessGroup, "all_gather_single")
