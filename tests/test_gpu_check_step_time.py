@@ -19,11 +19,10 @@ from megatron_lite.dry_run import (
     run_dry_run,
 )
 from scripts.gpu_check.report import SectionResult, build_report, write_report
+from zeropp.planning.kernel_rates import KernelRatesError, load_kernel_rates
 from zeropp.planning.step_time import (
     CLUSTERS,
     DEFAULT_HOST_SECONDS_PER_OP,
-    KernelRatesError,
-    load_kernel_rates,
     predict,
     with_kernel_rates,
 )

@@ -181,9 +181,9 @@ def test_zeropp_collectives(runs):
         assert _kernels(launch.completion_ops) in (
             ["zeropp.dequantize_blockwise_many.default"],
             ["aten.clone.default", "zeropp.dequantize_blockwise_many.default"])
-    for launch in backward:  # hpZ's int8 secondary, dequantized the same way
+    for launch in backward:  # hpZ: the int8 secondary shards, inside the node only,
+        # dequantized the same way
         assert _kernels(launch.completion_ops) == ["zeropp.dequantize_blockwise_many.default"]
-    for launch in backward:  # hpZ: the secondary shards, inside the node only
         assert all(not _spans_nodes(c.group) and len(c.group) == GPUS
                    for c in launch.collectives)
     reductions = trace.launches("reduce")

@@ -30,8 +30,7 @@ Inter-node bytes, per rank and iteration, three ways:
   call (``collective_bytes.py``, source "collective calls"). The engine's runs carry that
   count too (``collective_inter_node_bytes_per_iter``) as a cross-check of the two. That
   counter wraps the process group's methods, which every caller reaches (this engine calls
-  them directly); ``zeropp`` is still imported inside functions here, after the counter is
-  installed, as it was when the counter wrapped torch.distributed's functions.
+  them directly).
 - ``theory_inter_node_bytes_per_iter`` (FSDP2 only): its documented data path applied to
   the actual shard sizes.
 - ``wire_inter_node_bytes_per_iter``: what really crossed the shaped links, the growth of

@@ -8,6 +8,7 @@
 The training path never imports this package.
 """
 
+from zeropp.planning.kernel_rates import KernelRatesError, MeasuredKernelRates, load_kernel_rates
 from zeropp.planning.planner import (
     MemoryPlan,
     SystemPlan,
@@ -18,11 +19,8 @@ from zeropp.planning.planner import (
 from zeropp.planning.step_time import (
     CLUSTERS,
     ClusterSpec,
-    KernelRatesError,
-    MeasuredKernelRates,
     StepPrediction,
     lab_cluster,
-    load_kernel_rates,
     predict,
     with_kernel_rates,
 )

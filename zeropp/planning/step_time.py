@@ -118,13 +118,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 # The GPU check's measured rates (read there, applied by ``with_kernel_rates`` here).
-from zeropp.planning.kernel_rates import (  # noqa: F401 (re-exported)
-    KERNEL_RATES_SCHEMA,
-    KERNEL_RATES_VERSION,
-    KernelRatesError,
-    MeasuredKernelRates,
-    load_kernel_rates,
-)
+from zeropp.planning.kernel_rates import MeasuredKernelRates
 from zeropp.simulation.trace import (
     Collective,
     ComputeOp,
