@@ -91,6 +91,7 @@ def test_side_streams_are_created_at_high_priority(monkeypatch):
 
     made = []
     monkeypatch.setattr(torch.cuda, "Stream", lambda **kwargs: made.append(kwargs) or object())
+    monkeypatch.setattr(torch.cuda, "Event", object)
     execution = CudaExecution(torch.device("cuda", 2))
     assert set(execution.streams) == {"gather", "reduce"}
     execution.completion_stream("gather")  # made at first use, once
@@ -99,24 +100,26 @@ def test_side_streams_are_created_at_high_priority(monkeypatch):
 
 
 class FakeStreams:
-    """torch.cuda's streams and events as a log: which stream is current, what is recorded
-    where and which event the compute stream waits for."""
+    """torch.cuda's streams and events as a log: which stream is current on which device,
+    what is recorded where, and which stream waits for which record. A wait is logged as
+    ("wait", waiting stream, event id, stream the event was recorded on)."""
 
-    def __init__(self, monkeypatch) -> None:
+    def __init__(self, monkeypatch, device_index: int = 0) -> None:
         self.log: list[tuple] = []
         self.events: list = []
         fake = self
 
         class Stream:
-            def __init__(self, device=None, priority=0):
-                self.name = f"side{len(fake.streams)}"
+            def __init__(self, device=None, priority=0, name=None, index=None):
+                self.name = name or f"side{len(fake.streams)}"
+                self.device_index = fake.device if index is None else index
                 fake.streams.append(self)
 
             def wait_stream(self, other):
                 fake.log.append(("wait_stream", self.name, other.name))
 
             def wait_event(self, event):
-                fake.log.append(("wait", event.id, event.recorded_on))
+                fake.log.append(("wait", self.name, event.id, event.recorded_on))
 
         class Event:
             def __init__(self):
@@ -128,35 +131,63 @@ class FakeStreams:
                 fake.log.append(("record", self.id, stream.name))
 
         @contextlib.contextmanager
-        def stream(s):
-            previous, self.current = self.current, s
+        def stream(s):  # torch's context: the stream's device current while it runs
+            previous = dict(self.current_on), self.device
+            self.device, self.current_on[s.device_index] = s.device_index, s
             try:
                 yield
             finally:
-                self.current = previous
+                self.current_on, self.device = previous
+
+        @contextlib.contextmanager
+        def device(index):
+            previous, self.device = self.device, index
+            try:
+                yield
+            finally:
+                self.device = previous
+
+        def set_stream(s):  # as torch's: the stream's device becomes the current one
+            self.device, self.current_on[s.device_index] = s.device_index, s
 
         self.streams: list = []
-        self.compute = Stream()
-        self.compute.name = "compute"
-        self.current = self.compute
+        self.device = device_index
+        # each device's current stream: its compute stream until something switches it
+        self.current_on = {index: Stream(name="compute" if index == device_index
+                                         else f"compute{index}", index=index)
+                           for index in range(8)}
         self.streams.clear()
         monkeypatch.setattr(torch.cuda, "Stream", Stream)
         monkeypatch.setattr(torch.cuda, "Event", Event)
         monkeypatch.setattr(torch.cuda, "stream", stream)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
+        monkeypatch.setattr(torch.cuda, "device", device)
+        monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.device)
+        monkeypatch.setattr(torch.cuda, "current_stream", self.current_stream)
+
+    def current_stream(self, device=None):
+        if device is None:
+            return self.current
+        return self.current_on[device if isinstance(device, int) else device.index]
+
+    @property
+    def current(self):
+        return self.current_on[self.device]
 
 
 def test_collective_events_are_reused_once_waited_for(monkeypatch):
     """A collective records an event on its side stream and the compute stream waits for it;
     once that wait is enqueued the event is free to record again (CUDA's stream waits take
     the record current at the call), so a lane creates only as many events as it has
-    collectives in flight at once, not one per collective."""
+    collectives in flight at once, not one per collective. The side stream's wait for
+    compute before each collective reuses one event too."""
     from zeropp.comm.streams import CudaExecution
 
     cuda = FakeStreams(monkeypatch)
     log, made = cuda.log, cuda.events
     execution = CudaExecution(torch.device("cuda", 0))
     gather = execution.streams["gather"]
+    mark = execution.compute_mark.id
     issued = []
 
     def launch(lane):
@@ -164,21 +195,22 @@ def test_collective_events_are_reused_once_waited_for(monkeypatch):
 
     for _ in range(5):  # one at a time: one event, recorded and waited for five times
         launch("gather").wait()
-    assert len(made) == 1 and issued == ["gather"] * 5
-    log[:] = [entry for entry in log if entry[0] != "wait_stream"]
-    assert log == [("record", 0, gather.name), ("wait", 0, gather.name)] * 5
+    assert len(made) == 2 and issued == ["gather"] * 5
+    assert log == [("record", mark, "compute"), ("wait", gather.name, mark, "compute"),
+                   ("record", 1, gather.name), ("wait", "compute", 1, gather.name)] * 5
     log.clear()
     first, second = launch("gather"), launch("gather")  # two in flight: a second event
     reduce = launch("reduce")  # each lane has its own
-    assert len(made) == 3
+    assert len(made) == 4
     for pending in (second, first, reduce):
         pending.wait()
         pending.wait()  # a second wait neither waits nor frees the event again
-    assert [entry[0] for entry in log].count("wait") == 3
+    assert [entry[:2] for entry in log].count(("wait", "compute")) == 3
     assert sorted(map(len, execution.free_events.values())) == [1, 2]
     for _ in range(3):
         launch("gather").wait()
-    assert len(made) == 3  # the free ones are taken
+    assert len(made) == 4  # the free ones are taken
+    assert cuda.current.name == "compute" and cuda.device == 0
 
 
 def test_completion_steps_run_where_nothing_waits_behind_them(monkeypatch):
@@ -195,40 +227,87 @@ def test_completion_steps_run_where_nothing_waits_behind_them(monkeypatch):
     gather, reduce = execution.streams["gather"], execution.streams["reduce"]
     completion = execution.completion_stream("gather")
     assert execution.completion_streams == {"gather": completion}  # none for reduce yet
+    mark = execution.compute_mark.id
 
     def step(name):
         return lambda *args: cuda.log.append((name, cuda.current.name))
 
+    def one_launch(event):
+        return [("record", mark, "compute"), ("wait", gather.name, mark, "compute"),
+                ("issue", gather.name), ("record", event, gather.name),
+                ("wait", completion.name, event, gather.name),
+                ("finish", completion.name), ("record", event, completion.name)]
+
     first = execution.launch("gather", step("issue"), finish=step("finish"))
     second = execution.launch("gather", step("issue"), finish=step("finish"))
-    one_launch = [("wait_stream", gather.name, "compute"), ("issue", gather.name),
-                  ("record", 0, gather.name), ("wait", 0, gather.name),
-                  ("finish", completion.name), ("record", 0, completion.name)]
     # the second transfer is issued on the gather stream with nothing of the first's
     # completion before it there; each launch's event is re-recorded for its completion
-    assert cuda.log == one_launch + [(kind, 1 if isinstance(x, int) else x, *rest)
-                                     for kind, x, *rest in one_launch]
+    assert cuda.log == one_launch(1) + one_launch(2)
+    assert cuda.current.name == "compute"
     cuda.log.clear()
     first.wait()
     second.wait()
-    assert cuda.log == [("wait", 0, completion.name), ("wait", 1, completion.name)]
+    assert cuda.log == [("wait", "compute", 1, completion.name),
+                        ("wait", "compute", 2, completion.name)]
     cuda.log.clear()
     first = execution.launch("reduce", step("send"), finish=step("receive"), sequence=True)
     second = execution.launch("reduce", step("send"), finish=step("receive"), sequence=True)
     # both sends issued before either receive: the lane does not wait for the first's
-    assert [entry[0] for entry in cuda.log] == ["wait_stream", "send", "record"] * 2
+    assert [entry[0] for entry in cuda.log] == ["record", "wait", "send", "record"] * 2
     cuda.log.clear()
     first.wait()
     second.wait()
     ids = [event.id for event in execution.free_events["reduce"]]
-    assert cuda.log == [("wait", ids[0], reduce.name), ("receive", "compute"),
-                        ("wait", ids[1], reduce.name), ("receive", "compute")]
+    assert cuda.log == [("wait", "compute", ids[0], reduce.name), ("receive", "compute"),
+                        ("wait", "compute", ids[1], reduce.name), ("receive", "compute")]
     # staging on a lane (an offloaded shard's copy) waits for compute, where a receive may
     # still read a block the lane freed
     cuda.log.clear()
     with execution.staging("reduce"):
         assert cuda.current is reduce
-    assert cuda.log == [("wait_stream", reduce.name, "compute")]
+    assert cuda.log == [("record", mark, "compute"), ("wait", reduce.name, mark, "compute")]
+
+
+def test_a_launch_switches_streams_as_torchs_context_would(monkeypatch):
+    """[Note: lane switch]: a launch sets the lane's stream and restores the compute stream,
+    also when the issue fails; from a thread whose current device is another GPU it makes
+    the engine's device current while it issues, then restores both devices' streams and
+    the current device, as ``torch.cuda.stream(...)`` does."""
+    from zeropp.comm.streams import CudaExecution
+
+    cuda = FakeStreams(monkeypatch, device_index=2)
+    execution = CudaExecution(torch.device("cuda", 2))
+    gather = execution.streams["gather"]
+    seen = []
+
+    def issue(async_op):
+        seen.append((cuda.device, cuda.current.name))
+
+    def finish():
+        seen.append((cuda.device, cuda.current.name))
+
+    execution.launch("gather", issue, finish=finish).wait()
+    completion = execution.completion_stream("gather")
+    assert seen == [(2, gather.name), (2, completion.name)]
+    assert (cuda.device, cuda.current.name) == (2, "compute")
+
+    def failing(async_op):
+        raise RuntimeError("NCCL error")
+
+    with pytest.raises(RuntimeError, match="NCCL error"):
+        execution.launch("gather", failing)
+    assert (cuda.device, cuda.current.name) == (2, "compute")
+
+    seen.clear()
+    cuda.device = 5  # the thread's current GPU is not the engine's
+    cuda.log.clear()
+    execution.launch("gather", issue, finish=finish).wait()
+    assert seen == [(2, gather.name), (2, completion.name)]
+    assert cuda.device == 5 and cuda.current.name == "compute5"
+    assert cuda.current_on[2].name == "compute"
+    # it joined the engine device's compute stream, not the other device's
+    assert cuda.log[:2] == [("record", execution.compute_mark.id, "compute"),
+                            ("wait", gather.name, execution.compute_mark.id, "compute")]
 
 
 def test_overlap_comm_false_completes_a_sequence_when_issued():

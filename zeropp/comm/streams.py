@@ -43,7 +43,7 @@ slower). So a single collective's ``finish`` runs on the lane's *completion stre
 at once after the transfer's event: it overlaps compute and the next transfer both, and the
 compute stream waits for the completion's event. What the completion reads (qwZ's received
 payloads) is held by the ``Pending`` until that wait, and freed blocks of the lane are
-reused only after the next launch's ``wait_stream`` on compute, which follows it.
+reused only after the next launch's wait for compute, which follows it.
 A *sequence* (qgZ's two hops, the weight-delta gather's) leaves its last collectives in
 flight on their own communicators; its ``finish`` waits for them, so it runs at ``wait()``
 on the compute stream: the side stream goes on to the next unit's first hop while this one's
@@ -226,6 +226,11 @@ class CudaExecution(Execution):
         self.completion_streams: dict[str, object] = {}
         # Events waited for, ready to be recorded again (see [Note: execution models]).
         self.free_events: dict[str, list] = {lane: [] for lane in self.streams}
+        # Where a side stream joins the compute stream before each collective: recorded on
+        # the compute stream, then waited for, so one event serves every launch
+        # (``Stream.wait_stream`` would create an event per call).
+        self.compute_mark = torch.cuda.Event()
+        self.device_index = device.index if device.index is not None else torch.cuda.current_device()
 
     def completion_stream(self, lane: str):
         """The stream of ``lane``'s completion steps ([Note: completion steps])."""
@@ -243,26 +248,47 @@ class CudaExecution(Execution):
         # events once the stream waits for compute, where a completion step may still read a
         # block this lane freed ([Note: completion steps]); ``launch`` waits the same way.
         stream = self.streams[lane]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.compute_mark.record(torch.cuda.current_stream(self.device))
+        stream.wait_event(self.compute_mark)
         with torch.cuda.stream(stream):
             yield
 
+    # [Note: lane switch]
+    # ``launch`` runs for every collective, so it switches streams with ``set_stream`` and
+    # back rather than ``torch.cuda.stream(...)``, whose context object looks up the current
+    # device's index through torch's generic device helpers on entry (about 25 Python calls
+    # per use in torch 2.13, against 4 for the two ``set_stream``s). The two are the same
+    # switch when the engine's device is the current one: torch's context then saves and
+    # restores that device's current stream, as here. When it is not, the context also makes
+    # the engine's device current while it runs and restores both devices' streams after:
+    # ``launch`` then runs inside ``torch.cuda.device(...)``, which restores the current
+    # device as the context does.
     def launch(self, lane, issue, *, finish=None, keep=(), sequence=False) -> Pending:
+        if torch.cuda.current_device() != self.device_index:
+            with torch.cuda.device(self.device_index):
+                return self.launch(lane, issue, finish=finish, keep=keep, sequence=sequence)
+        compute = torch.cuda.current_stream(self.device_index)  # (an index: the cheap lookup)
         record = flight_recorder.issued(lane, issue, keep)
         stream = self.streams[lane]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        # The side stream starts after what compute enqueued so far (its inputs are written
+        # there); a wait takes the mark's record of the moment, so one event serves all.
+        self.compute_mark.record(compute)
+        stream.wait_event(self.compute_mark)
         free = self.free_events[lane]
-        with torch.cuda.stream(stream):
+        event = free.pop() if free else torch.cuda.Event()
+        torch.cuda.set_stream(stream)
+        try:
             issue(False)
-            event = free.pop() if free else torch.cuda.Event()
             event.record(stream)
-        if finish is not None and not sequence:  # [Note: completion steps]
-            completion = self.completion_stream(lane)
-            completion.wait_event(event)
-            with torch.cuda.stream(completion):
+            if finish is not None and not sequence:  # [Note: completion steps]
+                completion = self.completion_stream(lane)
+                completion.wait_event(event)
+                torch.cuda.set_stream(completion)
                 finish()
                 event.record(completion)  # the wait above took the transfer's record
-            finish = None
+                finish = None
+        finally:
+            torch.cuda.set_stream(compute)
         # A sequence's finish runs at wait(), after the compute stream waits for the event.
         return Pending(finish=finish, event=event, keep=keep, record=record, free_events=free)
 
