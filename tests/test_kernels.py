@@ -588,6 +588,49 @@ def test_triton_handles_extremes_like_reference(triton_device) -> None:
             torch.testing.assert_close(restored.cpu(), expected, rtol=0, atol=0, equal_nan=True)
 
 
+def _subnormal(ulps) -> torch.Tensor:
+    """float32 values that are whole multiples of the smallest subnormal (2**-149)."""
+    return torch.ldexp(torch.as_tensor(ulps, dtype=torch.float32), torch.tensor(-149))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's inf arithmetic
+def test_triton_tiny_scales_take_the_full_formula(triton_device) -> None:
+    """[Note: plain rows]: a tile of finite blocks skips the prescale and the clamp, which is
+    exact only for scales of 0 or at least PRESCALE_BELOW. Here the blocks are finite (no
+    NaN row sends the tile to the full formula anyway) and include a subnormal scale whose
+    values round past QMAX without the clamp, a scale whose reciprocal overflows without the
+    prescale, one just under PRESCALE_BELOW, and a zero block: quantized alone and through
+    the requantizing reduction, the kernels equal the reference."""
+    triton_kernels, device = triton_device
+    block = 64
+    x = _sample(block * 6, torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    signs = torch.where(torch.rand(block, generator=gen) < 0.5, -1.0, 1.0)
+    x[block:2 * block] = _subnormal(torch.randint(0, 11, (block,), generator=gen)) * signs
+    x[block] = _subnormal(10)  # int4: RN(10 / 7 ulps) = 1 ulp, 10 ulps / 1 ulp = 10 > 7
+    x[2 * block:3 * block] = _subnormal(torch.randint(0, 191, (block,), generator=gen)) * signs
+    x[2 * block] = -_subnormal(190)  # int8: RN(190 / 127 ulps) = 1 ulp, 190 > 127
+    x[3 * block:4 * block] = torch.linspace(-1.0, 1.0, block) * 1e-39  # 1 / scale overflows
+    x[4 * block:5 * block] = torch.linspace(-1.0, 1.0, block) * (2.0**-64 * 7 * 0.999)
+    x[5 * block:] = 0.0
+    for bits, tight in ((4, 1), (8, 2)):
+        qmax = 2 ** (bits - 1) - 1
+        values = x[tight * block:(tight + 1) * block].numpy()
+        scale = np.float32(np.abs(values).max()) / np.float32(qmax)
+        assert np.abs(values / scale).max() > qmax + 0.5  # the clamp decides these codes
+        layout = kernels.payload_layout(x.numel(), bits, block)
+        expected = cpu_reference.quantize_blockwise(x, bits, block)
+        _assert_same_payload(triton_kernels.quantize_blockwise(x.to(device), bits, block),
+                             expected, layout)
+        # The same blocks as a reduction's sum: one payload holding them plus zero payloads.
+        payloads = torch.stack([expected, cpu_reference.quantize_blockwise(0 * x, bits, block)])
+        for bits_out in (bits, 8 if bits == 4 else 4):
+            assert _same(triton_kernels.dequantize_reduce_quantize(
+                payloads.to(device), x.numel(), bits, bits_out, block),
+                cpu_reference.dequantize_reduce_quantize(payloads, x.numel(), bits, bits_out,
+                                                         block))
+
+
 @pytest.mark.parametrize(("numel", "block_size"),
                          [(7, 3), (1000, 64), (300, 6), (5000, 2048), (3000, 1025)])
 def test_triton_reductions_match_reference(triton_device, numel, block_size) -> None:

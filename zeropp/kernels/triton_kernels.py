@@ -8,7 +8,9 @@ the host launches each kernel variant): the block size, the tile and the payload
 are compile-time constants. One program owns ROWS whole quantization blocks; each thread
 moves 16 bytes of every packed-code stream (16 int8 codes, 32 int4 codes) and unpacks
 or packs sub-byte codes in registers (a join or split of nibbles, no per-value byte
-gathers). A block that fits a tile is one tile, so absmax, scale, rounding and packing
+gathers; the plain reduction shifts int4 codes out of whole words). A tile of finite blocks
+whose scales are normal quantizes with one multiply a value, no prescale or clamp
+([Note: plain rows] in `zeropp.kernels.triton_device`). A block that fits a tile is one tile, so absmax, scale, rounding and packing
 happen in one pass and the scale never round-trips through memory; a larger block is read
 twice (absmax, then quantize). Reductions read the K payloads in one unrolled loop (all
 loads in flight together) and quantize the fp32 sum in the same tile, so qgZ's
@@ -208,7 +210,7 @@ def dequantize_kernel(
         rows, local, row_valid, in_block, in_range = _tile(first, c0, nblocks, numel, BLOCK,
                                                            ROWS, COLS)
         codes = _load_codes(payload, first, rows, c0, local, in_block, row_valid, BLOCK, BITS,
-                            UNPACK, ROWS, COLS, MASK_VALUES)
+                            UNPACK, ROWS, COLS, MASK_VALUES, False)
         _store_values(out + local, codes * scales[:, None], in_range, MASK_VALUES)
 
 
@@ -238,7 +240,7 @@ def _dequantize_reduce_kernel(
                                                            ROWS, COLS)
         total = _sum_chunk(payload_ptr, payload_stride, data_nbytes, first, rows, c0, local,
                            in_block, row_valid, BLOCK, BITS, UNPACK, K, UNROLL, ROWS, COLS,
-                           MASK_VALUES, MASK_ROWS, SCALES_F32)
+                           MASK_VALUES, MASK_ROWS, SCALES_F32, SCALES_F32)
         # The fp32 sum rounded once to the output's dtype (a 16-bit gradient shard).
         _store_values(out + local, total, in_range, MASK_VALUES)
 
