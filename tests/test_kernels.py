@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import zeropp.kernels as kernels
-from zeropp.kernels import reference
+from zeropp.kernels import launch_specs, reference
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Half an ulp of the output dtype relative to the value, and its smallest subnormal step.
@@ -594,7 +594,8 @@ def _subnormal(ulps) -> torch.Tensor:
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's inf arithmetic
-def test_triton_tiny_scales_take_the_full_formula(triton_device) -> None:
+@pytest.mark.parametrize("block", [64, 8192])  # one tile a block; two passes over 8192
+def test_triton_tiny_scales_take_the_full_formula(triton_device, block) -> None:
     """[Note: plain rows]: a tile of finite blocks skips the prescale and the clamp, which is
     exact only for scales of 0 or at least PRESCALE_BELOW. Here the blocks are finite (no
     NaN row sends the tile to the full formula anyway) and include a subnormal scale whose
@@ -602,7 +603,7 @@ def test_triton_tiny_scales_take_the_full_formula(triton_device) -> None:
     prescale, one just under PRESCALE_BELOW, and a zero block: quantized alone and through
     the requantizing reduction, the kernels equal the reference."""
     triton_kernels, device = triton_device
-    block = 64
+    assert not launch_specs.tile_config(8192, 8).single_pass
     x = _sample(block * 6, torch.float32)
     gen = torch.Generator().manual_seed(3)
     signs = torch.where(torch.rand(block, generator=gen) < 0.5, -1.0, 1.0)

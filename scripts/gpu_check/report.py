@@ -30,10 +30,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+# The report's schema is what the dry run reads measured kernel rates from.
+from zeropp.planning.kernel_rates import KERNEL_RATES_SCHEMA as SCHEMA
+from zeropp.planning.kernel_rates import KERNEL_RATES_VERSION as SCHEMA_VERSION
+
 REPORT_NAME = "gpu_check.json"
 TRACE_NAME = "gpu_check_trace.json"  # section d's chrome trace, in the out dir
-SCHEMA = "zeropp-gpu-check"
-SCHEMA_VERSION = 1
 STATUSES = ("pass", "fail", "skip")
 BANDWIDTH_TARGET = 0.70  # each kernel should reach this fraction of the device's peak
 

@@ -29,8 +29,6 @@ def _constexpr(value):
 # Kernels may only read module globals that are constexpr.
 _NIBBLE_BIAS = _constexpr(code_offset(4))
 _CRUMB_BIAS = _constexpr(code_offset(2))
-# A word of eight codes of zero (the value masked-off int4 words read).
-_NIBBLE_BIAS_WORD = _constexpr(code_offset(4) * 0x11111111)
 # Adding 1.5 * 2**23 to |v| < 2**22 leaves no fraction bits: the sum is rounded half to even
 # to an integer, which its low mantissa bits hold (1.5 * 2**23's are zero). Going back, an
 # integer n < 2**22 ORed into 2**23's bits is the float 2**23 + n: code <-> float without
@@ -83,13 +81,27 @@ def _block_scales(absmax, QMAX: tl.constexpr):
 
 
 @_jit
-def _codes(values, scales, QMAX: tl.constexpr, BIAS: tl.constexpr):
+def _code_factors(scales):
+    """Per row of a tile, what its codes are worked out with: (the reciprocal of the scale,
+    prescaled where the scale is tiny, 1 where it is 0 or NaN; the prescale; whether every
+    row is plain, a scalar, [Note: plain rows])."""
+    usable = scales > 0.0
+    prescale = tl.where(scales < _PRESCALE_BELOW, _PRESCALE, 1.0)
+    inverse = tl.div_rn(tl.zeros_like(scales) + 1.0, tl.where(usable, scales * prescale, 1.0))
+    plain = tl.max(tl.where((scales >= _PRESCALE_BELOW) | (scales == 0.0), 0, 1), 0) == 0
+    return inverse, prescale, plain
+
+
+@_jit
+def _codes(values, scales, inverse, prescale, QMAX: tl.constexpr, BIAS: tl.constexpr,
+           PLAIN: tl.constexpr):
     """Stored codes of a [ROWS, COLS] tile under its rows' scales, as int32 whose low byte is
     q + BIAS: q is the value times the reciprocal of the scale, clamped to [-QMAX, QMAX] and
     rounded half to even (clamping first is the same, QMAX being an integer); 0 where the
     scale is 0 or NaN. A scale so small that its reciprocal would overflow is prescaled (as
     the reference). The rounding is the magic addition; BIAS is even, so ties go to the even
-    q as torch.round sends them."""
+    q as torch.round sends them. ``inverse`` and ``prescale``: ``_code_factors``'. ``PLAIN``:
+    every row of the tile is plain, so the multiply alone gives the same codes."""
     # [Note: plain rows] A row whose scale is 0 or at least PRESCALE_BELOW (a normal float)
     # needs neither the prescale, nor the clamp, nor the select for NaN rows: its values are
     # finite, |value| <= absmax, and scale = RN(absmax / QMAX), 1 / scale and the product
@@ -98,17 +110,14 @@ def _codes(values, scales, QMAX: tl.constexpr, BIAS: tl.constexpr):
     # means all values are +-0, whose products with 1 / 1 are +-0: code 0. (A subnormal
     # scale is RN(absmax / QMAX) to an absolute, not a relative, half-ulp, so its values can
     # round past QMAX: those rows, tiny-scale rows and NaN rows take the full formula.) The
-    # choice is per program, so a plain tile costs a multiply and the rounding a value.
-    plain = tl.max(tl.where((scales >= _PRESCALE_BELOW) | (scales == 0.0), 0, 1), 0) == 0
-    if plain:
-        inverse = tl.div_rn(tl.zeros_like(scales) + 1.0, tl.where(scales > 0.0, scales, 1.0))
+    # quantize kernel chooses per program (both compiled, one run), so a plain tile costs a
+    # multiply and the rounding a value; the requantizing reduction always takes the full
+    # formula, which is an eighth of its work, since the second path cost it registers.
+    if PLAIN:
         scaled = values * inverse[:, None]
     else:
-        usable = scales > 0.0
-        prescale = tl.where(scales < _PRESCALE_BELOW, _PRESCALE, 1.0)
-        divisor = tl.where(usable, scales * prescale, 1.0)
-        inverse = tl.div_rn(tl.zeros_like(divisor) + 1.0, divisor)
-        scaled = tl.where(usable[:, None], (values * prescale[:, None]) * inverse[:, None], 0.0)
+        scaled = tl.where((scales > 0.0)[:, None], (values * prescale[:, None]) * inverse[:, None],
+                          0.0)
         scaled = tl.minimum(tl.maximum(scaled, -QMAX), QMAX)
     return (scaled + (_ROUNDING_MAGIC + BIAS)).to(tl.int32, bitcast=True)
 
@@ -184,50 +193,16 @@ def _as_float(stored, BIAS: tl.constexpr):
 
 
 @_jit
-def _nibbles_of_words(words, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """[ROWS, COLS // 8] uint32 words of int4 codes -> [ROWS, COLS] stored codes (int32):
-    value 8w + j is nibble j of word w (bits 4j..4j+3, little-endian bytes, low nibble
-    first). Shifting nibbles out of whole words takes a shift and a mask a value; unpacking
-    bytes first takes a byte extraction more (PRMT) and a bit-field extract for the high
-    nibble. The joins interleave in registers: [..., s, t, w] is nibble 4s + 2t + w."""
-    n0 = (words << 28) >> 28
-    n1 = (words << 24) >> 28
-    n2 = (words << 20) >> 28
-    n3 = (words << 16) >> 28
-    n4 = (words << 12) >> 28
-    n5 = (words << 8) >> 28
-    n6 = (words << 4) >> 28
-    n7 = words >> 28
-    nibbles = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
-                      tl.join(tl.join(n1, n5), tl.join(n3, n7)))
-    return tl.reshape(nibbles, [ROWS, COLS]).to(tl.int32, bitcast=True)
-
-
-@_jit
 def _load_codes(payload_ptr, first, rows, c0, local, in_block, row_valid,
                 BLOCK: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr,
-                ROWS: tl.constexpr, COLS: tl.constexpr, MASK_VALUES: tl.constexpr,
-                WORDS: tl.constexpr):
+                ROWS: tl.constexpr, COLS: tl.constexpr, MASK_VALUES: tl.constexpr):
     """Signed codes (fp32) of one payload over a [ROWS, COLS] chunk of blocks from block
-    `first` (padding included; masked-off columns read the code of zero). ``WORDS``: the
-    payload's codes sit on 4-byte boundaries and every block is whole words of them (the
-    condition of fp32 scales, ``scales_are_words``), and int4 codes are to be read as words:
-    about 8% fewer instructions in a reduction over 8 payloads (sm_90 SASS), at 8 to 16 more
-    registers a thread in the requantizing reduction and the dequantize (an occupancy step
-    down), so only the plain reduction asks for it."""
+    `first` (padding included; masked-off columns read the code of zero)."""
     if BITS == 8:
         # One conversion a value (it reads the byte in place): measured faster on an H200
         # than the byte extraction and magic addition the sub-byte codes take.
         raw = _load(payload_ptr + first * BLOCK + local, in_block, 0, MASK_VALUES)
         codes = raw.to(tl.int8, bitcast=True).to(tl.float32)
-    elif UNPACK and BITS == 4 and WORDS and COLS % 8 == 0:
-        # 16 bytes a thread as four words, whose nibbles are shifted out in registers.
-        word_cols = c0 // 8 + tl.arange(0, COLS // 8)
-        word_local = rows[:, None] * (BLOCK // 8) + word_cols[None, :]
-        word_mask = row_valid[:, None] & (word_cols[None, :] < BLOCK // 8)
-        words = _load(payload_ptr.to(tl.pointer_type(tl.uint32)) + first * (BLOCK // 8)
-                      + word_local, word_mask, _NIBBLE_BIAS_WORD, MASK_VALUES)
-        codes = _as_float(_nibbles_of_words(words, ROWS, COLS), _NIBBLE_BIAS)
     elif UNPACK and BITS == 4:
         # 16 bytes a thread, split into their two nibbles in registers: even values low.
         pair_cols = c0 // 2 + tl.arange(0, COLS // 2)
@@ -268,11 +243,11 @@ def _load_codes(payload_ptr, first, rows, c0, local, in_block, row_valid,
 def _add_payload(total, payload, data_nbytes, first, rows, c0, local, in_block, row_valid,
                  BLOCK: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr,
                  ROWS: tl.constexpr, COLS: tl.constexpr, MASK_VALUES: tl.constexpr,
-                 MASK_ROWS: tl.constexpr, SCALES_F32: tl.constexpr, WORDS: tl.constexpr):
+                 MASK_ROWS: tl.constexpr, SCALES_F32: tl.constexpr):
     scales = _load_scales(payload + data_nbytes, first + rows, row_valid, SCALES_F32,
                           MASK_ROWS)
     codes = _load_codes(payload, first, rows, c0, local, in_block, row_valid, BLOCK, BITS,
-                        UNPACK, ROWS, COLS, MASK_VALUES, WORDS)
+                        UNPACK, ROWS, COLS, MASK_VALUES)
     return total + codes * scales[:, None]
 
 
@@ -281,22 +256,21 @@ def _sum_chunk(payload_ptr, payload_stride, data_nbytes, first, rows, c0, local,
                row_valid, BLOCK: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr,
                K: tl.constexpr, UNROLL: tl.constexpr, ROWS: tl.constexpr,
                COLS: tl.constexpr, MASK_VALUES: tl.constexpr, MASK_ROWS: tl.constexpr,
-               SCALES_F32: tl.constexpr, WORDS: tl.constexpr):
+               SCALES_F32: tl.constexpr):
     """fp32 sum over the K payloads of one chunk, from zero, in payload order. UNROLL
-    payloads at a time are unrolled, so their loads are in flight together. ``WORDS``: as
-    ``_load_codes``' (only where ``SCALES_F32`` holds)."""
+    payloads at a time are unrolled, so their loads are in flight together."""
     total = tl.zeros([ROWS, COLS], dtype=tl.float32)
     for group in range(K // UNROLL):
         for i in tl.static_range(UNROLL):
             payload = payload_ptr + (group * UNROLL + i) * payload_stride
             total = _add_payload(total, payload, data_nbytes, first, rows, c0, local,
                                  in_block, row_valid, BLOCK, BITS, UNPACK, ROWS, COLS,
-                                 MASK_VALUES, MASK_ROWS, SCALES_F32, WORDS)
+                                 MASK_VALUES, MASK_ROWS, SCALES_F32)
     for i in tl.static_range(K % UNROLL):
         payload = payload_ptr + ((K // UNROLL) * UNROLL + i) * payload_stride
         total = _add_payload(total, payload, data_nbytes, first, rows, c0, local, in_block,
                              row_valid, BLOCK, BITS, UNPACK, ROWS, COLS, MASK_VALUES,
-                             MASK_ROWS, SCALES_F32, WORDS)
+                             MASK_ROWS, SCALES_F32)
     return total
 
 
@@ -345,7 +319,7 @@ def _requantized_sum(payload_ptr, payload_stride, data_nbytes, first_in, first, 
                                                        COLS)
     total = _sum_chunk(payload_ptr, payload_stride, data_nbytes, first_in, rows, c0, local,
                        in_block, row_valid, BLOCK, BITS, UNPACK, K, UNROLL, ROWS, COLS,
-                       MASK_VALUES, MASK_ROWS, SCALES_F32, False)
+                       MASK_VALUES, MASK_ROWS, SCALES_F32)
     if MASK_VALUES:
         total = tl.where(in_range, total, 0.0)
     return total, rows, local, row_valid, in_block

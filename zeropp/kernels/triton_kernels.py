@@ -8,9 +8,8 @@ the host launches each kernel variant): the block size, the tile and the payload
 are compile-time constants. One program owns ROWS whole quantization blocks; each thread
 moves 16 bytes of every packed-code stream (16 int8 codes, 32 int4 codes) and unpacks
 or packs sub-byte codes in registers (a join or split of nibbles, no per-value byte
-gathers; the plain reduction shifts int4 codes out of whole words). A tile of finite blocks
-whose scales are normal quantizes with one multiply a value, no prescale or clamp
-([Note: plain rows] in `zeropp.kernels.triton_device`). A block that fits a tile is one tile, so absmax, scale, rounding and packing
+gathers). A tile of finite blocks whose scales are normal quantizes with one multiply a
+value, no prescale or clamp ([Note: plain rows] in `zeropp.kernels.triton_device`). A block that fits a tile is one tile, so absmax, scale, rounding and packing
 happen in one pass and the scale never round-trips through memory; a larger block is read
 twice (absmax, then quantize). Reductions read the K payloads in one unrolled loop (all
 loads in flight together) and quantize the fp32 sum in the same tile, so qgZ's
@@ -82,6 +81,7 @@ from zeropp.kernels.reference import PayloadLayout, code_offset
 from zeropp.kernels.triton_device import (
     _absmax,
     _block_scales,
+    _code_factors,
     _codes,
     _jit,
     _load,
@@ -121,6 +121,22 @@ def is_available() -> bool:
 
 
 @_jit
+def _quantize_chunks(x, codes_ptr, scales, inverse, prescale, first, first_out, nblocks, numel,
+                     BLOCK: tl.constexpr, QMAX: tl.constexpr, BITS: tl.constexpr,
+                     PACK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                     MASK_VALUES: tl.constexpr, PLAIN: tl.constexpr):
+    """A large block's second pass: codes of every chunk, under scales known already."""
+    for c0 in range(0, BLOCK, COLS):
+        rows, local, row_valid, in_block, in_range = _tile(first, c0, nblocks, numel, BLOCK,
+                                                           ROWS, COLS)
+        values = _load(x + local, in_range, 0.0, MASK_VALUES).to(tl.float32)
+        codes = _codes(values, scales, inverse, prescale, QMAX, QMAX + 1 if BITS < 8 else 0,
+                       PLAIN)
+        _store_codes(codes_ptr, codes, first_out, rows, c0, local, in_block, row_valid, BLOCK,
+                     BITS, PACK, ROWS, COLS, MASK_VALUES)
+
+
+@_jit
 def quantize_kernel(
     x_ptr,
     codes_ptr,
@@ -157,7 +173,13 @@ def quantize_kernel(
                                                            ROWS, COLS)
         values = _load(x + local, in_range, 0.0, MASK_VALUES).to(tl.float32)
         scales = _block_scales(_absmax(values), QMAX)
-        codes = _codes(values, scales, QMAX, QMAX + 1 if BITS < 8 else 0)
+        inverse, prescale, plain = _code_factors(scales)
+        if plain:  # [Note: plain rows]
+            codes = _codes(values, scales, inverse, prescale, QMAX, QMAX + 1 if BITS < 8 else 0,
+                           True)
+        else:
+            codes = _codes(values, scales, inverse, prescale, QMAX, QMAX + 1 if BITS < 8 else 0,
+                           False)
         _store_codes(codes_ptr, codes, first_out, rows, 0, local, in_block, row_valid, BLOCK,
                      BITS, PACK, ROWS, COLS, MASK_VALUES)
     else:
@@ -170,13 +192,14 @@ def quantize_kernel(
             values = _load(x + local, in_range, 0.0, MASK_VALUES).to(tl.float32)
             absmax = _max_keeping_nan(absmax, _absmax(values))
         scales = _block_scales(absmax, QMAX)
-        for c0 in range(0, BLOCK, COLS):
-            rows, local, row_valid, in_block, in_range = _tile(first, c0, nblocks, numel,
-                                                               BLOCK, ROWS, COLS)
-            values = _load(x + local, in_range, 0.0, MASK_VALUES).to(tl.float32)
-            codes = _codes(values, scales, QMAX, QMAX + 1 if BITS < 8 else 0)
-            _store_codes(codes_ptr, codes, first_out, rows, c0, local, in_block, row_valid,
-                         BLOCK, BITS, PACK, ROWS, COLS, MASK_VALUES)
+        inverse, prescale, plain = _code_factors(scales)
+        # The choice outside the loop: one loop runs, with no branch in it.
+        if plain:
+            _quantize_chunks(x, codes_ptr, scales, inverse, prescale, first, first_out, nblocks,
+                             numel, BLOCK, QMAX, BITS, PACK, ROWS, COLS, MASK_VALUES, True)
+        else:
+            _quantize_chunks(x, codes_ptr, scales, inverse, prescale, first, first_out, nblocks,
+                             numel, BLOCK, QMAX, BITS, PACK, ROWS, COLS, MASK_VALUES, False)
     _store_scales(scales_ptr, first_out + rows, scales, row_valid, SCALES_F32, MASK_ROWS)
 
 
@@ -210,7 +233,7 @@ def dequantize_kernel(
         rows, local, row_valid, in_block, in_range = _tile(first, c0, nblocks, numel, BLOCK,
                                                            ROWS, COLS)
         codes = _load_codes(payload, first, rows, c0, local, in_block, row_valid, BLOCK, BITS,
-                            UNPACK, ROWS, COLS, MASK_VALUES, False)
+                            UNPACK, ROWS, COLS, MASK_VALUES)
         _store_values(out + local, codes * scales[:, None], in_range, MASK_VALUES)
 
 
@@ -240,7 +263,7 @@ def _dequantize_reduce_kernel(
                                                            ROWS, COLS)
         total = _sum_chunk(payload_ptr, payload_stride, data_nbytes, first, rows, c0, local,
                            in_block, row_valid, BLOCK, BITS, UNPACK, K, UNROLL, ROWS, COLS,
-                           MASK_VALUES, MASK_ROWS, SCALES_F32, SCALES_F32)
+                           MASK_VALUES, MASK_ROWS, SCALES_F32)
         # The fp32 sum rounded once to the output's dtype (a 16-bit gradient shard).
         _store_values(out + local, total, in_range, MASK_VALUES)
 
@@ -286,7 +309,9 @@ def dequantize_reduce_quantize_kernel(
             BLOCK, BITS_IN, UNPACK, K, UNROLL, ROWS, COLS, MASK_VALUES, MASK_ROWS,
             SCALES_F32_IN)
         scales = _block_scales(_absmax(total), QMAX_OUT)
-        codes = _codes(total, scales, QMAX_OUT, QMAX_OUT + 1 if BITS_OUT < 8 else 0)
+        inverse, prescale, _ = _code_factors(scales)
+        codes = _codes(total, scales, inverse, prescale, QMAX_OUT,
+                       QMAX_OUT + 1 if BITS_OUT < 8 else 0, False)
         _store_codes(codes_ptr, codes, first, rows, 0, local, in_block, row_valid, BLOCK,
                      BITS_OUT, PACK, ROWS, COLS, MASK_VALUES)
     else:
@@ -303,12 +328,14 @@ def dequantize_reduce_quantize_kernel(
                 SCALES_F32_IN)
             absmax = _max_keeping_nan(absmax, _absmax(total))
         scales = _block_scales(absmax, QMAX_OUT)
+        inverse, prescale, _ = _code_factors(scales)
         for c0 in range(0, BLOCK, COLS):
             total, rows, local, row_valid, in_block = _requantized_sum(
                 payload_ptr, payload_stride, data_nbytes_in, first_in, first, c0, nblocks,
                 numel, BLOCK, BITS_IN, UNPACK, K, UNROLL, ROWS, COLS, MASK_VALUES, MASK_ROWS,
                 SCALES_F32_IN)
-            codes = _codes(total, scales, QMAX_OUT, QMAX_OUT + 1 if BITS_OUT < 8 else 0)
+            codes = _codes(total, scales, inverse, prescale, QMAX_OUT,
+                           QMAX_OUT + 1 if BITS_OUT < 8 else 0, False)
             _store_codes(codes_ptr, codes, first, rows, c0, local, in_block, row_valid, BLOCK,
                          BITS_OUT, PACK, ROWS, COLS, MASK_VALUES)
     _store_scales(scales_ptr, first + rows, scales, row_valid, SCALES_F32_OUT, MASK_ROWS)

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-KERNEL_RATES_SCHEMA = "zeropp-gpu-check"  # scripts/gpu_check/report.py's report
+KERNEL_RATES_SCHEMA = "zeropp-gpu-check"  # what scripts/gpu_check/report.py writes
 KERNEL_RATES_VERSION = 1
 
 
