@@ -43,7 +43,8 @@ is spent, so with the wheels' install and the machine's start the call stays wit
 minutes of device time; the systems run in the order above, the targets' comparisons first.
 
 The GPU machine has no network and no DeepSpeed. Its wheels travel in ``.whl_ds/`` (ignored
-by git; prepared on a machine with a registry: deepspeed 0.19.8 built with
+by git; ``bash scripts/gpu_check/wheels.sh`` prepares it on a machine with a registry:
+deepspeed 0.19.8 built with
 ``DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation deepspeed==0.19.8``, and hjson,
 pydantic, pydantic-core (cp312 manylinux x86_64), annotated-types, typing-inspection and
 typing-extensions downloaded with ``pip download --no-deps --only-binary=:all:``; the image
