@@ -270,9 +270,10 @@ def test_completion_steps_run_where_nothing_waits_behind_them(monkeypatch):
 
 def test_a_launch_switches_streams_as_torchs_context_would(monkeypatch):
     """[Note: lane switch]: a launch sets the lane's stream and restores the compute stream,
-    also when the issue fails; from a thread whose current device is another GPU it makes
-    the engine's device current while it issues, then restores both devices' streams and
-    the current device, as ``torch.cuda.stream(...)`` does."""
+    also when the issue fails (and keeps its lane's free events); from a thread whose current
+    device is another GPU it makes the engine's device current while it issues, then
+    restores both devices' streams and the current device, as ``torch.cuda.stream(...)``
+    does, and the engine device's compute stream is the one that waits for it."""
     from zeropp.comm.streams import CudaExecution
 
     cuda = FakeStreams(monkeypatch, device_index=2)
@@ -294,9 +295,11 @@ def test_a_launch_switches_streams_as_torchs_context_would(monkeypatch):
     def failing(async_op):
         raise RuntimeError("NCCL error")
 
+    free = list(execution.free_events["gather"])
     with pytest.raises(RuntimeError, match="NCCL error"):
         execution.launch("gather", failing)
     assert (cuda.device, cuda.current.name) == (2, "compute")
+    assert execution.free_events["gather"] == free
 
     seen.clear()
     cuda.device = 5  # the thread's current GPU is not the engine's
@@ -305,9 +308,11 @@ def test_a_launch_switches_streams_as_torchs_context_would(monkeypatch):
     assert seen == [(2, gather.name), (2, completion.name)]
     assert cuda.device == 5 and cuda.current.name == "compute5"
     assert cuda.current_on[2].name == "compute"
-    # it joined the engine device's compute stream, not the other device's
+    # it joined the engine device's compute stream, not the other device's, and that is the
+    # stream that waits for the collective
     assert cuda.log[:2] == [("record", execution.compute_mark.id, "compute"),
                             ("wait", gather.name, execution.compute_mark.id, "compute")]
+    assert cuda.log[-1][:2] == ("wait", "compute")
 
 
 def test_overlap_comm_false_completes_a_sequence_when_issued():

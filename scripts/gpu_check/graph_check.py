@@ -32,6 +32,7 @@ import torch
 
 LOSS_RTOL = 2e-3
 HOST_FRACTION_TARGET = 0.10
+REPORT_NAME = "gpu_graph_check.json"  # written into --out
 
 
 def _train(engine, batches: torch.Tensor, call) -> dict:
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.close()
             del engine
     report = _verdict(results, skip=args.warmup + 1)
-    (args.out / "gpu_graph_check.json").write_text(json.dumps(results, indent=2))
+    (args.out / REPORT_NAME).write_text(json.dumps(results, indent=2))
     print(report, flush=True)
     return 0 if results.get("passed") else 1
 

@@ -12,11 +12,19 @@
 #          DeepSpeed's wheels carried in .whl_ds/, see that script's docstring)
 #   profile  the host's Python profile of one iteration (scripts.bench.host_profile)
 #
-# Writes at most 8 files into OUT (what the device machine sends back): the JSON of each part
-# and one log per part. No network there; python3 is the machine's own (torch with CUDA).
+# Writes at most 8 files into OUT (what the device machine sends back): the JSON of each part,
+# session.log and logs.tgz (every part's log). No network there; python3 is the machine's
+# own (torch with CUDA).
+#
+# The device runs one command for at most 600 s, so the parts share BUDGET_S (default 570 s):
+# each runs under its own limit cut to what is left, a part that would start with under 30 s
+# left is skipped and named in session.log (run it in a second call), and logs.tgz is
+# rewritten after every part, so a call that is stopped still returns what finished.
 set -u
 OUTDIR=${OUT:?set OUT to the directory for the results}
 PARTS=${*:-check graph train side}
+BUDGET_S=${BUDGET_S:-570}
+MIN_PART_S=30
 export PYTHONUNBUFFERED=1
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
@@ -28,11 +36,18 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 part() {  # part NAME SECONDS COMMAND...: run with a limit, log to WORK/NAME.log
   local name=$1 limit=$2; shift 2
+  local left=$((BUDGET_S - SECONDS))
+  if (( left < MIN_PART_S )); then
+    echo "$name: skipped, $left s of the session's $BUDGET_S s left" | tee -a "$OUTDIR/session.log"
+    return 0
+  fi
+  (( limit > left )) && limit=$left
   local began=$SECONDS
   timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
   local status=$?
   echo "$name: exit $status after $((SECONDS - began)) s" | tee -a "$OUTDIR/session.log"
   tail -n 25 "$WORK/$name.log"
+  tar czf "$OUTDIR/logs.tgz" -C "$WORK" . 2>/dev/null
 }
 
 for p in $PARTS; do
@@ -69,9 +84,8 @@ EOF
       # DeepSpeed and what it needs travel as wheels (WHEELS, default .whl_ds/: see
       # scripts/gpu_check/side_by_side.py); only the side-by-side run sees them.
       WHEELS=${WHEELS:-$ROOT/.whl_ds}
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ds_site \
-        "$WHEELS"/*.whl >> "$OUTDIR/session.log" 2>&1 || echo "side: wheels did not install" \
-        | tee -a "$OUTDIR/session.log"
+      part side_wheels 60 python3 -m pip install -q --no-index --no-deps --no-compile \
+        --target /tmp/ds_site "$WHEELS"/*.whl
       mkdir -p "$WORK/side"
       part side 380 env PYTHONPATH="/tmp/ds_site${PYTHONPATH:+:$PYTHONPATH}" \
         python3 -m scripts.gpu_check.side_by_side --out "$WORK/side/side_by_side.json" \
@@ -84,4 +98,5 @@ EOF
   esac
 done
 tar czf "$OUTDIR/logs.tgz" -C "$WORK" . 2>/dev/null
+rm -rf "$WORK"
 ls -la "$OUTDIR"

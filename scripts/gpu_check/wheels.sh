@@ -23,15 +23,19 @@ version_of() {  # the installed version of a distribution, or an error naming it
   "$PYTHON" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1" \
     2>/dev/null || { echo "error: $1 is not installed in $PYTHON's environment" >&2; exit 2; }
 }
+# (Each version is assigned first: a failed lookup inside a larger word would not stop
+# the script under set -e.)
+deepspeed_version=$(version_of deepspeed)
+pins=()
+for dist in hjson pydantic pydantic_core annotated-types typing-inspection typing_extensions; do
+  version=$(version_of "$dist")
+  pins+=("$dist==$version")
+done
 mkdir -p "$DIR"
 # DeepSpeed is built from its source distribution with no ops (they are JIT-built on the
 # GPU machine if used; the side by side uses torch's AdamW): a pure-Python wheel.
 DS_BUILD_OPS=0 "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$DIR" \
-  "deepspeed==$(version_of deepspeed)"
-pins=()
-for dist in hjson pydantic pydantic_core annotated-types typing-inspection typing_extensions; do
-  pins+=("$dist==$(version_of "$dist")")
-done
+  "deepspeed==$deepspeed_version"
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version "$TARGET_PYTHON" \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$DIR" "${pins[@]}"
 ls -1 "$DIR"

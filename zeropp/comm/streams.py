@@ -17,7 +17,8 @@ never branch on the device themselves.
   (``cudaStreamWaitEvent``), so a later record does not move that wait, and a collective
   takes a free event rather than creating one (a host cost per collective). Everything is
   issued from the thread running forward and backward, so every rank issues the same order
-  on every communicator, and kernels launch on this thread's current device.
+  on every communicator, and kernels launch on the engine's device (``launch`` makes it
+  current while it issues, [Note: lane switch]).
 - ``InlineExecution``: the same protocol with no streams (each collective runs when
   issued, references still held until ``wait()``). ``CUDA_MODEL`` is the CUDA model on the
   meta device (the simulated GPU cluster: memory and order exactly as on GPUs; a sequence
@@ -83,12 +84,14 @@ class Pending:
     def __init__(self, work: object | None = None, finish: Callable[[], None] | None = None,
                  *, event: object | None = None, keep: tuple = (),
                  record=flight_recorder.NO_RECORD,
-                 free_events: list | None = None) -> None:
+                 free_events: list | None = None, device_index: int | None = None) -> None:
         self._record = record  # [Note: flight recorder]
         self._work = work
         self._finish = finish
         self._event = event
         self._free_events = free_events  # where ``event`` goes once waited for (CUDA)
+        # The engine's GPU, whose current stream waits for ``event`` (None: the current GPU)
+        self._device_index = device_index
         self._keep = keep
         self.done = False
 
@@ -99,7 +102,7 @@ class Pending:
         if record is not flight_recorder.NO_RECORD:
             record.waiting()
         if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+            torch.cuda.current_stream(self._device_index).wait_event(self._event)
             if self._free_events is not None:
                 self._free_events.append(self._event)
             self._event = None
@@ -230,7 +233,8 @@ class CudaExecution(Execution):
         # the compute stream, then waited for, so one event serves every launch
         # (``Stream.wait_stream`` would create an event per call).
         self.compute_mark = torch.cuda.Event()
-        self.device_index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device_index = (device.index if device.index is not None
+                             else torch.cuda.current_device())
 
     def completion_stream(self, lane: str):
         """The stream of ``lane``'s completion steps ([Note: completion steps])."""
@@ -248,7 +252,7 @@ class CudaExecution(Execution):
         # events once the stream waits for compute, where a completion step may still read a
         # block this lane freed ([Note: completion steps]); ``launch`` waits the same way.
         stream = self.streams[lane]
-        self.compute_mark.record(torch.cuda.current_stream(self.device))
+        self.compute_mark.record(torch.cuda.current_stream(self.device_index))
         stream.wait_event(self.compute_mark)
         with torch.cuda.stream(stream):
             yield
@@ -256,13 +260,16 @@ class CudaExecution(Execution):
     # [Note: lane switch]
     # ``launch`` runs for every collective, so it switches streams with ``set_stream`` and
     # back rather than ``torch.cuda.stream(...)``, whose context object looks up the current
-    # device's index through torch's generic device helpers on entry (about 25 Python calls
-    # per use in torch 2.13, against 4 for the two ``set_stream``s). The two are the same
-    # switch when the engine's device is the current one: torch's context then saves and
-    # restores that device's current stream, as here. When it is not, the context also makes
-    # the engine's device current while it runs and restores both devices' streams after:
-    # ``launch`` then runs inside ``torch.cuda.device(...)``, which restores the current
-    # device as the context does.
+    # device's index through torch's generic device helpers when made and again on entry
+    # (about 25 Python calls a use in torch 2.13, against 4 for the two ``set_stream``s).
+    # The two are the same switch when the engine's device is the current one: torch's
+    # context then saves and restores that device's current stream, as here. When it is
+    # not, the context also makes the engine's device current while it runs and restores
+    # both devices' streams after: ``launch`` then runs inside ``torch.cuda.device(...)``,
+    # which restores the current device as the context does. One event, ``compute_mark``,
+    # serves every launch's join because launches come from one host thread at a time
+    # ([Note: execution models]): another thread recording it between this record and this
+    # wait would move what the wait waits for.
     def launch(self, lane, issue, *, finish=None, keep=(), sequence=False) -> Pending:
         if torch.cuda.current_device() != self.device_index:
             with torch.cuda.device(self.device_index):
@@ -275,10 +282,10 @@ class CudaExecution(Execution):
         self.compute_mark.record(compute)
         stream.wait_event(self.compute_mark)
         free = self.free_events[lane]
-        event = free.pop() if free else torch.cuda.Event()
         torch.cuda.set_stream(stream)
         try:
             issue(False)
+            event = free.pop() if free else torch.cuda.Event()
             event.record(stream)
             if finish is not None and not sequence:  # [Note: completion steps]
                 completion = self.completion_stream(lane)
@@ -290,7 +297,8 @@ class CudaExecution(Execution):
         finally:
             torch.cuda.set_stream(compute)
         # A sequence's finish runs at wait(), after the compute stream waits for the event.
-        return Pending(finish=finish, event=event, keep=keep, record=record, free_events=free)
+        return Pending(finish=finish, event=event, keep=keep, record=record, free_events=free,
+                       device_index=self.device_index)
 
 
 class HostThreadExecution(Execution):

@@ -104,12 +104,15 @@ def _codes(values, scales, inverse, prescale, QMAX: tl.constexpr, BIAS: tl.const
     every row of the tile is plain, so the multiply alone gives the same codes."""
     # [Note: plain rows] A row whose scale is 0 or at least PRESCALE_BELOW (a normal float)
     # needs neither the prescale, nor the clamp, nor the select for NaN rows: its values are
-    # finite, |value| <= absmax, and scale = RN(absmax / QMAX), 1 / scale and the product
-    # each round by at most 2**-24 relative, so |value * (1 / scale)| <= QMAX (1 + 2**-24)^3
-    # < QMAX + 1/2, which rounds to at most QMAX: the clamp changes nothing. A zero scale
-    # means all values are +-0, whose products with 1 / 1 are +-0: code 0. (A subnormal
-    # scale is RN(absmax / QMAX) to an absolute, not a relative, half-ulp, so its values can
-    # round past QMAX: those rows, tiny-scale rows and NaN rows take the full formula.) The
+    # finite, |value| <= absmax, and scale = RN(absmax / QMAX) and the product each round by
+    # at most 2**-24 relative, 1 / scale too unless it is subnormal (QMAX 1 and a scale of
+    # 2**126 or more, where its absolute error of 2**-150 times the scale is still below
+    # 2**-22), so |value * (1 / scale)| < QMAX (1 + 2**-21) < QMAX + 1/2, which rounds to
+    # at most QMAX: the clamp changes nothing. A zero scale comes from an absmax below half
+    # a subnormal step times QMAX (all values, times 1 / 1, round to code 0) or of +-0.
+    # (A subnormal scale is RN(absmax / QMAX) to an absolute, not a relative, half-step, so
+    # its values can round past QMAX: those rows, tiny-scale rows and NaN rows take the full
+    # formula.) The
     # quantize kernel chooses per program (both compiled, one run), so a plain tile costs a
     # multiply and the rounding a value; the requantizing reduction always takes the full
     # formula, which is an eighth of its work, since the second path cost it registers.

@@ -8,9 +8,10 @@ the host launches each kernel variant): the block size, the tile and the payload
 are compile-time constants. One program owns ROWS whole quantization blocks; each thread
 moves 16 bytes of every packed-code stream (16 int8 codes, 32 int4 codes) and unpacks
 or packs sub-byte codes in registers (a join or split of nibbles, no per-value byte
-gathers). A tile of finite blocks whose scales are normal quantizes with one multiply a
-value, no prescale or clamp ([Note: plain rows] in `zeropp.kernels.triton_device`). A block that fits a tile is one tile, so absmax, scale, rounding and packing
-happen in one pass and the scale never round-trips through memory; a larger block is read
+gathers). The quantize kernel codes a tile whose scales are all 0 or at least 2**-64 with
+one multiply a value, no prescale, clamp or NaN select ([Note: plain rows] in
+`zeropp.kernels.triton_device`). A block that fits a tile is one tile, so absmax, scale,
+rounding and packing happen in one pass and the scale never round-trips through memory; a larger block is read
 twice (absmax, then quantize). Reductions read the K payloads in one unrolled loop (all
 loads in flight together) and quantize the fp32 sum in the same tile, so qgZ's
 dequantize-sum-requantize reads each payload byte once (twice for blocks larger than a
