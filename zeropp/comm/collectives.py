@@ -81,12 +81,15 @@ _SUM_OPTIONS = {flag: _options(ReduceScatterOptions, flag, reduceOp=dist.ReduceO
 _ALL_TO_ALL_OPTIONS = {flag: _options(AllToAllOptions, flag) for flag in (False, True)}
 
 
-def _issued_to_the_group(method: str, options: dict[bool, object], doc: str):
+def _issued_to_the_group(method: str, options: dict[bool, object], doc: str,
+                         split_sizes: tuple = ()):
     """A function ``(output, input, group=None, async_op=False)`` that calls ``method`` on the
-    group as c10d's function of that name does ([Note: issued to the process group])."""
+    group as c10d's function of that name does ([Note: issued to the process group]);
+    ``split_sizes``: the all-to-all's (empty: equal chunks)."""
 
     def issue(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-        work = getattr(group or _get_default_group(), method)(output, input, options[async_op])
+        work = getattr(group or _get_default_group(), method)(output, input, *split_sizes,
+                                                              options[async_op])
         if async_op or work is None:
             return work
         work.wait()  # as c10d's functions do: done on return
@@ -100,6 +103,9 @@ all_gather_into_tensor = _issued_to_the_group(
     _GATHER, _GATHER_OPTIONS, "``dist.all_gather_single``, issued to the group.")
 reduce_scatter_tensor = _issued_to_the_group(
     _REDUCE_SCATTER, _SUM_OPTIONS, "``dist.reduce_scatter_single`` with SUM, issued to the group.")
+_all_to_all_in_equal_chunks = _issued_to_the_group(
+    _ALL_TO_ALL, _ALL_TO_ALL_OPTIONS, "``dist.all_to_all_single`` in equal chunks, issued to "
+    "the group.", split_sizes=([], []))
 
 
 @dataclass(frozen=True)
@@ -132,7 +138,7 @@ class Collective(abc.ABC):
         # (numel, dtype, group) -> ((inter-node?, bytes), ...): ``bytes_sent`` of a call,
         # worked out once per buffer size rather than at every call.
         self._sent: dict[tuple, tuple[tuple[bool, int], ...]] = {}
-        self._backends: dict[str, object] = {}  # device type -> kernels (``_choose_kernels``)
+        self._backends: dict[str, object] = {}  # device type -> kernels (``_kernels_for``)
 
     @abc.abstractmethod
     def bytes_sent(self, numel: int, dtype: torch.dtype, group: CommGroup) -> dict[str, int]:
@@ -170,14 +176,16 @@ class Collective(abc.ABC):
     def forget(self, key: object) -> None:  # noqa: B027
         """The unit's shards changed in any other way (edited, loaded from elsewhere)."""
 
-    def _choose_kernels(self, tensor: torch.Tensor):
+    def _kernels_for(self, tensor: torch.Tensor):
         """The quantization kernels' module for tensors on ``tensor``'s device
-        (``zeropp.kernels.backend_for`` at this collective's ``block_size``), chosen once per
-        device type and kept in ``_backends``, which the launches read inline: the environment
-        read and the checks behind the choice are not repeated at every launch, so
-        ``ZEROPP_KERNELS`` counts as it was at a collective's first launch on a device."""
-        backend = self._backends[tensor.device.type] = kernels.backend_for(tensor,
-                                                                            self.block_size)
+        (``zeropp.kernels.backend_for`` at this collective's ``block_size``), chosen at the
+        first launch on a device type and kept: the environment read and the checks behind
+        the choice are not repeated at every launch, so ``ZEROPP_KERNELS`` counts as it was
+        at a collective's first launch on a device."""
+        backend = self._backends.get(tensor.device.type)
+        if backend is None:
+            backend = self._backends[tensor.device.type] = kernels.backend_for(
+                tensor, self.block_size)
         return backend
 
     def _record(self, stats: CommStats, phase: str, numel: int, dtype: torch.dtype,
@@ -309,12 +317,7 @@ def all_to_all(output: torch.Tensor, send: torch.Tensor, group: CommGroup,
     if group.size == 1:
         output.copy_(send)
         return None
-    work = getattr(group.group or _get_default_group(), _ALL_TO_ALL)(
-        output, send, [], [], _ALL_TO_ALL_OPTIONS[async_op])
-    if async_op or work is None:
-        return work
-    work.wait()
-    return None
+    return _all_to_all_in_equal_chunks(output, send, group.group, async_op)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: CommGroup, stats: CommStats, phase: str) -> None:

@@ -205,7 +205,7 @@ class DeltaWeightGather(Collective):
             else:
                 current = base
                 own = current.values[self.inter.rank]
-                backend = self._backends.get(shard.device.type) or self._choose_kernels(shard)
+                backend = self._kernels_for(shard)
                 delta = backend.quantize_blockwise(shard.float() - own.float(), self.bits,
                                                    self.block_size)
                 received = torch.empty(self.nodes, delta.numel(), dtype=torch.uint8,

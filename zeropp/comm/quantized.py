@@ -94,7 +94,7 @@ class QuantizedAllGather(Collective):
         payload_nbytes = kernels.quantized_nbytes(numel, bits, block_size)
         buffers: dict[str, torch.Tensor] = {}
 
-        backend = self._backends.get(shard.device.type) or self._choose_kernels(shard)
+        backend = self._kernels_for(shard)
 
         def issue(async_op: bool):
             payload = backend.quantize_blockwise(shard, bits, block_size)
@@ -199,7 +199,7 @@ class QuantizedSecondaryGather(Collective):
             return all_gather_into_tensor(gathered.view(-1), secondary.reshape(-1),
                                           group=group.group, async_op=async_op)
 
-        backend = self._backends.get(output.device.type) or self._choose_kernels(output)
+        backend = self._kernels_for(output)
 
         def finish() -> None:
             backend.dequantize_blockwise_many(
@@ -375,7 +375,7 @@ class HierarchicalReduceScatter(Collective):
 
         bits, inter_bits, block = self.bits, self.inter_node_bits, self.block_size
         feedback = self.error_feedback
-        backend = self._backends.get(full.device.type) or self._choose_kernels(full)
+        backend = self._kernels_for(full)
         in_flight["bits"] = inter_bits
         if self.per_node == 1 and self.nodes > 1:
             # [Note: no quantized send to itself] One rank per node: hop 1 would send this
@@ -418,7 +418,7 @@ class HierarchicalReduceScatter(Collective):
         """The node's partial sums (already compensated) as one payload per node, and what
         that dropped kept for the next reduction ([Note: error feedback])."""
         inter_bits, block = self.inter_node_bits, self.block_size
-        backend = self._backends.get(partial.device.type) or self._choose_kernels(partial)
+        backend = self._kernels_for(partial)
         send = backend.quantize_swizzled(partial, 1, self.nodes, inter_bits, block)
         sent = backend.dequantize_blockwise_many(send.view(self.nodes, -1), slice_numel,
                                                  inter_bits, block, torch.float32)
@@ -443,7 +443,7 @@ class HierarchicalReduceScatter(Collective):
             output.copy_(received.view(self.nodes, slice_numel).sum(0))
             return
         bits = in_flight.pop("bits")
-        backend = self._backends.get(received.device.type) or self._choose_kernels(received)
+        backend = self._kernels_for(received)
         if output.is_contiguous():
             backend.dequantize_reduce(received, slice_numel, bits, self.block_size, out=output)
         else:

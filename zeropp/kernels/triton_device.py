@@ -113,9 +113,10 @@ def _codes(values, scales, inverse, prescale, QMAX: tl.constexpr, BIAS: tl.const
     # (A subnormal scale is RN(absmax / QMAX) to an absolute, not a relative, half-step, so
     # its values can round past QMAX: those rows, tiny-scale rows and NaN rows take the full
     # formula.) The
-    # quantize kernel chooses per program (both compiled, one run), so a plain tile costs a
-    # multiply and the rounding a value; the requantizing reduction always takes the full
-    # formula, which is an eighth of its work, since the second path cost it registers.
+    # quantize kernel chooses per program (``_tile_codes``: both compiled, one run), so a
+    # plain tile costs a multiply and the rounding a value; the requantizing reduction always
+    # takes the full formula (``_full_codes``), an eighth of its work, since the second path
+    # cost it registers.
     if PLAIN:
         scaled = values * inverse[:, None]
     else:
@@ -123,6 +124,58 @@ def _codes(values, scales, inverse, prescale, QMAX: tl.constexpr, BIAS: tl.const
                           0.0)
         scaled = tl.minimum(tl.maximum(scaled, -QMAX), QMAX)
     return (scaled + (_ROUNDING_MAGIC + BIAS)).to(tl.int32, bitcast=True)
+
+
+@_jit
+def _full_codes(values, scales, QMAX: tl.constexpr, BIAS: tl.constexpr):
+    """``_codes`` by the full formula whatever the rows: the requantizing reduction's, where
+    the plain path cost registers for an eighth of its work ([Note: plain rows])."""
+    inverse, prescale, _ = _code_factors(scales)
+    return _codes(values, scales, inverse, prescale, QMAX, BIAS, False)
+
+
+@_jit
+def _tile_codes(values, scales, QMAX: tl.constexpr, BIAS: tl.constexpr):
+    """``_codes`` of a tile, plain where every row is ([Note: plain rows]): the quantize
+    kernel's choice, per program."""
+    inverse, prescale, plain = _code_factors(scales)
+    if plain:
+        codes = _codes(values, scales, inverse, prescale, QMAX, BIAS, True)
+    else:
+        codes = _codes(values, scales, inverse, prescale, QMAX, BIAS, False)
+    return codes
+
+
+@_jit
+def _quantize_chunks(x, codes_ptr, scales, inverse, prescale, first, first_out, nblocks, numel,
+                     BLOCK: tl.constexpr, QMAX: tl.constexpr, BITS: tl.constexpr,
+                     PACK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                     MASK_VALUES: tl.constexpr, PLAIN: tl.constexpr):
+    """A large block's second pass: codes of every chunk, under scales known already."""
+    for c0 in range(0, BLOCK, COLS):
+        rows, local, row_valid, in_block, in_range = _tile(first, c0, nblocks, numel, BLOCK,
+                                                           ROWS, COLS)
+        values = _load(x + local, in_range, 0.0, MASK_VALUES).to(tl.float32)
+        codes = _codes(values, scales, inverse, prescale, QMAX, QMAX + 1 if BITS < 8 else 0,
+                       PLAIN)
+        _store_codes(codes_ptr, codes, first_out, rows, c0, local, in_block, row_valid, BLOCK,
+                     BITS, PACK, ROWS, COLS, MASK_VALUES)
+
+
+@_jit
+def _quantize_second_pass(x, codes_ptr, scales, first, first_out, nblocks, numel,
+                          BLOCK: tl.constexpr, QMAX: tl.constexpr, BITS: tl.constexpr,
+                          PACK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                          MASK_VALUES: tl.constexpr):
+    """A large block's second pass, plain where every row is ([Note: plain rows]): the choice
+    is made outside the loop, so one loop runs, with no branch in it."""
+    inverse, prescale, plain = _code_factors(scales)
+    if plain:
+        _quantize_chunks(x, codes_ptr, scales, inverse, prescale, first, first_out, nblocks,
+                         numel, BLOCK, QMAX, BITS, PACK, ROWS, COLS, MASK_VALUES, True)
+    else:
+        _quantize_chunks(x, codes_ptr, scales, inverse, prescale, first, first_out, nblocks,
+                         numel, BLOCK, QMAX, BITS, PACK, ROWS, COLS, MASK_VALUES, False)
 
 
 @_jit

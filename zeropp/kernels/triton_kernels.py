@@ -9,10 +9,10 @@ are compile-time constants. One program owns ROWS whole quantization blocks; eac
 moves 16 bytes of every packed-code stream (16 int8 codes, 32 int4 codes) and unpacks
 or packs sub-byte codes in registers (a join or split of nibbles, no per-value byte
 gathers). The quantize kernel codes a tile whose scales are all 0 or at least 2**-64 with
-one multiply a value, no prescale, clamp or NaN select ([Note: plain rows] in
-`zeropp.kernels.triton_device`). A block that fits a tile is one tile, so absmax, scale,
-rounding and packing happen in one pass and the scale never round-trips through memory; a larger block is read
-twice (absmax, then quantize). Reductions read the K payloads in one unrolled loop (all
+one multiply a value ([Note: plain rows] in `zeropp.kernels.triton_device`). A block that
+fits a tile is one tile, so absmax, scale, rounding and packing happen in one pass and the
+scale never round-trips through memory; a larger block is read twice (absmax, then
+quantize). Reductions read the K payloads in one unrolled loop (all
 loads in flight together) and quantize the fp32 sum in the same tile, so qgZ's
 dequantize-sum-requantize reads each payload byte once (twice for blocks larger than a
 tile) and writes the result once. Programs whose tile lies wholly inside the tensor are
@@ -82,19 +82,20 @@ from zeropp.kernels.reference import PayloadLayout, code_offset
 from zeropp.kernels.triton_device import (
     _absmax,
     _block_scales,
-    _code_factors,
-    _codes,
+    _full_codes,
     _jit,
     _load,
     _load_codes,
     _load_scales,
     _max_keeping_nan,
+    _quantize_second_pass,
     _requantized_sum,
     _store_codes,
     _store_scales,
     _store_values,
     _sum_chunk,
     _tile,
+    _tile_codes,
 )
 
 try:
@@ -119,22 +120,6 @@ def is_available() -> bool:
 # (the second read mostly hits L2), instead of holding up to 16384 values per program in
 # registers, which spilled.
 # ---------------------------------------------------------------------------------------------
-
-
-@_jit
-def _quantize_chunks(x, codes_ptr, scales, inverse, prescale, first, first_out, nblocks, numel,
-                     BLOCK: tl.constexpr, QMAX: tl.constexpr, BITS: tl.constexpr,
-                     PACK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                     MASK_VALUES: tl.constexpr, PLAIN: tl.constexpr):
-    """A large block's second pass: codes of every chunk, under scales known already."""
-    for c0 in range(0, BLOCK, COLS):
-        rows, local, row_valid, in_block, in_range = _tile(first, c0, nblocks, numel, BLOCK,
-                                                           ROWS, COLS)
-        values = _load(x + local, in_range, 0.0, MASK_VALUES).to(tl.float32)
-        codes = _codes(values, scales, inverse, prescale, QMAX, QMAX + 1 if BITS < 8 else 0,
-                       PLAIN)
-        _store_codes(codes_ptr, codes, first_out, rows, c0, local, in_block, row_valid, BLOCK,
-                     BITS, PACK, ROWS, COLS, MASK_VALUES)
 
 
 @_jit
@@ -174,13 +159,7 @@ def quantize_kernel(
                                                            ROWS, COLS)
         values = _load(x + local, in_range, 0.0, MASK_VALUES).to(tl.float32)
         scales = _block_scales(_absmax(values), QMAX)
-        inverse, prescale, plain = _code_factors(scales)
-        if plain:  # [Note: plain rows]
-            codes = _codes(values, scales, inverse, prescale, QMAX, QMAX + 1 if BITS < 8 else 0,
-                           True)
-        else:
-            codes = _codes(values, scales, inverse, prescale, QMAX, QMAX + 1 if BITS < 8 else 0,
-                           False)
+        codes = _tile_codes(values, scales, QMAX, QMAX + 1 if BITS < 8 else 0)
         _store_codes(codes_ptr, codes, first_out, rows, 0, local, in_block, row_valid, BLOCK,
                      BITS, PACK, ROWS, COLS, MASK_VALUES)
     else:
@@ -193,14 +172,8 @@ def quantize_kernel(
             values = _load(x + local, in_range, 0.0, MASK_VALUES).to(tl.float32)
             absmax = _max_keeping_nan(absmax, _absmax(values))
         scales = _block_scales(absmax, QMAX)
-        inverse, prescale, plain = _code_factors(scales)
-        # The choice outside the loop: one loop runs, with no branch in it.
-        if plain:
-            _quantize_chunks(x, codes_ptr, scales, inverse, prescale, first, first_out, nblocks,
-                             numel, BLOCK, QMAX, BITS, PACK, ROWS, COLS, MASK_VALUES, True)
-        else:
-            _quantize_chunks(x, codes_ptr, scales, inverse, prescale, first, first_out, nblocks,
-                             numel, BLOCK, QMAX, BITS, PACK, ROWS, COLS, MASK_VALUES, False)
+        _quantize_second_pass(x, codes_ptr, scales, first, first_out, nblocks, numel, BLOCK,
+                              QMAX, BITS, PACK, ROWS, COLS, MASK_VALUES)
     _store_scales(scales_ptr, first_out + rows, scales, row_valid, SCALES_F32, MASK_ROWS)
 
 
@@ -310,9 +283,7 @@ def dequantize_reduce_quantize_kernel(
             BLOCK, BITS_IN, UNPACK, K, UNROLL, ROWS, COLS, MASK_VALUES, MASK_ROWS,
             SCALES_F32_IN)
         scales = _block_scales(_absmax(total), QMAX_OUT)
-        inverse, prescale, _ = _code_factors(scales)
-        codes = _codes(total, scales, inverse, prescale, QMAX_OUT,
-                       QMAX_OUT + 1 if BITS_OUT < 8 else 0, False)
+        codes = _full_codes(total, scales, QMAX_OUT, QMAX_OUT + 1 if BITS_OUT < 8 else 0)
         _store_codes(codes_ptr, codes, first, rows, 0, local, in_block, row_valid, BLOCK,
                      BITS_OUT, PACK, ROWS, COLS, MASK_VALUES)
     else:
@@ -329,14 +300,12 @@ def dequantize_reduce_quantize_kernel(
                 SCALES_F32_IN)
             absmax = _max_keeping_nan(absmax, _absmax(total))
         scales = _block_scales(absmax, QMAX_OUT)
-        inverse, prescale, _ = _code_factors(scales)
         for c0 in range(0, BLOCK, COLS):
             total, rows, local, row_valid, in_block = _requantized_sum(
                 payload_ptr, payload_stride, data_nbytes_in, first_in, first, c0, nblocks,
                 numel, BLOCK, BITS_IN, UNPACK, K, UNROLL, ROWS, COLS, MASK_VALUES, MASK_ROWS,
                 SCALES_F32_IN)
-            codes = _codes(total, scales, inverse, prescale, QMAX_OUT,
-                           QMAX_OUT + 1 if BITS_OUT < 8 else 0, False)
+            codes = _full_codes(total, scales, QMAX_OUT, QMAX_OUT + 1 if BITS_OUT < 8 else 0)
             _store_codes(codes_ptr, codes, first, rows, c0, local, in_block, row_valid, BLOCK,
                          BITS_OUT, PACK, ROWS, COLS, MASK_VALUES)
     _store_scales(scales_ptr, first + rows, scales, row_valid, SCALES_F32_OUT, MASK_ROWS)

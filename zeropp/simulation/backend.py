@@ -169,7 +169,7 @@ _SKIP_FILES = {__file__} | {
 # the call site is what called them.
 _ISSUING_CODES = {function.__code__ for function in (
     engine_collectives.all_gather_into_tensor, engine_collectives.reduce_scatter_tensor,
-    engine_collectives.all_to_all)}  # the first two share one code object
+    engine_collectives.all_to_all)}  # the first two are one code object, which all_to_all calls
 # torch's object collectives put their pickles on the backend's object device (the current
 # CUDA device under NCCL; here the CPU, since a Python group registers no device). That is
 # legitimate, so their tensors are exempt from the device rule.
