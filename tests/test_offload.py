@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -178,7 +179,9 @@ def staging_of_exact_gathers(rank, world):
     that read a lane's copy)."""
     import zeropp.unit
 
-    lane_copies: set[int] = set()
+    # Live lane copies by address. A freed copy's memory is handed out again (to a copy made
+    # on the current stream, say), so an address alone would name the wrong tensor.
+    lane_copies: dict[int, weakref.ref] = {}
     counts = {"lane": 0, "current": 0}
     misread: list[str] = []
     stage, gather = zeropp.unit.to_device, zeropp.unit.all_gather
@@ -187,20 +190,29 @@ def staging_of_exact_gathers(rank, world):
         staged = stage(host, device, execution)
         counts["lane" if execution is not None else "current"] += 1
         if execution is not None:
-            lane_copies.add(staged.data_ptr())
+            lane_copies[staged.data_ptr()] = weakref.ref(staged)
+        else:
+            lane_copies.pop(staged.data_ptr(), None)
         return staged
 
     def exact_gather(output, shard, *args, **kwargs):
         # On CUDA the lane's copy is on the gather stream, which the current stream never
         # waited for: NCCL would send the buffer before the copy lands.
-        if shard.data_ptr() in lane_copies:
+        copy = lane_copies.get(shard.data_ptr())
+        if copy is not None and copy() is not None:
             misread.append(f"{tuple(shard.shape)}")
         return gather(output, shard, *args, **kwargs)
 
     zeropp.unit.to_device, zeropp.unit.all_gather = to_device, exact_gather
     try:
         config = _with_offload(_config({"stage3_param_persistence_threshold": 2000}), True)
-        _train(rank, world, config, 2, steps=2)
+        engines: list = []
+        _train(rank, world, config, 2, steps=2, engine_out=engines)
+        before = counts["current"]
+        with engines[0].gathered_parameters():  # every released unit gathered exactly
+            pass
+        counts["regathered"] = counts["current"] - before
+        engines[0].close()
     finally:
         zeropp.unit.to_device, zeropp.unit.all_gather = stage, gather
     return counts, misread
@@ -211,7 +223,7 @@ def test_exact_gathers_on_the_current_stream_read_copies_made_there():
     gather (issued there), but on the current stream for the exact gathers issued on it (the
     persistent units' joint gather after each step, a unit's exact re-gather)."""
     for counts, misread in run_ranks(staging_of_exact_gathers, 2):
-        assert counts["lane"] > 0 and counts["current"] > 0, counts
+        assert counts["lane"] > 0 and counts["current"] > 0 and counts["regathered"] > 0, counts
         assert misread == []
 
 
