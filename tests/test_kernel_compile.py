@@ -92,6 +92,70 @@ def test_default_block_size_keeps_half_occupancy(compiled):
             + "\n  ".join(offenders), pytrace=False)
 
 
+# ---- (b2) what the int4 reductions execute --------------------------------------------------
+
+
+@needs_compiler
+def test_int4_reductions_unpack_codes_with_one_byte_permute_a_value(compiled):
+    """[Note: word sums]: the int4 reductions' GPU code is the inline PTX (one PRMT a value
+    and payload), not the interpreter's formula (a shift, a zero-extension and an OR), and
+    its integer instructions stay under 2.75 a value and payload (3.5 or more when codes
+    were read a byte at a time)."""
+    from scripts.bench.kernel_sass import by_unit
+
+    checked = []
+    for variant, result in compiled:
+        constants = variant.spec.constants
+        reduction = variant.spec.kernel in ("_dequantize_reduce_kernel",
+                                            "dequantize_reduce_quantize_kernel")
+        if not (reduction and variant.bits == 4 and variant.block_size == DEFAULT_BLOCK_SIZE
+                and result.sass_opcodes is not None):
+            continue
+        values_and_payloads = (constants["ROWS"] * constants["COLS"] * constants["K"]
+                               // (variant.spec.num_warps * 32))
+        where = _describe(variant, result)
+        assert result.sass_opcodes.get("PRMT", 0) >= values_and_payloads, where
+        assert by_unit(result.sass_opcodes)["integer"] < 2.75 * values_and_payloads, where
+        checked.append(result.arch)
+    assert {"sm_80", "sm_90"} <= set(checked), checked  # nvdisasm reads these arches' cubins
+
+
+def test_sass_opcodes_are_counted_from_the_listing():
+    listing = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0140*/                   LDG.E.128 R4, desc[UR8][R8.64] ;
+        /*0150*/              @!P0 PRMT R21, R5, 0x7440, R3 ;
+        /*0160*/               @P1 PRMT R22, R5, 0x7441, R3 ;
+        /*0170*/                   EXIT ;
+    """
+    assert compile_check.count_opcodes(listing) == {"LDC": 1, "LDG": 1, "PRMT": 2, "EXIT": 1}
+
+
+@needs_compiler
+def test_a_cubin_nvdisasm_cannot_read_has_no_counts_and_no_error():
+    assert compile_check.sass_opcodes(b"not a cubin") is None
+
+
+@needs_compiler
+def test_kernel_sass_script_reports_each_section_b_kernel(tmp_path, capsys):
+    import json
+
+    from scripts.bench import kernel_sass
+
+    assert kernel_sass.main(["--arch", "sm_90", "--json", str(tmp_path / "sass.json")]) == 0
+    rows = json.loads((tmp_path / "sass.json").read_text())["rows"]
+    assert [row["kernel"] for row in rows] == [k.name for k in kernel_sass.kernels(8)]
+    for row in rows:
+        assert row["instructions"] == sum(row["opcodes"].values()) == sum(
+            row["by_unit"].values())
+        assert row["instructions"] > 0 and row["registers"] > 0
+    printed = capsys.readouterr().out
+    assert all(row["kernel"] in printed for row in rows)
+    with pytest.raises(SystemExit):  # one line from argparse, nothing compiled
+        kernel_sass.main(["--block-size", "0"])
+    assert "--block-size" in capsys.readouterr().err
+
+
 # ---- (c) ptxas parsing and occupancy arithmetic --------------------------------------------
 
 PTXAS_SPILLING = """\

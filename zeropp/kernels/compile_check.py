@@ -94,12 +94,19 @@ class KernelResources:
     programs_per_sm: int | None = None
     occupancy: float | None = None  # active warps / the SM's maximum
     ptxas: str | None = None
+    # SASS instructions of the kernel by opcode (static counts, as nvdisasm lists them;
+    # None without nvdisasm): what a program executes when it takes every path once.
+    sass_opcodes: dict[str, int] | None = None
     error: str | None = None
     arch_unsupported: bool = False
 
     @property
     def spill_bytes(self) -> int:
         return (self.spill_store_bytes or 0) + (self.spill_load_bytes or 0)
+
+    @property
+    def sass_instructions(self) -> int | None:
+        return None if self.sass_opcodes is None else sum(self.sass_opcodes.values())
 
 
 class UnsupportedArchError(RuntimeError):
@@ -221,6 +228,41 @@ def _assemble(ptx: str, arch: ArchLimits) -> tuple[bytes, str, str]:
     raise UnsupportedArchError(f"no ptxas takes {gpu_name}: " + "; ".join(refusals))
 
 
+# A line of nvdisasm's listing: "/*0140*/  @!P0 LDG.E.128 R4, desc[UR8][R8.64] ;"
+_SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)",
+                        re.MULTILINE)
+
+
+def disassemble(cubin: bytes) -> str | None:
+    """nvdisasm's listing of a cubin (Triton's bundled one); None when there is none or it
+    cannot read the cubin (CUDA 12.9's refuses sm_70's)."""
+    import triton
+
+    try:
+        nvdisasm = triton.knobs.nvidia.nvdisasm.path
+    except (RuntimeError, AttributeError):
+        return None
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as handle:
+            handle.write(cubin)
+        done = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else None
+
+
+def count_opcodes(listing: str) -> dict[str, int]:
+    """Instructions of an nvdisasm listing by opcode (the mnemonic before its first '.')."""
+    counts: dict[str, int] = {}
+    for opcode in _SASS_LINE.findall(listing):
+        counts[opcode] = counts.get(opcode, 0) + 1
+    return counts
+
+
+def sass_opcodes(cubin: bytes) -> dict[str, int] | None:
+    listing = disassemble(cubin)
+    return None if listing is None else count_opcodes(listing)
+
+
 def run_ptxas(ptx: str, arch: ArchLimits) -> tuple[PtxasReport, str]:
     """Assemble `ptx` with the first ptxas that takes it; the report and that ptxas' name."""
     _, log, ptxas = _assemble(ptx, arch)
@@ -315,7 +357,7 @@ def _compile_here(spec: LaunchSpec, arch_name: str) -> KernelResources:
         arch=arch_name, kernel=spec.kernel, label=spec.label, constants=dict(spec.constants),
         num_warps=spec.num_warps, registers=report.registers,
         spill_store_bytes=report.spill_store_bytes, spill_load_bytes=report.spill_load_bytes,
-        shared_bytes=shared, ptxas=ptxas,
+        shared_bytes=shared, ptxas=ptxas, sass_opcodes=sass_opcodes(compiled.asm["cubin"]),
         programs_per_sm=programs_per_sm(report.registers, threads, shared, arch),
         occupancy=occupancy(report.registers, threads, shared, arch))
 

@@ -8,6 +8,8 @@ Importable without Triton (the functions are then plain, never called).
 
 from __future__ import annotations
 
+import os
+
 from zeropp.kernels.reference import PRESCALE, PRESCALE_BELOW, code_offset
 
 try:
@@ -28,6 +30,7 @@ def _constexpr(value):
 
 # Kernels may only read module globals that are constexpr.
 _NIBBLE_BIAS = _constexpr(code_offset(4))
+_NIBBLE_BIAS_WORD = _constexpr(code_offset(4) * 0x11111111)  # eight codes of zero
 _CRUMB_BIAS = _constexpr(code_offset(2))
 # Adding 1.5 * 2**23 to |v| < 2**22 leaves no fraction bits: the sum is rounded half to even
 # to an integer, which its low mantissa bits hold (1.5 * 2**23's are zero). Going back, an
@@ -38,6 +41,8 @@ _FLOAT_BITS_OF_2_POW_23 = _constexpr(0x4B000000)
 _TWO_POW_23 = _constexpr(2.0**23)
 _PRESCALE = _constexpr(PRESCALE)
 _PRESCALE_BELOW = _constexpr(PRESCALE_BELOW)
+# Triton's interpreter (set before import, as triton.jit reads it) runs no inline PTX.
+_INTERPRETED = _constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,10 +247,17 @@ def _load_scales(scales_ptr, block_index, row_valid, SCALES_F32: tl.constexpr,
 
 
 @_jit
+def _code_of_float_bits(bits, BIAS: tl.constexpr):
+    """fp32 code q of the float bits of 2**23 + q + BIAS: that float minus 2**23 + BIAS,
+    both exact."""
+    return bits.to(tl.float32, bitcast=True) - (_TWO_POW_23 + BIAS)
+
+
+@_jit
 def _as_float(stored, BIAS: tl.constexpr):
     """fp32 value of stored codes (int32 in [0, 256), q + BIAS): 2**23 + stored as float
     bits, minus 2**23 + BIAS, both exact."""
-    return (stored | _FLOAT_BITS_OF_2_POW_23).to(tl.float32, bitcast=True) - (_TWO_POW_23 + BIAS)
+    return _code_of_float_bits(stored | _FLOAT_BITS_OF_2_POW_23, BIAS)
 
 
 @_jit
@@ -307,6 +319,118 @@ def _add_payload(total, payload, data_nbytes, first, rows, c0, local, in_block, 
     return total + codes * scales[:, None]
 
 
+# [Note: word sums] The reductions' int4 payloads, when their codes are whole 32-bit words
+# (every block a multiple of 8 values, rows 4-byte aligned: when scales are read as words),
+# are read a word at a time and summed in eight accumulators, one per position j of a code in
+# its word, joined into the tile's order once at the end (sums are elementwise, so summing
+# in another order of positions changes nothing). Unpacking then takes 11 integer
+# instructions a word of 8 values: two masks split the word into its even and odd nibbles,
+# a byte each, and one `prmt` a value moves a byte under 2**23's exponent bits (the float
+# 2**23 + stored code). ptxas turns the same formula written with shifts and masks into a
+# shift, a zero-extension and an OR a value, hence the inline PTX; Triton's interpreter
+# cannot run PTX, so it takes that formula in plain operations (the suite runs the PTX on
+# a model of its instructions against it, `tests/test_kernel_ptx.py`). Measured by
+# `python -m scripts.bench.kernel_sass` (sm_90, block 256, 8 payloads): a program of the
+# fp32 sum runs 1744 -> 1304 instructions, of the bf16 sum 1880 -> 1480, of the
+# requantizing sum 2056 -> 1648; integer instructions a value and payload 3.5 -> 1.8 for the
+# fp32 sum. Three floating-point operations a value and payload remain (the code's bias, the
+# multiply by the scale, the sum's add), which bit-exactness keeps apart.
+WORD_CODES_PTX = """{
+    .reg .b32 even, odd, exponent;
+    and.b32 even, $8, 0x0F0F0F0F;
+    shr.u32 odd, $8, 4;
+    and.b32 odd, odd, 0x0F0F0F0F;
+    mov.b32 exponent, 0x4B000000;
+    prmt.b32 $0, even, exponent, 0x7440;
+    prmt.b32 $1, odd, exponent, 0x7440;
+    prmt.b32 $2, even, exponent, 0x7441;
+    prmt.b32 $3, odd, exponent, 0x7441;
+    prmt.b32 $4, even, exponent, 0x7442;
+    prmt.b32 $5, odd, exponent, 0x7442;
+    prmt.b32 $6, even, exponent, 0x7443;
+    prmt.b32 $7, odd, exponent, 0x7443;
+}"""
+_WORD_CODES_PTX = _constexpr(WORD_CODES_PTX)
+
+
+@_jit
+def _word_code_bits(words):
+    """Per 32-bit word of int4 codes, the eight float bit patterns 2**23 + stored code of
+    value j (bits 4j..4j+3), j = 0..7 ([Note: word sums])."""
+    if _INTERPRETED:
+        return (
+            (words & 0xF) | _FLOAT_BITS_OF_2_POW_23,
+            ((words >> 4) & 0xF) | _FLOAT_BITS_OF_2_POW_23,
+            ((words >> 8) & 0xF) | _FLOAT_BITS_OF_2_POW_23,
+            ((words >> 12) & 0xF) | _FLOAT_BITS_OF_2_POW_23,
+            ((words >> 16) & 0xF) | _FLOAT_BITS_OF_2_POW_23,
+            ((words >> 20) & 0xF) | _FLOAT_BITS_OF_2_POW_23,
+            ((words >> 24) & 0xF) | _FLOAT_BITS_OF_2_POW_23,
+            (words >> 28) | _FLOAT_BITS_OF_2_POW_23,
+        )
+    else:
+        return tl.inline_asm_elementwise(
+            _WORD_CODES_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words], dtype=(tl.uint32,) * 8,
+            is_pure=True, pack=1)
+
+
+@_jit
+def _add_word_payload(t0, t1, t2, t3, t4, t5, t6, t7, payload, data_nbytes, first, rows, c0,
+                      row_valid, BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                      MASK_VALUES: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """``_add_payload`` for int4 codes read as 32-bit words: ``tj`` sums value j of every
+    word, the chunk's values 8w + j ([Note: word sums])."""
+    scales = _load_scales(payload + data_nbytes, first + rows, row_valid, True, MASK_ROWS)
+    scales = scales[:, None]
+    word_cols = c0 // 8 + tl.arange(0, COLS // 8)
+    word_local = rows[:, None] * (BLOCK // 8) + word_cols[None, :]
+    mask = row_valid[:, None] & (word_cols[None, :] < BLOCK // 8)
+    words = _load(payload.to(tl.pointer_type(tl.uint32)) + first * (BLOCK // 8) + word_local,
+                  mask, _NIBBLE_BIAS_WORD, MASK_VALUES)
+    b0, b1, b2, b3, b4, b5, b6, b7 = _word_code_bits(words)
+    t0 = t0 + _code_of_float_bits(b0, _NIBBLE_BIAS) * scales
+    t1 = t1 + _code_of_float_bits(b1, _NIBBLE_BIAS) * scales
+    t2 = t2 + _code_of_float_bits(b2, _NIBBLE_BIAS) * scales
+    t3 = t3 + _code_of_float_bits(b3, _NIBBLE_BIAS) * scales
+    t4 = t4 + _code_of_float_bits(b4, _NIBBLE_BIAS) * scales
+    t5 = t5 + _code_of_float_bits(b5, _NIBBLE_BIAS) * scales
+    t6 = t6 + _code_of_float_bits(b6, _NIBBLE_BIAS) * scales
+    t7 = t7 + _code_of_float_bits(b7, _NIBBLE_BIAS) * scales
+    return t0, t1, t2, t3, t4, t5, t6, t7
+
+
+@_jit
+def _sum_chunk_words(payload_ptr, payload_stride, data_nbytes, first, rows, c0, row_valid,
+                     BLOCK: tl.constexpr, K: tl.constexpr, UNROLL: tl.constexpr,
+                     ROWS: tl.constexpr, COLS: tl.constexpr, MASK_VALUES: tl.constexpr,
+                     MASK_ROWS: tl.constexpr):
+    """``_sum_chunk`` of int4 payloads whose codes are whole 32-bit words ([Note: word
+    sums]): eight sums of a value position each, in payload order from zero, joined."""
+    t0 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
+    t1 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
+    t2 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
+    t3 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
+    t4 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
+    t5 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
+    t6 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
+    t7 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
+    for group in range(K // UNROLL):
+        for i in tl.static_range(UNROLL):
+            payload = payload_ptr + (group * UNROLL + i) * payload_stride
+            t0, t1, t2, t3, t4, t5, t6, t7 = _add_word_payload(
+                t0, t1, t2, t3, t4, t5, t6, t7, payload, data_nbytes, first, rows, c0,
+                row_valid, BLOCK, ROWS, COLS, MASK_VALUES, MASK_ROWS)
+    for i in tl.static_range(K % UNROLL):
+        payload = payload_ptr + ((K // UNROLL) * UNROLL + i) * payload_stride
+        t0, t1, t2, t3, t4, t5, t6, t7 = _add_word_payload(
+            t0, t1, t2, t3, t4, t5, t6, t7, payload, data_nbytes, first, rows, c0, row_valid,
+            BLOCK, ROWS, COLS, MASK_VALUES, MASK_ROWS)
+    # Value j = 4a + 2b + c of word w lands at [w, a, b, c]: joined over a, then b, then c.
+    even = tl.join(tl.join(t0, t4), tl.join(t2, t6))  # [w, a, b]: value 4a + 2b
+    odd = tl.join(tl.join(t1, t5), tl.join(t3, t7))
+    return tl.reshape(tl.join(even, odd), [ROWS, COLS])
+
+
 @_jit
 def _sum_chunk(payload_ptr, payload_stride, data_nbytes, first, rows, c0, local, in_block,
                row_valid, BLOCK: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr,
@@ -315,6 +439,10 @@ def _sum_chunk(payload_ptr, payload_stride, data_nbytes, first, rows, c0, local,
                SCALES_F32: tl.constexpr):
     """fp32 sum over the K payloads of one chunk, from zero, in payload order. UNROLL
     payloads at a time are unrolled, so their loads are in flight together."""
+    if BITS == 4 and UNPACK and SCALES_F32:
+        return _sum_chunk_words(payload_ptr, payload_stride, data_nbytes, first, rows, c0,
+                                row_valid, BLOCK, K, UNROLL, ROWS, COLS, MASK_VALUES,
+                                MASK_ROWS)
     total = tl.zeros([ROWS, COLS], dtype=tl.float32)
     for group in range(K // UNROLL):
         for i in tl.static_range(UNROLL):

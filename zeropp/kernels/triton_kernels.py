@@ -13,7 +13,9 @@ one multiply a value ([Note: plain rows] in `zeropp.kernels.triton_device`). A b
 fits a tile is one tile, so absmax, scale, rounding and packing happen in one pass and the
 scale never round-trips through memory; a larger block is read twice (absmax, then
 quantize). Reductions read the K payloads in one unrolled loop (all
-loads in flight together) and quantize the fp32 sum in the same tile, so qgZ's
+loads in flight together; int4 codes a 32-bit word at a time, unpacked by one byte
+permute a value, [Note: word sums] in `zeropp.kernels.triton_device`) and quantize the
+fp32 sum in the same tile, so qgZ's
 dequantize-sum-requantize reads each payload byte once (twice for blocks larger than a
 tile) and writes the result once. Programs whose tile lies wholly inside the tensor are
 compiled without masks when the whole launch is such (`EVEN`). Scales are read and written
