@@ -743,6 +743,42 @@ def test_triton_pieces_are_one_launch_without_host_shuffles(triton_device, monke
     assert _same(parts.cpu(), expected_parts)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's inf arithmetic
+def test_triton_qgz_payloads_are_read_as_words(triton_device, monkeypatch) -> None:
+    """qgZ's reductions read the payloads its all-to-alls receive ([Note: word sums]): fresh
+    buffers whose rows are whole words of codes and scales. Both hops take the word path
+    (and with it the scales' words) and equal the reference."""
+    triton_kernels, device = triton_device
+    nodes, per_node, block = 2, 3, 64
+    numel = nodes * per_node * 15 * block  # slices of 15 blocks: an odd count of rows
+    x = _sample(numel, torch.bfloat16)
+    launched = []
+    launch = triton_kernels._launch
+
+    def recording_launch(spec, *args, **kwargs):
+        launched.append((spec.kernel, spec.constants.get("SCALES_F32",
+                                                         spec.constants.get("SCALES_F32_IN"))))
+        launch(spec, *args, **kwargs)
+
+    monkeypatch.setattr(triton_kernels, "_launch", recording_launch)
+    send = triton_kernels.quantize_swizzled(x.to(device), nodes, per_node, 4, block)
+    received = torch.empty_like(send)  # as the intra-node all-to-all receives it
+    received.copy_(send)
+    received = received.view(per_node, -1)
+    chunk = numel // per_node
+    send2 = triton_kernels.dequantize_reduce_quantize(received, chunk, 4, 4, block, parts=nodes)
+    across = torch.empty_like(send2)
+    across.copy_(send2)
+    total = triton_kernels.dequantize_reduce(across.view(nodes, -1), chunk // nodes, 4, block)
+    assert launched == [("quantize_kernel", True), ("dequantize_reduce_quantize_kernel", True),
+                        ("_dequantize_reduce_kernel", True)]
+    want2 = cpu_reference.dequantize_reduce_quantize(received.cpu(), chunk, 4, 4, block,
+                                                     parts=nodes)
+    assert _same(send2.cpu(), want2)
+    want = cpu_reference.dequantize_reduce(want2.view(nodes, -1), chunk // nodes, 4, block)
+    assert _same(total.cpu(), want)
+
+
 def test_triton_pieces_reject_what_the_reference_rejects(triton_device) -> None:
     triton_kernels, device = triton_device
     x = _sample(2 * 2 * 100, torch.float32).to(device)
