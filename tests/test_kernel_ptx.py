@@ -68,9 +68,11 @@ def run_ptx(source: str, inputs: dict[str, int]) -> dict[str, int]:
     return registers
 
 
-def test_the_model_of_prmt_follows_the_ptx_isa_examples():
-    # the PTX ISA's default-mode table: selector 0x3210 copies a, 0x7654 copies b, and a
-    # nibble with bit 3 set replicates the selected byte's sign
+def test_the_model_of_prmt_follows_the_ptx_isa():
+    # CUB's documented example of cub::PRMT (cub/util_ptx.cuh), which issues this instruction
+    assert _prmt(0x03020100, 0x07060504, 0x7531) == 0x07050301
+    # the PTX ISA's generic form: bytes {b, a} numbered 0-7 from a's lowest, one selector
+    # nibble a result byte, whose bit 3 replicates the selected byte's sign
     a, b = 0x44332211, 0x88776655
     assert _prmt(a, b, 0x3210) == a
     assert _prmt(a, b, 0x7654) == b
