@@ -117,6 +117,8 @@ def test_int4_reductions_unpack_codes_with_one_byte_permute_a_value(compiled):
         assert result.sass_opcodes.get("PRMT", 0) >= values_and_payloads, where
         assert by_unit(result.sass_opcodes)["integer"] < 2.75 * values_and_payloads, where
         checked.append(result.arch)
+    if compile_check.nvdisasm_path() is None:
+        pytest.skip("Triton has no nvdisasm here")
     assert {"sm_80", "sm_90"} <= set(checked), checked  # nvdisasm reads these arches' cubins
 
 

@@ -525,8 +525,10 @@ def triton_device():
         yield module, torch.device("cpu")
 
 
-# Blocks over 1024 values are walked in two passes ([Note: kernel tiles]): whole, partial,
-# non-power-of-two and odd large blocks (odd: int4 nibbles straddle blocks).
+# Whole, partial, non-power-of-two and odd large blocks (odd: int4 nibbles straddle blocks);
+# blocks over a tile (2048 int8 values, 4096 int4 or int2) are walked in two passes
+# ([Note: kernel tiles]): see test_triton_int4_word_sums_match_reference and the tiny-scale
+# test for those.
 TRITON_SHAPES = ((1, 1), (7, 3), (300, 6), (257, 64), (1000, 2048), (5000, 1500),
                  (3000, 1025))
 
@@ -665,10 +667,35 @@ def test_triton_reductions_match_reference(triton_device, numel, block_size) -> 
             assert _same(fused, expected)
 
 
+@pytest.mark.parametrize(("payloads", "numel", "block_size"),
+                         [(10, 208, 16), (9, 1000, 24), (10, 3 * 8192 - 100, 8192)])
+def test_triton_int4_word_sums_match_reference(triton_device, payloads, numel,
+                                               block_size) -> None:
+    """[Note: word sums] where it is most easily wrong: the smallest blocks it reads (16, two
+    words), blocks that are not a power of two (24: masked word columns), blocks walked in two
+    passes (8192, with a partial last block), and payload counts past the unrolled group of 8
+    (9, 10)."""
+    triton_kernels, device = triton_device
+    batch = _payload_batch(payloads, numel, 4, block_size)
+    on_device = batch.to(device)
+    for dtype in (torch.float32, torch.bfloat16):
+        total = triton_kernels.dequantize_reduce(on_device, numel, 4, block_size,
+                                                 out=torch.empty(numel, dtype=dtype,
+                                                                 device=device))
+        expected = cpu_reference.dequantize_reduce(batch, numel, 4, block_size,
+                                                   out=torch.empty(numel, dtype=dtype))
+        assert _same(total.cpu(), expected)
+    for bits_out in (4, 2, 8):
+        assert _same(
+            triton_kernels.dequantize_reduce_quantize(on_device, numel, 4, bits_out,
+                                                      block_size).cpu(),
+            cpu_reference.dequantize_reduce_quantize(batch, numel, 4, bits_out, block_size))
+
+
 # Pieces ([Note: payload pieces]) as (nodes, per_node, values a slice, block size): one node,
 # one rank a node and both; blocks of one tile with a partial last program in every slice
-# (64), blocks walked in two passes (1500), and blocks that are not whole bytes at some width
-# (6 for int2; 3 for int4 and int2), which keep the host's pack and shuffle.
+# (64), large blocks that are not powers of two (1500), and blocks that are not whole bytes
+# at some width (6 for int2; 3 for int4 and int2), which keep the host's pack and shuffle.
 SWIZZLE_CASES = ((1, 3, 64 * 20, 64), (3, 1, 3000, 1500), (2, 2, 1500, 1500), (2, 3, 12, 6),
                  (3, 2, 12, 3))
 
@@ -818,7 +845,7 @@ import torch
 
 out_dir = Path(sys.argv[1])
 # The host's own launch specs: one block that fits a tile, one walked in two passes.
-for block_size in (256, 2048):
+for block_size in (256, 8192):
     for spec in kernels.launch_specs(block_size, 4, torch.bfloat16):
         signature = {**spec.signature, **{key: "constexpr" for key in spec.constants}}
         source = ASTSource(fn=kernels.kernel_function(spec), signature=signature,
@@ -850,7 +877,7 @@ def test_triton_kernels_compile_for_hopper_without_a_gpu(tmp_path: Path) -> None
         timeout=360,  # 14 variants compiled in one process, on a busy 2-core machine too
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    for block_size in (256, 2048):
+    for block_size in (256, 8192):
         quantize_ptx = (tmp_path / f"quantize_kernel_{block_size}.ptx").read_text()
         assert "div.rn.f32" in quantize_ptx and "div.full.f32" not in quantize_ptx
         assert (tmp_path / f"dequantize_kernel_{block_size}.cubin").stat().st_size > 0
@@ -860,21 +887,26 @@ def test_triton_kernels_compile_for_hopper_without_a_gpu(tmp_path: Path) -> None
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_triton_two_pass_blocks_find_non_finite_values_in_any_chunk(triton_device) -> None:
-    """A NaN or inf in a large block's later chunk still makes its whole block NaN."""
+    """A NaN or inf in a large block's later chunk still makes its whole block NaN (blocks
+    of 8192 are walked in chunks of 2048 int8 or 4096 int4/int2 values)."""
     triton_kernels, device = triton_device
-    x = _sample(3 * 2048, torch.float32).to(device)
-    x[2048 + 1500] = float("nan")  # block 1, second chunk
-    x[2 * 2048 + 2047] = float("-inf")  # block 2, last value
+    block = 8192
     for bits in (8, 4, 2):
-        layout = kernels.payload_layout(x.numel(), bits, 2048)
-        payload = triton_kernels.quantize_blockwise(x, bits, 2048)
-        _assert_same_payload(payload, cpu_reference.quantize_blockwise(x, bits, 2048), layout)
-        scales = _payload_scales(payload.cpu(), x.numel(), bits, 2048)
+        assert not launch_specs.tile_config(block, bits).single_pass
+    x = _sample(3 * block, torch.float32).to(device)
+    x[block + 5000] = float("nan")  # block 1, second chunk
+    x[2 * block + block - 1] = float("-inf")  # block 2, last value
+    for bits in (8, 4, 2):
+        layout = kernels.payload_layout(x.numel(), bits, block)
+        payload = triton_kernels.quantize_blockwise(x, bits, block)
+        _assert_same_payload(payload, cpu_reference.quantize_blockwise(x, bits, block), layout)
+        scales = _payload_scales(payload.cpu(), x.numel(), bits, block)
         assert np.isfinite(scales[0]) and np.isnan(scales[1:]).all()
-        flipped = cpu_reference.quantize_blockwise(x.flip(0), bits, 2048).to(device)
+        flipped = cpu_reference.quantize_blockwise(x.flip(0), bits, block).to(device)
         payloads = torch.stack([payload, flipped])
-        fused = triton_kernels.dequantize_reduce_quantize(payloads, x.numel(), bits, bits, 2048)
-        expected = cpu_reference.dequantize_reduce_quantize(payloads, x.numel(), bits, bits, 2048)
+        fused = triton_kernels.dequantize_reduce_quantize(payloads, x.numel(), bits, bits, block)
+        expected = cpu_reference.dequantize_reduce_quantize(payloads, x.numel(), bits, bits,
+                                                            block)
         _assert_same_payload(fused, expected, layout)
 
 

@@ -25,9 +25,10 @@ import torch
 
 from scripts.bench.run_lab import write_json
 from zeropp.kernels import compile_check, launch_specs
-from zeropp.kernels.reference import payload_layout
 
 MODULE = "scripts.bench.kernel_sass"
+# The largest block every listed kernel holds in one tile (int8 quantize: 2048 values).
+MAX_SINGLE_PASS_BLOCK = launch_specs.tile_config(1 << 20, 8).cols
 
 # Opcodes by the unit that issues them (Hopper and Ampere SMs): the 32-bit float pipe, the
 # integer pipe (logic, shifts, byte permutes, compares), memory and the rest.
@@ -126,10 +127,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2, help="compiler processes")
     parser.add_argument("--json", type=Path, default=None, help="also write the counts here")
     args = parser.parse_args(argv)
-    try:
-        payload_layout(args.block_size, 4, args.block_size)
-    except ValueError as error:
-        parser.error(f"--block-size: {error}")
+    # A power of two that one tile holds whole: every program then handles ROWS x COLS
+    # values in one pass, so a listing's count is a program's.
+    if not (1 <= args.block_size <= MAX_SINGLE_PASS_BLOCK
+            and args.block_size & (args.block_size - 1) == 0):
+        parser.error(f"--block-size must be a power of two in 1..{MAX_SINGLE_PASS_BLOCK} (a "
+                     "larger or padded block is walked in a loop its listing counts once)")
     if not 1 <= args.payloads <= 64:
         parser.error("--payloads must be in 1..64")
     return args

@@ -45,10 +45,13 @@ from zeropp.kernels import reference
 TRITON_BACKEND = "zeropp.kernels.triton_kernels"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 BITS = (4, 8)
-BLOCK_SIZES = (64, 256, 2048)
+# 16: the smallest block whose int4 codes the reductions read as words; 24: not a power of
+# two (masked columns); 8192: walked in two passes by every kernel ([Note: kernel tiles],
+# [Note: word sums]).
+BLOCK_SIZES = (16, 24, 64, 256, 2048, 8192)
 # A multiple of every block size, and a length that is a multiple of none (nor of 16, which
 # Triton specializes integer arguments on).
-REGULAR_NUMEL = 5 * 3 * 2048
+REGULAR_NUMEL = 5 * 3 * 8192
 AWKWARD_NUMEL = 33_333
 ROWS = 3  # payloads per batched or reduced call
 MAX_FAILURES_LISTED = 20

@@ -233,20 +233,31 @@ _SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A
                         re.MULTILINE)
 
 
-def disassemble(cubin: bytes) -> str | None:
-    """nvdisasm's listing of a cubin (Triton's bundled one); None when there is none or it
-    cannot read the cubin (CUDA 12.9's refuses sm_70's)."""
+def nvdisasm_path() -> str | None:
+    """Triton's bundled nvdisasm, or None."""
     import triton
 
     try:
-        nvdisasm = triton.knobs.nvidia.nvdisasm.path
+        return triton.knobs.nvidia.nvdisasm.path
     except (RuntimeError, AttributeError):
+        return None
+
+
+def disassemble(cubin: bytes) -> str | None:
+    """nvdisasm's listing of a cubin; None when there is no nvdisasm or it cannot read the
+    cubin (CUDA 12.9's refuses sm_70's)."""
+    nvdisasm = nvdisasm_path()
+    if nvdisasm is None:
         return None
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "kernel.cubin")
         with open(path, "wb") as handle:
             handle.write(cubin)
-        done = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True)
+        try:
+            done = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True,
+                                  timeout=120)
+        except (OSError, subprocess.SubprocessError):  # the counts are optional
+            return None
     return done.stdout if done.returncode == 0 else None
 
 
@@ -299,10 +310,11 @@ def occupancy(registers: int, threads: int, shared_bytes: int, arch: ArchLimits)
 # [Note: one ptxas a variant] Triton's last stage assembles the PTX into a cubin with its
 # own `ptxas -v` and drops the log, and ptxas is a third of a variant's compile. So while this
 # module compiles, that stage runs our ptxas command instead (its cubin is what Triton
-# keeps), and the log goes into the kernel's metadata. Triton's disk cache then holds the
-# log with the kernel: a cache hit reads the counts without running ptxas at all. The stage
-# key names the command, so these entries are never those of a kernel compiled to launch.
-_STAGE_KEY = "zeropp-compile-check-ptxas:" + " ".join(_PTXAS_FLAGS)
+# keeps), and the log goes into the kernel's metadata, with the SASS opcode counts of the
+# cubin (nvdisasm). Triton's disk cache then holds both with the kernel: a cache hit reads
+# the counts without running ptxas or nvdisasm at all. The stage key names the commands, so
+# these entries are never those of a kernel compiled to launch.
+_STAGE_KEY = "zeropp-compile-check-ptxas+nvdisasm:" + " ".join(_PTXAS_FLAGS)
 
 
 @contextmanager
@@ -316,6 +328,7 @@ def _ptxas_as_the_cubin_stage(arch: ArchLimits) -> Iterator[None]:
 
     def assemble_and_log(ptx: str, metadata: dict) -> bytes:
         cubin, metadata["ptxas_log"], metadata["ptxas_name"] = _assemble(ptx, arch)
+        metadata["sass_opcodes"] = sass_opcodes(cubin)  # kept with the log, as it is
         return cubin
 
     saved = knobs.runtime.add_stages_inspection_hook
@@ -357,7 +370,7 @@ def _compile_here(spec: LaunchSpec, arch_name: str) -> KernelResources:
         arch=arch_name, kernel=spec.kernel, label=spec.label, constants=dict(spec.constants),
         num_warps=spec.num_warps, registers=report.registers,
         spill_store_bytes=report.spill_store_bytes, spill_load_bytes=report.spill_load_bytes,
-        shared_bytes=shared, ptxas=ptxas, sass_opcodes=sass_opcodes(compiled.asm["cubin"]),
+        shared_bytes=shared, ptxas=ptxas, sass_opcodes=compiled.metadata.sass_opcodes,
         programs_per_sm=programs_per_sm(report.registers, threads, shared, arch),
         occupancy=occupancy(report.registers, threads, shared, arch))
 

@@ -27,12 +27,13 @@ installed one): two argument lists with the same key get the same compiled kerne
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Sequence
 from functools import cache
 
 import torch
+
+from zeropp.kernels.triton_device import interpreting
 
 _INT32 = (-(2**31), 2**31)
 _INT64_MAX = 2**63
@@ -74,7 +75,7 @@ def _interpreting() -> bool:
     """Whether Triton's interpreter runs the kernels, read once rather than at every launch:
     Triton reads the variable when it decorates the kernels (their module's import), so a
     later change would not switch them anyway."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return interpreting()
 
 
 @cache

@@ -8,8 +8,7 @@ Importable without Triton (the functions are then plain, never called).
 
 from __future__ import annotations
 
-import os
-
+from zeropp.kernels.launch_specs import SMALL_BLOCK
 from zeropp.kernels.reference import PRESCALE, PRESCALE_BELOW, code_offset
 
 try:
@@ -41,8 +40,19 @@ _FLOAT_BITS_OF_2_POW_23 = _constexpr(0x4B000000)
 _TWO_POW_23 = _constexpr(2.0**23)
 _PRESCALE = _constexpr(PRESCALE)
 _PRESCALE_BELOW = _constexpr(PRESCALE_BELOW)
-# Triton's interpreter (set before import, as triton.jit reads it) runs no inline PTX.
-_INTERPRETED = _constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# Under this block size the reductions hold 4 values a thread, less than a word of int4
+# codes: reading words there costs instructions (block 8: 320 -> 424 a program, sm_90).
+_SMALL_BLOCK = _constexpr(SMALL_BLOCK)
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels, as triton.jit decides it when it
+    decorates them (its TRITON_INTERPRET knob, which takes 1, true, yes and on)."""
+    return triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+# The interpreter runs no inline PTX; read at import, as triton.jit reads it.
+_INTERPRETED = _constexpr(interpreting())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,13 +330,13 @@ def _add_payload(total, payload, data_nbytes, first, rows, c0, local, in_block, 
 
 
 # [Note: word sums] The reductions' int4 payloads, when their codes are whole 32-bit words
-# (every block a multiple of 8 values, rows 4-byte aligned: when scales are read as words),
-# are read a word at a time and summed in eight accumulators, one per position j of a code in
-# its word, joined into the tile's order once at the end (sums are elementwise, so summing
-# in another order of positions changes nothing). Unpacking then takes 11 integer
-# instructions a word of 8 values: two masks split the word into its even and odd nibbles,
-# a byte each, and one `prmt` a value moves a byte under 2**23's exponent bits (the float
-# 2**23 + stored code). ptxas turns the same formula written with shifts and masks into a
+# (every block a multiple of 8 values, rows 4-byte aligned: when scales are read as words)
+# and blocks are not small (16 values or more), are read a word at a time and summed in
+# eight accumulators, one per position j of a code in its word, joined into the tile's
+# order once at the end (sums are elementwise, so summing in another order of positions
+# changes nothing). Unpacking then takes 11 integer instructions a word of 8 values: two
+# masks split the word into its even and odd nibbles, a byte each, and one `prmt` a value
+# moves a byte under 2**23's exponent bits (the float 2**23 + stored code). ptxas turns the same formula written with shifts and masks into a
 # shift, a zero-extension and an OR a value, hence the inline PTX; Triton's interpreter
 # cannot run PTX, so it takes that formula in plain operations (the suite runs the PTX on
 # a model of its instructions against it, `tests/test_kernel_ptx.py`). Measured by
@@ -406,6 +416,7 @@ def _sum_chunk_words(payload_ptr, payload_stride, data_nbytes, first, rows, c0, 
                      MASK_ROWS: tl.constexpr):
     """``_sum_chunk`` of int4 payloads whose codes are whole 32-bit words ([Note: word
     sums]): eight sums of a value position each, in payload order from zero, joined."""
+    tl.static_assert(BLOCK % 8 == 0, "int4 word sums need blocks of whole 32-bit words")
     t0 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
     t1 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
     t2 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
@@ -439,7 +450,7 @@ def _sum_chunk(payload_ptr, payload_stride, data_nbytes, first, rows, c0, local,
                SCALES_F32: tl.constexpr):
     """fp32 sum over the K payloads of one chunk, from zero, in payload order. UNROLL
     payloads at a time are unrolled, so their loads are in flight together."""
-    if BITS == 4 and UNPACK and SCALES_F32:
+    if BITS == 4 and UNPACK and SCALES_F32 and BLOCK >= _SMALL_BLOCK:
         return _sum_chunk_words(payload_ptr, payload_stride, data_nbytes, first, rows, c0,
                                 row_valid, BLOCK, K, UNROLL, ROWS, COLS, MASK_VALUES,
                                 MASK_ROWS)

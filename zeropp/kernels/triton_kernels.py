@@ -59,7 +59,6 @@ import, the kernels run on CPU tensors through Triton's interpreter (used by the
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import torch
@@ -98,6 +97,7 @@ from zeropp.kernels.triton_device import (
     _sum_chunk,
     _tile,
     _tile_codes,
+    interpreting,
 )
 
 try:
@@ -321,7 +321,7 @@ def dequantize_reduce_quantize_kernel(
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return interpreting()
 
 
 def _check_runnable(tensor: Tensor, layout: PayloadLayout) -> None:
