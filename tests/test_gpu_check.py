@@ -398,14 +398,17 @@ def test_the_18b_block_shape_comes_from_its_args_file():
 # ---- the kernel sections' plumbing on CPU ----------------------------------------------------
 
 
-SMALL_MATRIX = dict(dtypes=("fp32", "bf16"), bits=(4, 8), block_sizes=(64,), numels=(300,))
+SMALL_MATRIX = dict(dtypes=("fp32", "bf16"), bits=(4, 8), block_sizes=(64,),
+                    word_sum_block_sizes=(24,), numels=(300,))
 
 
 def test_bit_exact_section_compares_with_the_reference():
     outcome = gpu_check_kernels.check_bit_exact("cpu", require_backend=None, **SMALL_MATRIX)
     # per dtype and width: quantize, dequantize, its out= form, dequantize_many (4 x 2 x 2);
-    # per width: dequantize_reduce and two requantizations (3 x 2)
-    assert outcome.status == "pass" and outcome.figures["cases"] == 22
+    # per width: dequantize_reduce and two requantizations (3 x 2); the same three for int4
+    # at the word-sum block (3)
+    assert outcome.status == "pass" and outcome.figures["cases"] == 25
+    assert "int4 reductions at blocks 24" in outcome.summary
     assert outcome.figures["backends"] == ["zeropp.kernels.reference"]
     wrong = gpu_check_kernels.check_bit_exact("cpu", **SMALL_MATRIX)
     assert wrong.status == "fail" and "not zeropp.kernels.triton_kernels" in wrong.summary
@@ -427,7 +430,7 @@ def test_bit_exact_section_finds_a_wrong_byte(monkeypatch):
     monkeypatch.setattr(kernels, "quantize_blockwise", off_by_one)
     outcome = gpu_check_kernels.check_bit_exact("cpu", require_backend=None, **SMALL_MATRIX)
     assert outcome.status == "fail"
-    assert outcome.summary.startswith("4 of 22 cases differ, first: quantize fp32 int4 block 64")
+    assert outcome.summary.startswith("4 of 25 cases differ, first: quantize fp32 int4 block 64")
     assert "code byte 5" in outcome.summary
 
 
@@ -439,8 +442,8 @@ def test_a_kernel_that_raises_fails_its_cases_only(monkeypatch):
 
     monkeypatch.setattr(kernels, "dequantize_reduce", no_launch)
     outcome = gpu_check_kernels.check_bit_exact("cpu", require_backend=None, **SMALL_MATRIX)
-    assert outcome.figures["cases"] == 22 and outcome.figures["passed"] == 20
-    assert outcome.summary == ("2 of 22 cases differ, first: dequantize_reduce int4 block 64 "
+    assert outcome.figures["cases"] == 25 and outcome.figures["passed"] == 22
+    assert outcome.summary == ("3 of 25 cases differ, first: dequantize_reduce int4 block 64 "
                                "numel 300 k=3: RuntimeError: triton.compiler.errors."
                                "CompilationError: at 12:4")
 

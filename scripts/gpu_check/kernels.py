@@ -45,13 +45,15 @@ from zeropp.kernels import reference
 TRITON_BACKEND = "zeropp.kernels.triton_kernels"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 BITS = (4, 8)
-# 16: the smallest block whose int4 codes the reductions read as words; 24: not a power of
-# two (masked columns); 8192: walked in two passes by every kernel ([Note: kernel tiles],
-# [Note: word sums]).
-BLOCK_SIZES = (16, 24, 64, 256, 2048, 8192)
-# A multiple of every block size, and a length that is a multiple of none (nor of 16, which
-# Triton specializes integer arguments on).
-REGULAR_NUMEL = 5 * 3 * 8192
+BLOCK_SIZES = (64, 256, 2048)
+# The int4 reductions' word sums ([Note: word sums]) where the matrix above does not reach:
+# the smallest block they read as words (16), one that is not a power of two (24: masked
+# word columns) and one walked in two passes (8192); reductions only, at the first length,
+# so few kernels compile for them.
+WORD_SUM_BLOCK_SIZES = (16, 24, 8192)
+# A multiple of every block size above, and a length that is a multiple of none (nor of 16,
+# which Triton specializes integer arguments on).
+REGULAR_NUMEL = 5 * 3 * 2048
 AWKWARD_NUMEL = 33_333
 ROWS = 3  # payloads per batched or reduced call
 MAX_FAILURES_LISTED = 20
@@ -218,6 +220,7 @@ def _value_mismatch(actual: torch.Tensor, expected: torch.Tensor) -> str | None:
 def check_bit_exact(device: torch.device | str = "cuda", *,
                     dtypes: Sequence[str] = tuple(DTYPES), bits: Sequence[int] = BITS,
                     block_sizes: Sequence[int] = BLOCK_SIZES,
+                    word_sum_block_sizes: Sequence[int] = WORD_SUM_BLOCK_SIZES,
                     numels: Sequence[int] = (REGULAR_NUMEL, AWKWARD_NUMEL),
                     require_backend: str | None = TRITON_BACKEND,
                     budget_s: float | None = None) -> Outcome:
@@ -229,14 +232,20 @@ def check_bit_exact(device: torch.device | str = "cuda", *,
     # out, what ran still covers the whole matrix once.
     configurations = [(d, b, s, n) for n in numels for s in block_sizes for b in bits
                       for d in dtypes]
+    # After the first length's matrix, the reductions alone at the word-sum blocks (None as
+    # the dtype: they read and write payloads only).
+    first_length = len(configurations) // len(numels)
+    configurations[first_length:first_length] = [
+        (None, 4, s, numels[0]) for s in word_sum_block_sizes if 4 in bits]
     results = CaseResults()
     for index, (dtype_name, nbits, block, numel) in enumerate(configurations):
         if deadline is not None and time.monotonic() > deadline:
             results.not_run = len(configurations) - index
             break
         seed = 1000 * index
-        _check_value_kernels(results, device, dtype_name, nbits, block, numel, seed)
-        if dtype_name == dtypes[0]:
+        if dtype_name is not None:
+            _check_value_kernels(results, device, dtype_name, nbits, block, numel, seed)
+        if dtype_name in (None, dtypes[0]):
             _check_reductions(results, device, nbits, block, numel, seed + 500)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -246,10 +255,13 @@ def check_bit_exact(device: torch.device | str = "cuda", *,
                "configurations": len(configurations),
                "configurations_not_run": results.not_run, "backends": backends,
                "failures": failures[:MAX_FAILURES_LISTED], "dtypes": list(dtypes),
-               "bits": list(bits), "block_sizes": list(block_sizes), "numels": list(numels),
+               "bits": list(bits), "block_sizes": list(block_sizes),
+               "word_sum_block_sizes": list(word_sum_block_sizes), "numels": list(numels),
                "reference_device": "cpu", "device": str(device)}
     scope = (f"{'/'.join(dtypes)}, {'/'.join(f'int{b}' for b in bits)}, blocks "
-             f"{'/'.join(map(str, block_sizes))}")
+             f"{'/'.join(map(str, block_sizes))}"
+             + (f"; int4 reductions at blocks {'/'.join(map(str, word_sum_block_sizes))}"
+                if word_sum_block_sizes and 4 in bits else ""))
     if failures:
         return Outcome("fail", f"{len(failures)} of {results.total} cases differ, first: "
                        f"{failures[0]}", figures)
