@@ -320,7 +320,9 @@ def dequantize_reduce_quantize_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
+@cache
 def _interpreting() -> bool:
+    """Read once: the kernels were decorated for the interpreter or not at import."""
     return interpreting()
 
 
