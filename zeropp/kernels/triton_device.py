@@ -51,8 +51,10 @@ def interpreting() -> bool:
     return triton is not None and bool(triton.knobs.runtime.interpret)
 
 
-# The interpreter runs no inline PTX; read at import, as triton.jit reads it.
-_INTERPRETED = _constexpr(interpreting())
+# Read at import, as triton.jit reads it when it decorates the kernels: the kernels here run
+# interpreted or compiled for good. The interpreter runs no inline PTX.
+INTERPRETED = interpreting()
+_INTERPRETED = _constexpr(INTERPRETED)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -81,6 +81,7 @@ from zeropp.kernels.launch_specs import (  # noqa: F401 (launch_specs: callers l
 from zeropp.kernels.launcher import LAUNCHER
 from zeropp.kernels.reference import PayloadLayout, code_offset
 from zeropp.kernels.triton_device import (
+    INTERPRETED,
     _absmax,
     _block_scales,
     _full_codes,
@@ -97,7 +98,6 @@ from zeropp.kernels.triton_device import (
     _sum_chunk,
     _tile,
     _tile_codes,
-    interpreting,
 )
 
 try:
@@ -320,16 +320,10 @@ def dequantize_reduce_quantize_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-@cache
-def _interpreting() -> bool:
-    """Read once: the kernels were decorated for the interpreter or not at import."""
-    return interpreting()
-
-
 def _check_runnable(tensor: Tensor, layout: PayloadLayout) -> None:
     if triton is None:
         raise RuntimeError("the Triton kernels need the 'triton' package, which is not installed")
-    if not tensor.is_cuda and not _interpreting():
+    if not tensor.is_cuda and not INTERPRETED:
         raise ValueError(
             f"Triton kernels need CUDA tensors, got a tensor on {tensor.device} "
             "(set TRITON_INTERPRET=1 to run them on CPU)"
