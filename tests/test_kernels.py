@@ -506,7 +506,12 @@ cpu_reference = _OnTheCpu()
 
 
 def _same(actual: torch.Tensor, expected: torch.Tensor) -> bool:
-    return torch.equal(actual.cpu(), expected.cpu())
+    """Equal values, and for floats equal signs too (torch.equal takes -0 for +0)."""
+    actual, expected = actual.cpu(), expected.cpu()
+    if not torch.equal(actual, expected):
+        return False
+    return not actual.is_floating_point() or torch.equal(torch.signbit(actual),
+                                                         torch.signbit(expected))
 
 
 
@@ -690,6 +695,29 @@ def test_triton_int4_word_sums_match_reference(triton_device, payloads, numel,
             triton_kernels.dequantize_reduce_quantize(on_device, numel, 4, bits_out,
                                                       block_size).cpu(),
             cpu_reference.dequantize_reduce_quantize(batch, numel, 4, bits_out, block_size))
+
+
+@pytest.mark.parametrize(("bits", "block_size"), [(8, 64), (4, 64), (4, 6)])
+def test_triton_sums_start_from_the_first_payload(triton_device, bits, block_size) -> None:
+    """[Note: sums from the first payload]: negative codes under a zero scale (which no
+    quantize writes) give -0 products, and their sum stays -0 in the kernels as in the
+    reference; a sum from zeros would make it +0. Int4 at block 64 takes the word sums."""
+    triton_kernels, device = triton_device
+    numel = 3 * block_size
+    layout = reference.payload_layout(numel, bits, block_size)
+    batch = _payload_batch(2, numel, bits, block_size)
+    batch[:, : block_size * bits // 8] = 0xFD if bits == 8 else 0x55  # code -3 (int4: q + 8)
+    batch[:, layout.data_nbytes: layout.data_nbytes + 4] = 0  # block 0's scale: +0.0
+    expected = cpu_reference.dequantize_reduce(batch, numel, bits, block_size)
+    assert torch.signbit(expected[:block_size]).all() and (expected[:block_size] == 0).all()
+    for dtype in (torch.float32, torch.bfloat16):
+        total = triton_kernels.dequantize_reduce(batch.to(device), numel, bits, block_size,
+                                                 out=torch.empty(numel, dtype=dtype,
+                                                                 device=device))
+        assert _same(total, expected.to(dtype))
+    assert _same(triton_kernels.dequantize_reduce_quantize(batch.to(device), numel, bits, 4,
+                                                           block_size),
+                 cpu_reference.dequantize_reduce_quantize(batch, numel, bits, 4, block_size))
 
 
 # Pieces ([Note: payload pieces]) as (nodes, per_node, values a slice, block size): one node,

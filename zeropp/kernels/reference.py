@@ -419,13 +419,16 @@ def dequantize_blockwise_many(
 
 def _reduce_run(payloads: Tensor, scales: Tensor, layout: PayloadLayout, first: int,
                 end: int) -> Tensor:
-    """fp32 sum over the k payloads of the values of blocks [first, end), from zero, in
-    payload order: the fixed order makes the sum reproducible across backends."""
-    span = _values(layout, first, end)
-    total = torch.zeros(span.stop - span.start, dtype=torch.float32, device=payloads.device)
-    if payloads.shape[0]:
-        for row in _decode_run(payloads, scales, layout, first, end):
-            total += row  # k is a rank count, never a block count
+    """fp32 sum over the k payloads of the values of blocks [first, end), in payload order
+    from the first one (not from zeros: [Note: sums from the first payload]): the fixed
+    order makes the sum reproducible across backends."""
+    if not payloads.shape[0]:
+        span = _values(layout, first, end)
+        return torch.zeros(span.stop - span.start, dtype=torch.float32, device=payloads.device)
+    rows = _decode_run(payloads, scales, layout, first, end)
+    total = rows[0].clone()
+    for row in rows[1:]:
+        total += row  # k is a rank count, never a block count
     return total
 
 

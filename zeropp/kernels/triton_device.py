@@ -320,15 +320,16 @@ def _load_codes(payload_ptr, first, rows, c0, local, in_block, row_valid,
 
 
 @_jit
-def _add_payload(total, payload, data_nbytes, first, rows, c0, local, in_block, row_valid,
-                 BLOCK: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr,
-                 ROWS: tl.constexpr, COLS: tl.constexpr, MASK_VALUES: tl.constexpr,
-                 MASK_ROWS: tl.constexpr, SCALES_F32: tl.constexpr):
+def _payload_products(payload, data_nbytes, first, rows, c0, local, in_block, row_valid,
+                      BLOCK: tl.constexpr, BITS: tl.constexpr, UNPACK: tl.constexpr,
+                      ROWS: tl.constexpr, COLS: tl.constexpr, MASK_VALUES: tl.constexpr,
+                      MASK_ROWS: tl.constexpr, SCALES_F32: tl.constexpr):
+    """One payload's codes times its blocks' scales, over a chunk."""
     scales = _load_scales(payload + data_nbytes, first + rows, row_valid, SCALES_F32,
                           MASK_ROWS)
     codes = _load_codes(payload, first, rows, c0, local, in_block, row_valid, BLOCK, BITS,
                         UNPACK, ROWS, COLS, MASK_VALUES)
-    return total + codes * scales[:, None]
+    return codes * scales[:, None]
 
 
 # [Note: word sums] The reductions' int4 payloads, when their codes are whole 32-bit words
@@ -338,8 +339,9 @@ def _add_payload(total, payload, data_nbytes, first, rows, c0, local, in_block, 
 # order once at the end (sums are elementwise, so summing in another order of positions
 # changes nothing). Unpacking then takes 11 integer instructions a word of 8 values: two
 # masks split the word into its even and odd nibbles, a byte each, and one `prmt` a value
-# moves a byte under 2**23's exponent bits (the float 2**23 + stored code). ptxas turns the same formula written with shifts and masks into a
-# shift, a zero-extension and an OR a value, hence the inline PTX; Triton's interpreter
+# moves a byte under 2**23's exponent bits (the float 2**23 + stored code). ptxas turns
+# the same formula written with shifts and masks into a shift, a zero-extension and an OR
+# a value, hence the inline PTX; Triton's interpreter
 # cannot run PTX, so it takes that formula in plain operations (the suite runs the PTX on
 # a model of its instructions against it, `tests/test_kernel_ptx.py`). Measured by
 # `python -m scripts.bench.kernel_sass` (sm_90, block 256, 8 payloads): a program of the
@@ -387,11 +389,11 @@ def _word_code_bits(words):
 
 
 @_jit
-def _add_word_payload(t0, t1, t2, t3, t4, t5, t6, t7, payload, data_nbytes, first, rows, c0,
-                      row_valid, BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                      MASK_VALUES: tl.constexpr, MASK_ROWS: tl.constexpr):
-    """``_add_payload`` for int4 codes read as 32-bit words: ``tj`` sums value j of every
-    word, the chunk's values 8w + j ([Note: word sums])."""
+def _word_payload_products(payload, data_nbytes, first, rows, c0, row_valid,
+                           BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                           MASK_VALUES: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """``_payload_products`` for int4 codes read as 32-bit words: the eight products of
+    value j of every word, the chunk's values 8w + j ([Note: word sums])."""
     scales = _load_scales(payload + data_nbytes, first + rows, row_valid, True, MASK_ROWS)
     scales = scales[:, None]
     word_cols = c0 // 8 + tl.arange(0, COLS // 8)
@@ -400,41 +402,65 @@ def _add_word_payload(t0, t1, t2, t3, t4, t5, t6, t7, payload, data_nbytes, firs
     words = _load(payload.to(tl.pointer_type(tl.uint32)) + first * (BLOCK // 8) + word_local,
                   mask, _NIBBLE_BIAS_WORD, MASK_VALUES)
     b0, b1, b2, b3, b4, b5, b6, b7 = _word_code_bits(words)
-    t0 = t0 + _code_of_float_bits(b0, _NIBBLE_BIAS) * scales
-    t1 = t1 + _code_of_float_bits(b1, _NIBBLE_BIAS) * scales
-    t2 = t2 + _code_of_float_bits(b2, _NIBBLE_BIAS) * scales
-    t3 = t3 + _code_of_float_bits(b3, _NIBBLE_BIAS) * scales
-    t4 = t4 + _code_of_float_bits(b4, _NIBBLE_BIAS) * scales
-    t5 = t5 + _code_of_float_bits(b5, _NIBBLE_BIAS) * scales
-    t6 = t6 + _code_of_float_bits(b6, _NIBBLE_BIAS) * scales
-    t7 = t7 + _code_of_float_bits(b7, _NIBBLE_BIAS) * scales
-    return t0, t1, t2, t3, t4, t5, t6, t7
+    return (_code_of_float_bits(b0, _NIBBLE_BIAS) * scales,
+            _code_of_float_bits(b1, _NIBBLE_BIAS) * scales,
+            _code_of_float_bits(b2, _NIBBLE_BIAS) * scales,
+            _code_of_float_bits(b3, _NIBBLE_BIAS) * scales,
+            _code_of_float_bits(b4, _NIBBLE_BIAS) * scales,
+            _code_of_float_bits(b5, _NIBBLE_BIAS) * scales,
+            _code_of_float_bits(b6, _NIBBLE_BIAS) * scales,
+            _code_of_float_bits(b7, _NIBBLE_BIAS) * scales)
 
 
+@_jit
+def _add_word_payload(t0, t1, t2, t3, t4, t5, t6, t7, payload, data_nbytes, first, rows, c0,
+                      row_valid, BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                      MASK_VALUES: tl.constexpr, MASK_ROWS: tl.constexpr):
+    p0, p1, p2, p3, p4, p5, p6, p7 = _word_payload_products(
+        payload, data_nbytes, first, rows, c0, row_valid, BLOCK, ROWS, COLS, MASK_VALUES,
+        MASK_ROWS)
+    return t0 + p0, t1 + p1, t2 + p2, t3 + p3, t4 + p4, t5 + p5, t6 + p6, t7 + p7
+
+
+# [Note: sums from the first payload] A reduction's sum starts as the first payload's
+# products, not as zeros plus them, in the reference too: 0 + x is x except for x = -0,
+# which it makes +0. A -0 product needs a negative code under a zero scale, which no
+# quantize writes (a zero scale comes with all codes 0), so the sums are those from zeros
+# for every payload this project makes, and nothing reads a zero's sign anyway (absmax
+# takes magnitudes; both zeros round to code 0). The add costs an instruction a value:
+# 32 of a program's ~1300-1650 at block 256 with 8 x int4 payloads.
 @_jit
 def _sum_chunk_words(payload_ptr, payload_stride, data_nbytes, first, rows, c0, row_valid,
                      BLOCK: tl.constexpr, K: tl.constexpr, UNROLL: tl.constexpr,
                      ROWS: tl.constexpr, COLS: tl.constexpr, MASK_VALUES: tl.constexpr,
                      MASK_ROWS: tl.constexpr):
     """``_sum_chunk`` of int4 payloads whose codes are whole 32-bit words ([Note: word
-    sums]): eight sums of a value position each, in payload order from zero, joined."""
+    sums]): eight sums of a value position each, in payload order, joined."""
     tl.static_assert(BLOCK % 8 == 0, "int4 word sums need blocks of whole 32-bit words")
-    t0 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
-    t1 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
-    t2 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
-    t3 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
-    t4 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
-    t5 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
-    t6 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
-    t7 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
-    for group in range(K // UNROLL):
+    if K > 0:  # [Note: sums from the first payload]
+        t0, t1, t2, t3, t4, t5, t6, t7 = _word_payload_products(
+            payload_ptr, data_nbytes, first, rows, c0, row_valid, BLOCK, ROWS, COLS,
+            MASK_VALUES, MASK_ROWS)
+        start: tl.constexpr = 1
+    else:
+        t0 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
+        t1 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
+        t2 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
+        t3 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
+        t4 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
+        t5 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
+        t6 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
+        t7 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
+        start: tl.constexpr = 0
+    rest: tl.constexpr = K - start
+    for group in range(rest // UNROLL):
         for i in tl.static_range(UNROLL):
-            payload = payload_ptr + (group * UNROLL + i) * payload_stride
+            payload = payload_ptr + (start + group * UNROLL + i) * payload_stride
             t0, t1, t2, t3, t4, t5, t6, t7 = _add_word_payload(
                 t0, t1, t2, t3, t4, t5, t6, t7, payload, data_nbytes, first, rows, c0,
                 row_valid, BLOCK, ROWS, COLS, MASK_VALUES, MASK_ROWS)
-    for i in tl.static_range(K % UNROLL):
-        payload = payload_ptr + ((K // UNROLL) * UNROLL + i) * payload_stride
+    for i in tl.static_range(rest % UNROLL):
+        payload = payload_ptr + (start + (rest // UNROLL) * UNROLL + i) * payload_stride
         t0, t1, t2, t3, t4, t5, t6, t7 = _add_word_payload(
             t0, t1, t2, t3, t4, t5, t6, t7, payload, data_nbytes, first, rows, c0, row_valid,
             BLOCK, ROWS, COLS, MASK_VALUES, MASK_ROWS)
@@ -450,24 +476,33 @@ def _sum_chunk(payload_ptr, payload_stride, data_nbytes, first, rows, c0, local,
                K: tl.constexpr, UNROLL: tl.constexpr, ROWS: tl.constexpr,
                COLS: tl.constexpr, MASK_VALUES: tl.constexpr, MASK_ROWS: tl.constexpr,
                SCALES_F32: tl.constexpr):
-    """fp32 sum over the K payloads of one chunk, from zero, in payload order. UNROLL
-    payloads at a time are unrolled, so their loads are in flight together."""
+    """fp32 sum over the K payloads of one chunk, in payload order, from the first one's
+    products ([Note: sums from the first payload]). UNROLL payloads at a time are
+    unrolled, so their loads are in flight together."""
     if BITS == 4 and UNPACK and SCALES_F32 and BLOCK >= _SMALL_BLOCK:
         return _sum_chunk_words(payload_ptr, payload_stride, data_nbytes, first, rows, c0,
                                 row_valid, BLOCK, K, UNROLL, ROWS, COLS, MASK_VALUES,
                                 MASK_ROWS)
-    total = tl.zeros([ROWS, COLS], dtype=tl.float32)
-    for group in range(K // UNROLL):
+    if K > 0:
+        total = _payload_products(payload_ptr, data_nbytes, first, rows, c0, local, in_block,
+                                  row_valid, BLOCK, BITS, UNPACK, ROWS, COLS, MASK_VALUES,
+                                  MASK_ROWS, SCALES_F32)
+        start: tl.constexpr = 1
+    else:
+        total = tl.zeros([ROWS, COLS], dtype=tl.float32)
+        start: tl.constexpr = 0
+    rest: tl.constexpr = K - start
+    for group in range(rest // UNROLL):
         for i in tl.static_range(UNROLL):
-            payload = payload_ptr + (group * UNROLL + i) * payload_stride
-            total = _add_payload(total, payload, data_nbytes, first, rows, c0, local,
-                                 in_block, row_valid, BLOCK, BITS, UNPACK, ROWS, COLS,
-                                 MASK_VALUES, MASK_ROWS, SCALES_F32)
-    for i in tl.static_range(K % UNROLL):
-        payload = payload_ptr + ((K // UNROLL) * UNROLL + i) * payload_stride
-        total = _add_payload(total, payload, data_nbytes, first, rows, c0, local, in_block,
-                             row_valid, BLOCK, BITS, UNPACK, ROWS, COLS, MASK_VALUES,
-                             MASK_ROWS, SCALES_F32)
+            payload = payload_ptr + (start + group * UNROLL + i) * payload_stride
+            total += _payload_products(payload, data_nbytes, first, rows, c0, local,
+                                       in_block, row_valid, BLOCK, BITS, UNPACK, ROWS, COLS,
+                                       MASK_VALUES, MASK_ROWS, SCALES_F32)
+    for i in tl.static_range(rest % UNROLL):
+        payload = payload_ptr + (start + (rest // UNROLL) * UNROLL + i) * payload_stride
+        total += _payload_products(payload, data_nbytes, first, rows, c0, local, in_block,
+                                   row_valid, BLOCK, BITS, UNPACK, ROWS, COLS, MASK_VALUES,
+                                   MASK_ROWS, SCALES_F32)
     return total
 
 
