@@ -48,7 +48,8 @@ def _numpy_quantize(x: torch.Tensor, bits: int, block_size: int) -> bytes:
     blocks = padded.reshape(nblocks, block_size)
     with np.errstate(invalid="ignore", divide="ignore"):
         absmax = np.abs(blocks).max(axis=1)
-        scales = (absmax / np.float32(qmax)).astype(np.float32)
+        # 1 / qmax rounded to fp64, then fp32 (as torch.tensor(1.0 / qmax) rounds it)
+        scales = (absmax * np.float32(1.0 / qmax)).astype(np.float32)
         scales[~np.isfinite(absmax)] = np.nan
         usable = scales > 0
         # Values times the reciprocal; scales under 2**-64 through exact power-of-two
@@ -241,6 +242,25 @@ def test_dequantize_writes_into_out() -> None:
         kernels.dequantize_blockwise(payload, 1000, 8, 64, torch.float32, out=out)
     with pytest.raises(ValueError, match="elements"):
         kernels.dequantize_blockwise(payload, 1000, 8, 64, torch.float16, out=out[:5])
+
+
+def test_scales_are_absmax_times_the_nearest_fp32_to_one_over_qmax() -> None:
+    """[Note: scales by a multiply]: the constant is 1 / qmax to the nearest fp32, and a
+    block's scale is its absmax times it, one rounding (here an ulp off the quotient)."""
+    from fractions import Fraction
+
+    for bits in reference.SUPPORTED_BITS:
+        qmax = reference.qmax_for_bits(bits)
+        constant = reference.reciprocal_of_qmax(qmax)
+        half_ulp = Fraction(float(np.spacing(np.float32(constant)))) / 2
+        assert abs(Fraction(constant) - Fraction(1, qmax)) <= half_ulp
+    x = torch.zeros(64)
+    absmax = np.float32(float.fromhex("0x1.a30fecp+0"))  # its product and quotient differ
+    x[5] = -float(absmax)
+    payload = kernels.quantize_blockwise(x, 4, 64)
+    scale = _payload_scales(payload, 64, 4, 64)[0]
+    assert scale == absmax * np.float32(reference.reciprocal_of_qmax(7))
+    assert scale != absmax / np.float32(7)
 
 
 def test_all_zero_blocks_have_zero_scale_and_restore_exactly() -> None:

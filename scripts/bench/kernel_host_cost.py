@@ -101,7 +101,9 @@ def measure(call, n: int, repeats: int) -> dict:
         for _ in range(n):
             call()
         best = min(best, (time.perf_counter() - start) / n)
-    profile = cProfile.Profile()
+    # CPU time, not wall time: a preemption (a busy machine) is not charged to whichever
+    # function it interrupted, which in 20 calls of a few us could be most of the profile.
+    profile = cProfile.Profile(time.process_time)
     profile.enable()
     for _ in range(n):
         call()

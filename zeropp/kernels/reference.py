@@ -22,13 +22,14 @@ Payload layout (one flat uint8 tensor, so that a single collective moves it):
 - Scales are little-endian fp32 bytes right after the data. Their offset need not be a
   multiple of 4 (block size 3, say), so readers must not assume alignment.
 
-Quantization is symmetric and computed in fp32: scale = absmax(block) / qmax,
+Quantization is symmetric and computed in fp32: scale = absmax(block) * (1 / qmax),
 q = round_half_to_even(x * (1 / scale)) clamped to [-qmax, qmax], qmax = 127 (int8), 7 (int4)
-or 1 (int2). Multiplying by the block's reciprocal (one division a block, not one a value)
-is what the GPU kernels do at memory speed; it moves a value that lies within an ulp of a
-rounding boundary to the other code now and then, which leaves the error bound (half a
-scale) and the measured error unchanged. A scale under 2**-64, whose reciprocal could
-overflow, is applied as (x * 2**64) * (1 / (scale * 2**64)): the same products, exact.
+or 1 (int2); 1 / qmax is the fp32 constant nearest to it. Multiplying by reciprocals (one
+division a block, not one a value; none for the scale) is what the GPU kernels do at memory
+speed; it moves a value that lies within an ulp of a rounding boundary to the other code
+now and then, and a scale by an ulp, which leaves the error bound (half a scale) and the
+measured error unchanged. A scale under 2**-64, whose reciprocal could overflow, is
+applied as (x * 2**64) * (1 / (scale * 2**64)): the same products, exact.
 
 Non-finite input (decision): a block holding any inf or NaN gets a NaN scale and all-zero
 codes, so every value of that block dequantizes to NaN. The overflow stays visible to the
@@ -36,7 +37,7 @@ loss scaler instead of becoming finite garbage; an inf cannot be represented by 
 scale anyway. An all-zero block has scale 0 and dequantizes to exact zeros (never NaN).
 
 Reductions (`dequantize_reduce*`) add the k dequantized payloads in fp32 in payload order,
-starting from zero, so that every backend produces bit-identical sums.
+starting from the first one, so that every backend produces bit-identical sums.
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ SCALE_NBYTES = 4  # one fp32 scale per block
 # PRESCALE (powers of two: exact), so that 1 / scale stays finite (see the module doc).
 PRESCALE_BELOW = 2.0**-64
 PRESCALE = 2.0**64
+
+
+def reciprocal_of_qmax(qmax: int) -> float:
+    """1 / qmax as the scales use it: the fp32 nearest to it (as a Python float, exact), the
+    constant the GPU kernels multiply by too ([Note: scales by a multiply] in
+    zeropp/kernels/triton_device.py)."""
+    return float(torch.tensor(1.0 / qmax, dtype=torch.float32))
 
 
 def qmax_for_bits(bits: int) -> int:
@@ -237,14 +245,14 @@ def _fp32_blocks(values: Tensor, block_size: int) -> tuple[Tensor, bool]:
 
 
 def _block_scales(blocks: Tensor, qmax: int) -> Tensor:
-    """absmax / qmax per row; NaN for rows holding inf or NaN."""
+    """absmax * (1 / qmax) per row; NaN for rows holding inf or NaN."""
     # amax and amin propagate NaN and allocate nothing of the input's size (measured
     # several times faster on CPU than aminmax or abs().amax).
     absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())
     # + 0.0 turns a -0.0 absmax (an all-zero block: maximum(0, -0) may return either
     # zero, depending on where the block falls in a vector register) into the +0.0 scale
     # the Triton kernels write, so the payload bytes do not depend on the run length.
-    scales = (absmax / qmax).add_(0.0)
+    scales = absmax.mul_(reciprocal_of_qmax(qmax)).add_(0.0)
     return torch.where(torch.isfinite(absmax), scales, torch.full_like(scales, float("nan")))
 
 

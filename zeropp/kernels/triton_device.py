@@ -90,10 +90,20 @@ def _absmax(values):
     return tl.reduce(tl.abs(values), 1, _max_keeping_nan)
 
 
+# [Note: scales by a multiply] A block's scale is absmax * (1 / QMAX), the reciprocal an
+# fp32 constant, not the IEEE quotient absmax / QMAX: a division by a variable costs a
+# program's every row a Newton sequence, a range check and a branch around the slow path
+# (with 2 or 4 rows a thread, 24 of the int8 quantize's 424 instructions and 64 of the
+# int4's 800 at block 256 on sm_90; the int8 one also drops from 40 registers to 32, 75%
+# -> 100% occupancy), and the reference takes the same formula, so the two
+# stay bit-identical (`reference.reciprocal_of_qmax`). The scale moves by an ulp now and
+# then; the error bound and the measured error stay (docs/results.md). 1.0 / QMAX rounds
+# to fp64 and then to fp32 here as there (`torch.tensor(1.0 / qmax, dtype=torch.float32)`).
 @_jit
 def _block_scales(absmax, QMAX: tl.constexpr):
-    """absmax / qmax, NaN for a row holding inf or NaN."""
-    scales = tl.div_rn(absmax, tl.zeros_like(absmax) + QMAX)
+    """absmax * (1 / qmax) ([Note: scales by a multiply]), NaN for a row holding inf or
+    NaN."""
+    scales = absmax * (1.0 / QMAX)
     return tl.where((absmax == absmax) & (absmax != float("inf")), scales, float("nan"))
 
 
@@ -121,13 +131,14 @@ def _codes(values, scales, inverse, prescale, QMAX: tl.constexpr, BIAS: tl.const
     every row of the tile is plain, so the multiply alone gives the same codes."""
     # [Note: plain rows] A row whose scale is 0 or at least PRESCALE_BELOW (a normal float)
     # needs neither the prescale, nor the clamp, nor the select for NaN rows: its values are
-    # finite, |value| <= absmax, and scale = RN(absmax / QMAX) and the product each round by
-    # at most 2**-24 relative, 1 / scale too unless it is subnormal (QMAX 1 and a scale of
-    # 2**126 or more, where its absolute error of 2**-150 times the scale is still below
-    # 2**-22), so |value * (1 / scale)| < QMAX (1 + 2**-21) < QMAX + 1/2, which rounds to
-    # at most QMAX: the clamp changes nothing. A zero scale comes from an absmax below half
-    # a subnormal step times QMAX (all values, times 1 / 1, round to code 0) or of +-0.
-    # (A subnormal scale is RN(absmax / QMAX) to an absolute, not a relative, half-step, so
+    # finite, |value| <= absmax, and 1 / QMAX, scale = RN(absmax * (1 / QMAX)) and the
+    # product each round by at most 2**-24 relative, 1 / scale too unless it is subnormal
+    # (QMAX 1, whose reciprocal is exact, and a scale of 2**126 or more, where its absolute
+    # error of 2**-150 times the scale is still below 2**-22), so |value * (1 / scale)| <
+    # QMAX (1 + 2**-21) < QMAX + 1/2, which rounds to at most QMAX: the clamp changes
+    # nothing. A zero scale comes from an absmax below about half a subnormal step times
+    # QMAX (all values, times 1 / 1, round to code 0) or of +-0. (A subnormal scale is
+    # RN(absmax * (1 / QMAX)) to an absolute, not a relative, half-step, so
     # its values can round past QMAX: those rows, tiny-scale rows and NaN rows take the full
     # formula.) The
     # quantize kernel chooses per program (``_tile_codes``: both compiled, one run), so a

@@ -22,8 +22,9 @@ compiled without masks when the whole launch is such (`EVEN`). Scales are read a
 as fp32 words where the payload keeps them 4-byte aligned (`SCALES_F32*`), else as bytes.
 
 Bit-exactness with torch, and why each choice is needed:
-- absmax / qmax and the reciprocal 1 / scale use `tl.div_rn` (IEEE division, once per
-  block); values are multiplied by the reciprocal, as the reference does.
+- The scale is absmax times the fp32 constant 1 / qmax ([Note: scales by a multiply]); the
+  reciprocal 1 / scale uses `tl.div_rn` (IEEE division, once per block); values are
+  multiplied by the reciprocal, as the reference does.
 - Rounding is half-to-even by adding 1.5 * 2**23 (exact for |v| < 2**22, and codes are
   at most 127 in magnitude), which matches `torch.round` on every backend, the
   interpreter included (libdevice's rint has no interpreter implementation); the sum's
