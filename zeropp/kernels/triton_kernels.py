@@ -286,7 +286,10 @@ def dequantize_reduce_quantize_kernel(
             BLOCK, BITS_IN, UNPACK, K, UNROLL, ROWS, COLS, MASK_VALUES, MASK_ROWS,
             SCALES_F32_IN)
         scales = _block_scales(_absmax(total), QMAX_OUT)
-        codes = _full_codes(total, scales, QMAX_OUT, QMAX_OUT + 1 if BITS_OUT < 8 else 0)
+        if BITS_IN == 2:  # [Note: plain rows]: the plain path costs int2 inputs registers
+            codes = _full_codes(total, scales, QMAX_OUT, QMAX_OUT + 1 if BITS_OUT < 8 else 0)
+        else:
+            codes = _tile_codes(total, scales, QMAX_OUT, QMAX_OUT + 1 if BITS_OUT < 8 else 0)
         _store_codes(codes_ptr, codes, first, rows, 0, local, in_block, row_valid, BLOCK,
                      BITS_OUT, PACK, ROWS, COLS, MASK_VALUES)
     else:
