@@ -133,6 +133,53 @@ def test_sass_opcodes_are_counted_from_the_listing():
     assert compile_check.count_opcodes(listing) == {"LDC": 1, "LDG": 1, "PRMT": 2, "EXIT": 1}
 
 
+# A kernel as nvdisasm lists it, cut down: a branch whose taken side is shorter, a call to a
+# slow path on the other side, a predicated EXIT, dead code after the EXIT, and a second
+# function whose instructions are not the kernel's.
+PATH_LISTING = """
+        .type           quantize_kernel,@function
+quantize_kernel:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   FCHK P0, R19, 7 ;
+        /*0020*/              @!P0 BRA `(.L_x_1) ;
+        /*0030*/                   MOV R46, 0xa00 ;
+        /*0040*/                   CALL.REL.NOINC `($__internal_0_slowpath) ;
+        /*0050*/                   MOV R16, R0 ;
+.L_x_1:
+        /*0060*/                   FMUL R2, R2, R3 ;
+        /*0070*/                   ISETP.NE.AND P1, PT, R2, RZ, PT ;
+        /*0080*/               @P1 BRA `(.L_x_2) ;
+        /*0090*/                   FADD R2, R2, 1 ;
+        /*00a0*/                   FADD R2, R2, 1 ;
+        /*00b0*/                   FADD R2, R2, 1 ;
+        /*00c0*/                   BRA `(.L_x_3) ;
+.L_x_2:
+        /*00d0*/                   FADD R2, R2, 2 ;
+.L_x_3:
+        /*00e0*/               @P0 EXIT ;
+        /*00f0*/                   STG.E desc[UR16][R4.64], R3 ;
+        /*0100*/                   EXIT ;
+        /*0110*/                   FADD R9, R9, R9 ;
+        .type           $__internal_0_slowpath,@function
+$__internal_0_slowpath:
+        /*0120*/                   FFMA R0, R1, R2, R3 ;
+        /*0130*/                   RET.REL.NODEC R46 `(quantize_kernel) ;
+"""
+
+
+def test_the_run_path_takes_each_branchs_shorter_side():
+    """path_opcodes: LDC, FCHK, the branch over the call, FMUL, ISETP, the branch to the
+    one-FADD side, and the predicated EXIT: 8 instructions, no call, no FFMA of the slow
+    path's function, nothing after the EXIT."""
+    assert compile_check.path_opcodes(PATH_LISTING) == {
+        "LDC": 1, "FCHK": 1, "BRA": 2, "FMUL": 1, "ISETP": 1, "FADD": 1, "EXIT": 1}
+    # the listing's counts take every instruction, the other function's included
+    counts = compile_check.count_opcodes(PATH_LISTING)
+    assert sum(counts.values()) == 20 and counts["FADD"] == 5 and counts["FFMA"] == 1
+    without_exit = PATH_LISTING.replace("EXIT", "NOP")
+    assert compile_check.path_opcodes(without_exit) is None
+
+
 @needs_compiler
 def test_a_cubin_nvdisasm_cannot_read_has_no_counts_and_no_error():
     assert compile_check.sass_opcodes(b"not a cubin") is None
@@ -148,9 +195,17 @@ def test_kernel_sass_script_reports_each_section_b_kernel(tmp_path, capsys):
     rows = json.loads((tmp_path / "sass.json").read_text())["rows"]
     assert [row["kernel"] for row in rows] == [k.name for k in kernel_sass.kernels(8)]
     for row in rows:
-        assert row["instructions"] == sum(row["opcodes"].values()) == sum(
+        assert row["instructions_run"] == sum(row["opcodes_run"].values()) == sum(
             row["by_unit"].values())
-        assert row["instructions"] > 0 and row["registers"] > 0
+        assert row["instructions_listed"] == sum(row["opcodes_listed"].values())
+        assert 0 < row["instructions_run"] <= row["instructions_listed"]
+        assert "CALL" not in row["opcodes_run"]
+        if row["label"].startswith(("quantize", "dequantize-reduce-quantize")):
+            # these divide once a row (1 / scale) and choose a row formula per program:
+            # the division's slow path and the full formula are listed, not run
+            assert "CALL" in row["opcodes_listed"]
+            assert row["instructions_run"] < 0.85 * row["instructions_listed"]
+        assert row["registers"] > 0
     printed = capsys.readouterr().out
     assert all(row["kernel"] in printed for row in rows)
     with pytest.raises(SystemExit):  # one line from argparse, nothing compiled

@@ -4,11 +4,13 @@ on a machine without one.
 The kernels that the GPU check's section b times (`scripts/gpu_check/kernels.py`), at one
 block size, as launched on tensors that fill every program (unmasked), are compiled for
 one architecture (`zeropp.kernels.compile_check`, Triton's bundled ptxas) and listed with
-Triton's bundled nvdisasm. Per kernel: instructions in the program (static: the kernel's
-listing, every path once), values the program handles, instructions a value (a value and
-payload for the reductions), and the instructions by the unit that runs them. A kernel
-bound by its instructions, not by memory, gets faster by the ratio of two such counts;
-only a GPU says which kernels are so bound (section b).
+Triton's bundled nvdisasm. Per kernel: the instructions a program runs (those on the
+listing's shortest path to an EXIT: the plain rows' path and the divisions' fast path,
+what ordinary values take; `compile_check.path_opcodes`), the listing's size (every path
+once), values the program handles, instructions run a value (a value and payload for the
+reductions), and those run by the unit that runs them. A kernel bound by its
+instructions, not by memory, gets faster by the ratio of two such counts; only a GPU says
+which kernels are so bound (section b).
 
     python -m scripts.bench.kernel_sass                      # sm_90, block 256, 8 payloads
     python -m scripts.bench.kernel_sass --arch sm_80 --json counts.json
@@ -88,30 +90,33 @@ def measure(arch: str, block_size: int, payloads: int, workers: int = 2) -> list
     for kernel, spec, result in zip(chosen, specs, results, strict=True):
         if result.error is not None:
             raise RuntimeError(f"{kernel.name} did not compile for {arch}: {result.error}")
-        if result.sass_opcodes is None:
+        if result.sass_opcodes is None or result.sass_path_opcodes is None:
             raise RuntimeError(f"no SASS to count: Triton's nvdisasm is missing or cannot "
                                f"read {arch} cubins")
         values = spec.constants["ROWS"] * spec.constants["COLS"]
         threads = spec.num_warps * 32
-        total = result.sass_instructions
+        run = result.sass_path_instructions
         rows.append({
             "kernel": kernel.name, "label": kernel.label, "constants": spec.constants,
             "registers": result.registers, "occupancy": result.occupancy,
-            "instructions": total, "values_per_program": values,
-            # every thread runs the listing once: a value and payload costs this many
-            "instructions_per_value": total * threads / (values * kernel.payloads),
-            "by_unit": by_unit(result.sass_opcodes), "opcodes": result.sass_opcodes,
+            "instructions_run": run, "instructions_listed": result.sass_instructions,
+            "values_per_program": values,
+            # every thread runs the path once: a value and payload costs this many
+            "instructions_per_value": run * threads / (values * kernel.payloads),
+            "by_unit": by_unit(result.sass_path_opcodes),
+            "opcodes_run": result.sass_path_opcodes, "opcodes_listed": result.sass_opcodes,
         })
     return rows
 
 
 def table(rows: list[dict], arch: str) -> str:
-    lines = [f"| kernel ({arch}) | instructions a program | values a program | a value"
-             " (and payload) | float / integer / memory / other |",
-             "|---|---:|---:|---:|---|"]
+    lines = [f"| kernel ({arch}) | instructions a program runs | listed | values a program |"
+             " run a value (and payload) | run: float / integer / memory / other |",
+             "|---|---:|---:|---:|---:|---|"]
     for row in rows:
         units = row["by_unit"]
-        lines.append(f"| {row['kernel']} | {row['instructions']} | {row['values_per_program']}"
+        lines.append(f"| {row['kernel']} | {row['instructions_run']} | "
+                     f"{row['instructions_listed']} | {row['values_per_program']}"
                      f" | {row['instructions_per_value']:.2f} | {units['float']} / "
                      f"{units['integer']} / {units['memory']} / {units['other']} |")
     return "\n".join(lines) + "\n"

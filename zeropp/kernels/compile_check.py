@@ -97,6 +97,9 @@ class KernelResources:
     # SASS instructions of the kernel by opcode (static counts, as nvdisasm lists them;
     # None without nvdisasm): what a program executes when it takes every path once.
     sass_opcodes: dict[str, int] | None = None
+    # Those on its shortest path to an EXIT (`path_opcodes`): what a program of ordinary
+    # values runs.
+    sass_path_opcodes: dict[str, int] | None = None
     error: str | None = None
     arch_unsupported: bool = False
 
@@ -107,6 +110,10 @@ class KernelResources:
     @property
     def sass_instructions(self) -> int | None:
         return None if self.sass_opcodes is None else sum(self.sass_opcodes.values())
+
+    @property
+    def sass_path_instructions(self) -> int | None:
+        return None if self.sass_path_opcodes is None else sum(self.sass_path_opcodes.values())
 
 
 class UnsupportedArchError(RuntimeError):
@@ -274,6 +281,61 @@ def sass_opcodes(cubin: bytes) -> dict[str, int] | None:
     return None if listing is None else count_opcodes(listing)
 
 
+# An instruction with its predicate, opcode and operands; a label; a function's start.
+_SASS_INSTRUCTION = re.compile(
+    r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:(@!?U?P[T0-9]+)\s+)?([A-Z][A-Z0-9_]*)\S*\s*(.*)$")
+_SASS_LABEL = re.compile(r"^(\.L_x_\d+):\s*$")
+_SASS_FUNCTION = re.compile(r"^\s+\.type\s+\S+,@function")
+_SASS_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+
+
+def path_opcodes(listing: str) -> dict[str, int] | None:
+    """Opcodes on the shortest way through the listing's first function (the kernel) from
+    its first instruction to an EXIT, by opcode: what a program runs when each branch that
+    its data decides takes its shorter side. In these kernels that is the plain rows' path
+    ([Note: plain rows]) and the divisions' fast path, so it is what a program of ordinary
+    values runs once (a loop's body counts once). A call counts as one instruction. None
+    when the listing reaches no EXIT."""
+    instructions: list[tuple[str | None, str, str]] = []  # (predicate, opcode, operands)
+    labels: dict[str, int] = {}
+    functions = 0
+    for line in listing.splitlines():
+        if _SASS_FUNCTION.match(line):
+            functions += 1
+            if functions > 1:
+                break
+        elif (label := _SASS_LABEL.match(line)) is not None:
+            labels[label.group(1)] = len(instructions)
+        elif (found := _SASS_INSTRUCTION.match(line)) is not None:
+            instructions.append(found.groups())
+    # Breadth first: every instruction costs one, so the first EXIT reached is the nearest.
+    parent: dict[int, int | None] = {0: None} if instructions else {}
+    frontier = list(parent)
+    while frontier:
+        following = []
+        for index in frontier:
+            predicate, opcode, operands = instructions[index]
+            always = predicate in (None, "@PT")
+            if opcode == "EXIT":
+                path: dict[str, int] = {}
+                at: int | None = index
+                while at is not None:
+                    path[instructions[at][1]] = path.get(instructions[at][1], 0) + 1
+                    at = parent[at]
+                return path
+            targets = []
+            if opcode == "BRA" and (target := _SASS_TARGET.search(operands)) is not None:
+                targets.append(labels[target.group(1)])
+            if not (always and opcode in ("BRA", "RET")):
+                targets.append(index + 1)
+            for target in targets:
+                if target < len(instructions) and target not in parent:
+                    parent[target] = index
+                    following.append(target)
+        frontier = following
+    return None
+
+
 def run_ptxas(ptx: str, arch: ArchLimits) -> tuple[PtxasReport, str]:
     """Assemble `ptx` with the first ptxas that takes it; the report and that ptxas' name."""
     _, log, ptxas = _assemble(ptx, arch)
@@ -311,10 +373,11 @@ def occupancy(registers: int, threads: int, shared_bytes: int, arch: ArchLimits)
 # own `ptxas -v` and drops the log, and ptxas is a third of a variant's compile. So while this
 # module compiles, that stage runs our ptxas command instead (its cubin is what Triton
 # keeps), and the log goes into the kernel's metadata, with the SASS opcode counts of the
-# cubin (nvdisasm). Triton's disk cache then holds both with the kernel: a cache hit reads
+# cubin (nvdisasm), all of them and those on its shortest path (`path_opcodes`). Triton's
+# disk cache then holds them with the kernel: a cache hit reads
 # the counts without running ptxas or nvdisasm at all. The stage key names the commands, so
 # these entries are never those of a kernel compiled to launch.
-_STAGE_KEY = "zeropp-compile-check-ptxas+nvdisasm:" + " ".join(_PTXAS_FLAGS)
+_STAGE_KEY = "zeropp-compile-check-ptxas+nvdisasm+path:" + " ".join(_PTXAS_FLAGS)
 
 
 @contextmanager
@@ -328,7 +391,9 @@ def _ptxas_as_the_cubin_stage(arch: ArchLimits) -> Iterator[None]:
 
     def assemble_and_log(ptx: str, metadata: dict) -> bytes:
         cubin, metadata["ptxas_log"], metadata["ptxas_name"] = _assemble(ptx, arch)
-        metadata["sass_opcodes"] = sass_opcodes(cubin)  # kept with the log, as it is
+        listing = disassemble(cubin)  # its counts are kept with the log, as it is
+        metadata["sass_opcodes"] = None if listing is None else count_opcodes(listing)
+        metadata["sass_path_opcodes"] = None if listing is None else path_opcodes(listing)
         return cubin
 
     saved = knobs.runtime.add_stages_inspection_hook
@@ -371,6 +436,7 @@ def _compile_here(spec: LaunchSpec, arch_name: str) -> KernelResources:
         num_warps=spec.num_warps, registers=report.registers,
         spill_store_bytes=report.spill_store_bytes, spill_load_bytes=report.spill_load_bytes,
         shared_bytes=shared, ptxas=ptxas, sass_opcodes=compiled.metadata.sass_opcodes,
+        sass_path_opcodes=compiled.metadata.sass_path_opcodes,
         programs_per_sm=programs_per_sm(report.registers, threads, shared, arch),
         occupancy=occupancy(report.registers, threads, shared, arch))
 
