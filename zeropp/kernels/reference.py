@@ -43,7 +43,7 @@ starting from the first one, so that every backend produces bit-identical sums.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 from torch import Tensor
@@ -57,6 +57,7 @@ PRESCALE_BELOW = 2.0**-64
 PRESCALE = 2.0**64
 
 
+@cache
 def reciprocal_of_qmax(qmax: int) -> float:
     """1 / qmax as the scales use it: the fp32 nearest to it (as a Python float, exact), the
     constant the GPU kernels multiply by too ([Note: scales by a multiply] in
