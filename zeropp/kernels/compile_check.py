@@ -294,8 +294,9 @@ def path_opcodes(listing: str) -> dict[str, int] | None:
     its first instruction to an EXIT, by opcode: what a program runs when each branch that
     its data decides takes its shorter side. In these kernels that is the plain rows' path
     ([Note: plain rows]) and the divisions' fast path, so it is what a program of ordinary
-    values runs once (a loop's body counts once). A call counts as one instruction. None
-    when the listing reaches no EXIT."""
+    values runs. A call counts as one instruction, and a loop's body once or not at all
+    (its exit test may come first), so only a kernel without loops (blocks that one tile
+    holds) is counted right. None when the listing reaches no EXIT."""
     instructions: list[tuple[str | None, str, str]] = []  # (predicate, opcode, operands)
     labels: dict[str, int] = {}
     functions = 0
@@ -325,7 +326,8 @@ def path_opcodes(listing: str) -> dict[str, int] | None:
                 return path
             targets = []
             if opcode == "BRA" and (target := _SASS_TARGET.search(operands)) is not None:
-                targets.append(labels[target.group(1)])
+                if target.group(1) in labels:  # (every branch here stays in the kernel)
+                    targets.append(labels[target.group(1)])
             if not (always and opcode in ("BRA", "RET")):
                 targets.append(index + 1)
             for target in targets:
