@@ -169,10 +169,15 @@ $__internal_0_slowpath:
 
 def test_the_run_path_takes_each_branchs_shorter_side():
     """path_opcodes: LDC, FCHK, the branch over the call, FMUL, ISETP, the branch to the
-    one-FADD side, and the predicated EXIT: 8 instructions, no call, no FFMA of the slow
-    path's function, nothing after the EXIT."""
+    one-FADD side, the predicated EXIT (other threads go on), STG and the EXIT: 10
+    instructions, no call, no FFMA of the slow path's function, nothing after the EXIT."""
     assert compile_check.path_opcodes(PATH_LISTING) == {
-        "LDC": 1, "FCHK": 1, "BRA": 2, "FMUL": 1, "ISETP": 1, "FADD": 1, "EXIT": 1}
+        "LDC": 1, "FCHK": 1, "BRA": 2, "FMUL": 1, "ISETP": 1, "FADD": 1, "EXIT": 2, "STG": 1}
+    # ptxas writes some branches as a predicated call to a label of the kernel
+    as_call = PATH_LISTING.replace("@P1 BRA `(.L_x_2)", "@P1 CALL.REL.NOINC `(.L_x_2)")
+    assert compile_check.path_opcodes(as_call) == {
+        "LDC": 1, "FCHK": 1, "BRA": 1, "CALL": 1, "FMUL": 1, "ISETP": 1, "FADD": 1,
+        "EXIT": 2, "STG": 1}
     # the listing's counts take every instruction, the other function's included
     counts = compile_check.count_opcodes(PATH_LISTING)
     assert sum(counts.values()) == 20 and counts["FADD"] == 5 and counts["FFMA"] == 1
@@ -211,6 +216,9 @@ def test_kernel_sass_script_reports_each_section_b_kernel(tmp_path, capsys):
     with pytest.raises(SystemExit):  # one line from argparse, nothing compiled
         kernel_sass.main(["--block-size", "0"])
     assert "--block-size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # 17 payloads leave a loop the path would count once
+        kernel_sass.main(["--payloads", "17"])
+    assert "--payloads must be in 1..16" in capsys.readouterr().err
 
 
 # ---- (c) ptxas parsing and occupancy arithmetic --------------------------------------------

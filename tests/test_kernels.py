@@ -508,8 +508,10 @@ def _fresh_modules(names: tuple[str, ...]):
 
 class _OnTheCpu:
     """The reference run on the CPU, the specification: section a of the GPU check compares
-    with it too. (Torch's own CUDA kernels are not bit-exact with it: a division by a
-    scalar is a multiplication by its reciprocal there, which moves scales by an ulp.)"""
+    with it too. (Torch's own CUDA kernels were not bit-exact with it when scales were a
+    division by qmax, which is a multiplication by its reciprocal there; they are now that
+    multiplication everywhere, [Note: scales by a multiply], but only a GPU can say whether
+    every other op agrees to the bit.)"""
 
     def __getattr__(self, name: str):
         function = getattr(reference, name)
@@ -644,7 +646,7 @@ def test_triton_tiny_scales_take_the_full_formula(triton_device, block) -> None:
         assert launch_specs.tile_config(block, bits).single_pass == (block == 64)
         qmax = 2 ** (bits - 1) - 1
         values = x[tight * block:(tight + 1) * block].numpy()
-        scale = np.float32(np.abs(values).max()) / np.float32(qmax)
+        scale = np.float32(np.abs(values).max()) * np.float32(1.0 / qmax)
         assert np.abs(values / scale).max() > qmax + 0.5  # the clamp decides these codes
         layout = kernels.payload_layout(x.numel(), bits, block)
         expected = cpu_reference.quantize_blockwise(x, bits, block)

@@ -31,6 +31,8 @@ from zeropp.kernels import compile_check, launch_specs
 MODULE = "scripts.bench.kernel_sass"
 # The largest block every listed kernel holds in one tile (int8 quantize: 2048 values).
 MAX_SINGLE_PASS_BLOCK = launch_specs.tile_config(1 << 20, 8).cols
+# Beyond two unrolled groups of payloads the reductions keep a loop (sm_90 SASS, K = 17).
+MAX_PAYLOADS = 16
 
 # Opcodes by the unit that issues them (Hopper and Ampere SMs): the 32-bit float pipe, the
 # integer pipe (logic, shifts, byte permutes, compares), memory and the rest.
@@ -90,9 +92,11 @@ def measure(arch: str, block_size: int, payloads: int, workers: int = 2) -> list
     for kernel, spec, result in zip(chosen, specs, results, strict=True):
         if result.error is not None:
             raise RuntimeError(f"{kernel.name} did not compile for {arch}: {result.error}")
-        if result.sass_opcodes is None or result.sass_path_opcodes is None:
+        if result.sass_opcodes is None:
             raise RuntimeError(f"no SASS to count: Triton's nvdisasm is missing or cannot "
                                f"read {arch} cubins")
+        if result.sass_path_opcodes is None:
+            raise RuntimeError(f"{kernel.name}: no way to an EXIT found in its {arch} SASS")
         values = spec.constants["ROWS"] * spec.constants["COLS"]
         threads = spec.num_warps * 32
         run = result.sass_path_instructions
@@ -138,8 +142,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             and args.block_size & (args.block_size - 1) == 0):
         parser.error(f"--block-size must be a power of two in 1..{MAX_SINGLE_PASS_BLOCK} (a "
                      "larger or padded block is walked in a loop its listing counts once)")
-    if not 1 <= args.payloads <= 64:
-        parser.error("--payloads must be in 1..64")
+    if not 1 <= args.payloads <= MAX_PAYLOADS:
+        parser.error(f"--payloads must be in 1..{MAX_PAYLOADS} (more leaves a loop over groups "
+                     "of payloads in the code, whose body the count would take once)")
     return args
 
 

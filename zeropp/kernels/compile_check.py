@@ -291,12 +291,15 @@ _SASS_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 
 def path_opcodes(listing: str) -> dict[str, int] | None:
     """Opcodes on the shortest way through the listing's first function (the kernel) from
-    its first instruction to an EXIT, by opcode: what a program runs when each branch that
-    its data decides takes its shorter side. In these kernels that is the plain rows' path
-    ([Note: plain rows]) and the divisions' fast path, so it is what a program of ordinary
-    values runs. A call counts as one instruction, and a loop's body once or not at all
-    (its exit test may come first), so only a kernel without loops (blocks that one tile
-    holds) is counted right. None when the listing reaches no EXIT."""
+    its first instruction to its last EXIT, by opcode: what a program runs when each branch
+    that its data decides takes its shorter side. In these kernels that is the plain rows'
+    path ([Note: plain rows]) and the divisions' fast path, so it is what a program of
+    ordinary values runs. A predicated EXIT ends some threads, not the path (the others go
+    on: the scales' store). A call to a function counts as one instruction; one to a label
+    of the kernel (ptxas makes some branches so) is a branch. A loop's body counts once or
+    not at all (its exit test may come first), so only a kernel without loops is counted
+    right: blocks that one tile holds and at most 16 payloads. None when the listing
+    reaches no EXIT."""
     instructions: list[tuple[str | None, str, str]] = []  # (predicate, opcode, operands)
     labels: dict[str, int] = {}
     functions = 0
@@ -317,7 +320,7 @@ def path_opcodes(listing: str) -> dict[str, int] | None:
         for index in frontier:
             predicate, opcode, operands = instructions[index]
             always = predicate in (None, "@PT")
-            if opcode == "EXIT":
+            if opcode == "EXIT" and always:
                 path: dict[str, int] = {}
                 at: int | None = index
                 while at is not None:
@@ -325,10 +328,11 @@ def path_opcodes(listing: str) -> dict[str, int] | None:
                     at = parent[at]
                 return path
             targets = []
-            if opcode == "BRA" and (target := _SASS_TARGET.search(operands)) is not None:
-                if target.group(1) in labels:  # (every branch here stays in the kernel)
-                    targets.append(labels[target.group(1)])
-            if not (always and opcode in ("BRA", "RET")):
+            if (opcode in ("BRA", "CALL")
+                    and (target := _SASS_TARGET.search(operands)) is not None
+                    and target.group(1) in labels):  # a branch, or a call used as one
+                targets.append(labels[target.group(1)])
+            if not (always and opcode in ("BRA", "RET", "EXIT")):
                 targets.append(index + 1)
             for target in targets:
                 if target < len(instructions) and target not in parent:
@@ -379,7 +383,7 @@ def occupancy(registers: int, threads: int, shared_bytes: int, arch: ArchLimits)
 # disk cache then holds them with the kernel: a cache hit reads
 # the counts without running ptxas or nvdisasm at all. The stage key names the commands, so
 # these entries are never those of a kernel compiled to launch.
-_STAGE_KEY = "zeropp-compile-check-ptxas+nvdisasm+path:" + " ".join(_PTXAS_FLAGS)
+_STAGE_KEY = "zeropp-compile-check-ptxas+nvdisasm+path-to-the-last-exit:" + " ".join(_PTXAS_FLAGS)
 
 
 @contextmanager
