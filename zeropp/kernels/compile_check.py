@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -235,9 +236,15 @@ def _assemble(ptx: str, arch: ArchLimits) -> tuple[bytes, str, str]:
     raise UnsupportedArchError(f"no ptxas takes {gpu_name}: " + "; ".join(refusals))
 
 
-# A line of nvdisasm's listing: "/*0140*/  @!P0 LDG.E.128 R4, desc[UR8][R8.64] ;"
-_SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)",
-                        re.MULTILINE)
+# An instruction line of nvdisasm's listing, "/*0140*/  @!P0 LDG.E.128 R4, desc[UR8][R8.64] ;",
+# as its predicate, opcode (the mnemonic before its first '.') and operands; a label; a
+# function's start; a branch target.
+_SASS_INSTRUCTION = re.compile(
+    r"^[ \t]+/\*[0-9a-f]{4,}\*/[ \t]+(?:(@!?U?P[T0-9]+)[ \t]+)?([A-Z][A-Z0-9_]*)\S*[ \t]*(.*)$",
+    re.MULTILINE)
+_SASS_LABEL = re.compile(r"^(\.L_x_\d+):\s*$")
+_SASS_FUNCTION = re.compile(r"^\s+\.type\s+\S+,@function")
+_SASS_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 
 
 def nvdisasm_path() -> str | None:
@@ -271,7 +278,7 @@ def disassemble(cubin: bytes) -> str | None:
 def count_opcodes(listing: str) -> dict[str, int]:
     """Instructions of an nvdisasm listing by opcode (the mnemonic before its first '.')."""
     counts: dict[str, int] = {}
-    for opcode in _SASS_LINE.findall(listing):
+    for _, opcode, _ in _SASS_INSTRUCTION.findall(listing):
         counts[opcode] = counts.get(opcode, 0) + 1
     return counts
 
@@ -279,14 +286,6 @@ def count_opcodes(listing: str) -> dict[str, int]:
 def sass_opcodes(cubin: bytes) -> dict[str, int] | None:
     listing = disassemble(cubin)
     return None if listing is None else count_opcodes(listing)
-
-
-# An instruction with its predicate, opcode and operands; a label; a function's start.
-_SASS_INSTRUCTION = re.compile(
-    r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:(@!?U?P[T0-9]+)\s+)?([A-Z][A-Z0-9_]*)\S*\s*(.*)$")
-_SASS_LABEL = re.compile(r"^(\.L_x_\d+):\s*$")
-_SASS_FUNCTION = re.compile(r"^\s+\.type\s+\S+,@function")
-_SASS_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 
 
 def path_opcodes(listing: str) -> dict[str, int] | None:
@@ -380,10 +379,12 @@ def occupancy(registers: int, threads: int, shared_bytes: int, arch: ArchLimits)
 # module compiles, that stage runs our ptxas command instead (its cubin is what Triton
 # keeps), and the log goes into the kernel's metadata, with the SASS opcode counts of the
 # cubin (nvdisasm), all of them and those on its shortest path (`path_opcodes`). Triton's
-# disk cache then holds them with the kernel: a cache hit reads
-# the counts without running ptxas or nvdisasm at all. The stage key names the commands, so
-# these entries are never those of a kernel compiled to launch.
-_STAGE_KEY = "zeropp-compile-check-ptxas+nvdisasm+path-to-the-last-exit:" + " ".join(_PTXAS_FLAGS)
+# disk cache then holds them with the kernel: a cache hit reads the counts without running
+# ptxas or nvdisasm at all. The stage key names the commands, so these entries are never
+# those of a kernel compiled to launch, and holds this module's hash, so a change to how
+# the log is read or the SASS counted is never answered from entries made before it.
+_STAGE_KEY = ("zeropp-compile-check-ptxas+nvdisasm:" + " ".join(_PTXAS_FLAGS) + ":"
+              + hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16])
 
 
 @contextmanager

@@ -144,7 +144,7 @@ def _codes(values, scales, inverse, prescale, QMAX: tl.constexpr, BIAS: tl.const
     # quantize kernel chooses per program (``_tile_codes``: both compiled, one run), so a
     # plain tile costs a multiply and the rounding a value; so does the requantizing
     # reduction in one pass over int4 or int8 inputs (8 x int4 -> int4 at block 256 on
-    # sm_90: ~1480 -> ~1365 instructions run a program, registers unchanged). With int2
+    # sm_90: 1460 -> 1359 instructions run a program, registers unchanged). With int2
     # inputs the second path cost it registers (56 -> 85 on sm_90, occupancy 56% -> 31%),
     # and two passes would check every chunk: those take the full formula (``_full_codes``).
     if PLAIN:
@@ -362,12 +362,13 @@ def _payload_products(payload, data_nbytes, first, rows, c0, local, in_block, ro
 # the same formula written with shifts and masks into a shift, a zero-extension and an OR
 # a value, hence the inline PTX; Triton's interpreter
 # cannot run PTX, so it takes that formula in plain operations (the suite runs the PTX on
-# a model of its instructions against it, `tests/test_kernel_ptx.py`). Measured by
-# `python -m scripts.bench.kernel_sass` (sm_90, block 256, 8 payloads): a program of the
-# fp32 sum runs 1744 -> 1304 instructions, of the bf16 sum 1880 -> 1480, of the
+# a model of its instructions against it, `tests/test_kernel_ptx.py`). When they came,
+# `python -m scripts.bench.kernel_sass` (sm_90, block 256, 8 payloads) listed a program of
+# the fp32 sum at 1744 -> 1304 instructions, of the bf16 sum 1880 -> 1480, of the
 # requantizing sum 2056 -> 1648; integer instructions a value and payload 3.5 -> 1.8 for the
-# fp32 sum. Three floating-point operations a value and payload remain (the code's bias, the
-# multiply by the scale, the sum's add), which bit-exactness keeps apart.
+# fp32 sum (docs/results.md has today's counts). Three floating-point operations a value
+# and payload remain (the code's bias, the multiply by the scale, the sum's add), which
+# bit-exactness keeps apart.
 WORD_CODES_PTX = """{
     .reg .b32 even, odd, exponent;
     and.b32 even, $8, 0x0F0F0F0F;
@@ -453,33 +454,22 @@ def _sum_chunk_words(payload_ptr, payload_stride, data_nbytes, first, rows, c0, 
                      BLOCK: tl.constexpr, K: tl.constexpr, UNROLL: tl.constexpr,
                      ROWS: tl.constexpr, COLS: tl.constexpr, MASK_VALUES: tl.constexpr,
                      MASK_ROWS: tl.constexpr):
-    """``_sum_chunk`` of int4 payloads whose codes are whole 32-bit words ([Note: word
-    sums]): eight sums of a value position each, in payload order, joined."""
+    """``_sum_chunk`` of K >= 1 int4 payloads whose codes are whole 32-bit words ([Note:
+    word sums]): eight sums of a value position each, in payload order from the first
+    payload's products ([Note: sums from the first payload]), joined."""
     tl.static_assert(BLOCK % 8 == 0, "int4 word sums need blocks of whole 32-bit words")
-    if K > 0:  # [Note: sums from the first payload]
-        t0, t1, t2, t3, t4, t5, t6, t7 = _word_payload_products(
-            payload_ptr, data_nbytes, first, rows, c0, row_valid, BLOCK, ROWS, COLS,
-            MASK_VALUES, MASK_ROWS)
-        start: tl.constexpr = 1
-    else:
-        t0 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
-        t1 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
-        t2 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
-        t3 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
-        t4 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
-        t5 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
-        t6 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
-        t7 = tl.zeros([ROWS, COLS // 8], dtype=tl.float32)
-        start: tl.constexpr = 0
-    rest: tl.constexpr = K - start
+    t0, t1, t2, t3, t4, t5, t6, t7 = _word_payload_products(
+        payload_ptr, data_nbytes, first, rows, c0, row_valid, BLOCK, ROWS, COLS, MASK_VALUES,
+        MASK_ROWS)
+    rest: tl.constexpr = K - 1
     for group in range(rest // UNROLL):
         for i in tl.static_range(UNROLL):
-            payload = payload_ptr + (start + group * UNROLL + i) * payload_stride
+            payload = payload_ptr + (1 + group * UNROLL + i) * payload_stride
             t0, t1, t2, t3, t4, t5, t6, t7 = _add_word_payload(
                 t0, t1, t2, t3, t4, t5, t6, t7, payload, data_nbytes, first, rows, c0,
                 row_valid, BLOCK, ROWS, COLS, MASK_VALUES, MASK_ROWS)
     for i in tl.static_range(rest % UNROLL):
-        payload = payload_ptr + (start + (rest // UNROLL) * UNROLL + i) * payload_stride
+        payload = payload_ptr + (1 + (rest // UNROLL) * UNROLL + i) * payload_stride
         t0, t1, t2, t3, t4, t5, t6, t7 = _add_word_payload(
             t0, t1, t2, t3, t4, t5, t6, t7, payload, data_nbytes, first, rows, c0, row_valid,
             BLOCK, ROWS, COLS, MASK_VALUES, MASK_ROWS)
@@ -498,27 +488,24 @@ def _sum_chunk(payload_ptr, payload_stride, data_nbytes, first, rows, c0, local,
     """fp32 sum over the K payloads of one chunk, in payload order, from the first one's
     products ([Note: sums from the first payload]). UNROLL payloads at a time are
     unrolled, so their loads are in flight together."""
+    if K == 0:  # nothing to sum (the reference's zeros)
+        return tl.zeros([ROWS, COLS], dtype=tl.float32)
     if BITS == 4 and UNPACK and SCALES_F32 and BLOCK >= _SMALL_BLOCK:
         return _sum_chunk_words(payload_ptr, payload_stride, data_nbytes, first, rows, c0,
                                 row_valid, BLOCK, K, UNROLL, ROWS, COLS, MASK_VALUES,
                                 MASK_ROWS)
-    if K > 0:
-        total = _payload_products(payload_ptr, data_nbytes, first, rows, c0, local, in_block,
-                                  row_valid, BLOCK, BITS, UNPACK, ROWS, COLS, MASK_VALUES,
-                                  MASK_ROWS, SCALES_F32)
-        start: tl.constexpr = 1
-    else:
-        total = tl.zeros([ROWS, COLS], dtype=tl.float32)
-        start: tl.constexpr = 0
-    rest: tl.constexpr = K - start
+    total = _payload_products(payload_ptr, data_nbytes, first, rows, c0, local, in_block,
+                              row_valid, BLOCK, BITS, UNPACK, ROWS, COLS, MASK_VALUES,
+                              MASK_ROWS, SCALES_F32)
+    rest: tl.constexpr = K - 1
     for group in range(rest // UNROLL):
         for i in tl.static_range(UNROLL):
-            payload = payload_ptr + (start + group * UNROLL + i) * payload_stride
+            payload = payload_ptr + (1 + group * UNROLL + i) * payload_stride
             total += _payload_products(payload, data_nbytes, first, rows, c0, local,
                                        in_block, row_valid, BLOCK, BITS, UNPACK, ROWS, COLS,
                                        MASK_VALUES, MASK_ROWS, SCALES_F32)
     for i in tl.static_range(rest % UNROLL):
-        payload = payload_ptr + (start + (rest // UNROLL) * UNROLL + i) * payload_stride
+        payload = payload_ptr + (1 + (rest // UNROLL) * UNROLL + i) * payload_stride
         total += _payload_products(payload, data_nbytes, first, rows, c0, local, in_block,
                                    row_valid, BLOCK, BITS, UNPACK, ROWS, COLS, MASK_VALUES,
                                    MASK_ROWS, SCALES_F32)
