@@ -25,23 +25,28 @@ ZEROPP = {"zero_quantized_weights": True, "zero_hpz_partition_size": PER_NODE,
           "zero_quantized_gradients": True}
 
 
-def _iterations(zero: dict, checkpoint: bool, micro_batches: int,
-                iterations: int = 3) -> list[tuple[list, dict, int]]:
-    """(ops, collectives by communicator, host reads) of each iteration."""
+def _iterations(zero: dict, checkpoint: bool, micro_batches: int, iterations: int = 3,
+                precision: dict | None = None,
+                model_options: dict | None = None) -> list[tuple[list, dict, int]]:
+    """(ops with their memory's sources, collectives by communicator, host reads) of each
+    iteration; bf16 unless ``precision`` says otherwise, a GPT-2-style model unless
+    ``model_options`` say otherwise."""
     import zeropp
 
     world = NODES * PER_NODE
     with simulated_process_group(0, world, "meta") as simulation:
         config = GPTConfig(num_layers=3, hidden_size=HIDDEN, num_attention_heads=4,
                            vocab_size=128, max_position_embeddings=SEQ, hidden_dropout=0.0,
-                           attention_dropout=0.0, checkpoint_activations=checkpoint)
+                           attention_dropout=0.0, checkpoint_activations=checkpoint,
+                           **(model_options or {}))
         with torch.device("meta"):
             model = GPTModel(config)
         engine, *_ = zeropp.initialize(
             model=model, ranks_per_node=PER_NODE,
             config={"train_micro_batch_size_per_gpu": 1,
                     "gradient_accumulation_steps": micro_batches,
-                    "gradient_clipping": 1.0, "bf16": {"enabled": True},
+                    "gradient_clipping": 1.0,
+                    **(precision or {"bf16": {"enabled": True}}),
                     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                     "zero_optimization": {"stage": 3,
                                           "stage3_max_live_parameters": 20 * HIDDEN**2,
@@ -51,7 +56,7 @@ def _iterations(zero: dict, checkpoint: bool, micro_batches: int,
         mask = torch.ones(1, SEQ, device="meta")
         results = []
         try:
-            with HostSyncCounter() as reads, OpSequence() as ops:
+            with HostSyncCounter() as reads, OpSequence(storage_flow=True) as ops:
                 for _ in range(iterations):
                     before = {key: len(issued) for key, issued in
                               simulation.order_signature().items()}
@@ -87,6 +92,56 @@ def test_steady_iterations_issue_the_same_sequence(system, checkpoint, micro_bat
         assert "gather" in lanes  # qwZ's quantize and payload buffers on the gather lane
         assert any("all_to_all" in str(record) for issued in collectives2.values()
                    for record in issued)  # qgZ's hops
+
+
+LLAMA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
+         "num_query_groups": 2, "untie_embeddings_and_output_weights": True,
+         "add_bias_linear": False}
+
+
+@pytest.mark.parametrize("precision, model_options", [
+    ({"fp16": {"enabled": True, "loss_scale": 128}}, None),
+    (None, LLAMA),
+], ids=["fp16 static loss scale", "llama-style"])
+def test_other_capturable_runs_steady_iterations_issue_the_same_sequence(precision,
+                                                                         model_options):
+    """fp16 with a static loss scale is captured too (the dynamic scaler's window counts on
+    the host, which ``capture_blockers`` refuses): its unscaling and skip flag stay on the
+    device, in the same memory every iteration; so are Llama-style models (rotary tables,
+    RMSNorm, SwiGLU, grouped-query attention, an untied head)."""
+    _, second, third = _iterations(ZEROPP, False, 2, precision=precision,
+                                   model_options=model_options)
+    assert first_difference(second[0], third[0]) is None, first_difference(second[0], third[0])
+    assert second[1] == third[1] and second[2] == third[2] == 0
+
+
+def test_the_flow_sees_memory_an_iteration_leaves_to_the_next():
+    """[Note: replay safety]'s memory check on a toy loop that keeps a running sum: kept in
+    place, each iteration's flow is the same; left in memory the iteration made (a new
+    tensor, or a storage freed and given memory again, as units free and regather), the next
+    iteration reads other memory than this one did, which a replay would not."""
+    def steady(how: str) -> tuple[list, list]:
+        state = torch.zeros(4, device="meta")
+        seen = []
+        with OpSequence(storage_flow=True) as ops:
+            for _ in range(3):
+                total = torch.ones(4, device="meta") * 2 + state
+                if how == "fresh":
+                    state = total
+                else:
+                    if how == "regrow":
+                        state.untyped_storage().resize_(0)
+                        state.untyped_storage().resize_(16)
+                    state.copy_(total)
+                seen.append(ops.take())
+        return seen[1], seen[2]
+
+    second, third = steady("in place")
+    assert first_difference(second, third) is None
+    assert [source[0] for source in third[2].sources] == ["made", "held"]  # the add
+    for how in ("fresh", "regrow"):
+        second, third = steady(how)
+        assert first_difference(second, third) is not None, how
 
 
 def test_the_comparison_sees_a_changed_shape():

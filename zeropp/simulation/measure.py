@@ -137,12 +137,12 @@ def _device_matcher(device: torch.device | str) -> Callable[[torch.device], bool
     return lambda d: d == device
 
 
-def _save_method(owner: type, name: str) -> tuple[bool, Any]:
+def save_method(owner: type, name: str) -> tuple[bool, Any]:
     """(whether ``owner`` defines ``name`` itself, the method now) before patching it."""
     return name in owner.__dict__, getattr(owner, name)
 
 
-def _restore_method(owner: type, name: str, saved: tuple[bool, Any]) -> None:
+def restore_method(owner: type, name: str, saved: tuple[bool, Any]) -> None:
     own, previous = saved
     if own:
         setattr(owner, name, previous)
@@ -340,7 +340,7 @@ class MemoryTracker(TorchDispatchMode):
     def __enter__(self) -> MemoryTracker:
         # UntypedStorage.resize_ is not dispatched, so wrap it (chaining whatever is installed,
         # e.g. an outer tracker's wrapper) and restore it on exit.
-        self._saved_resize.append(_save_method(torch.UntypedStorage, "resize_"))
+        self._saved_resize.append(save_method(torch.UntypedStorage, "resize_"))
         prev = torch.UntypedStorage.resize_
 
         @functools.wraps(prev)
@@ -353,7 +353,7 @@ class MemoryTracker(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        _restore_method(torch.UntypedStorage, "resize_", self._saved_resize.pop())
+        restore_method(torch.UntypedStorage, "resize_", self._saved_resize.pop())
         return super().__exit__(*exc)
 
 
@@ -466,7 +466,7 @@ class HostSyncCounter(TorchDispatchMode):
 
     def __enter__(self) -> HostSyncCounter:
         # Tensor.numpy() rejects non-CPU tensors before any op is dispatched: wrap it.
-        self._saved_numpy.append(_save_method(torch.Tensor, "numpy"))
+        self._saved_numpy.append(save_method(torch.Tensor, "numpy"))
         prev = torch.Tensor.numpy
 
         @functools.wraps(prev)
@@ -481,7 +481,7 @@ class HostSyncCounter(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        _restore_method(torch.Tensor, "numpy", self._saved_numpy.pop())
+        restore_method(torch.Tensor, "numpy", self._saved_numpy.pop())
         return super().__exit__(*exc)
 
 

@@ -10,6 +10,23 @@ out the same blocks), the same collectives on the same communicators, and no hos
 without a GPU: ``OpSequence`` records the ops as the host dispatches them (with the lane, the
 stand-in for the stream, [Note: allocation lanes] in zeropp/comm/streams.py) and the
 simulated backend records the collectives, so a test compares iteration 2 with iteration 3.
+
+The same ops are not enough: a replay also reads the memory the capture read. An op's
+tensor argument either lives in memory the iteration allocated (the pool hands out the same
+blocks again) or in memory held from before (weights, optimizer state, flat buffers), which
+a replay reads at the same address. If an iteration leaves state in memory it allocated
+(say, a regather into a fresh buffer that the next forward reads), an eager run is right
+but a replay reads the memory of the capture's predecessor, freed since: 2026-11-28's first
+graph on an H200 did this with the persistent units and trained to a loss of 28. So
+``OpSequence(storage_flow=True)`` also records where each argument's memory comes from:
+("made", i, j) for output j of the iteration's op i, ("held", n) for a storage the
+iteration did not allocate, n numbered in the order first seen ("host" for an op wholly on
+the CPU, which a graph does not capture; a host tensor read by a device op is held memory).
+A storage given memory again (``UntypedStorage.resize_``, how units free and regather their
+weights, which no dispatch mode sees) is new memory from there: ("made", i, "resize") where
+it happened before op i, and a new number once the iteration is over. Two steady iterations must
+record the same flow, which a leftover like that breaks (iteration 3 reads what iteration 2
+made, where iteration 2 read what iteration 1 made or held from the start).
 """
 
 from __future__ import annotations
@@ -20,6 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zeropp.comm.streams import allocation_lane
+from zeropp.simulation.measure import restore_method, save_method
 
 
 class IssuedOp(NamedTuple):
@@ -29,6 +47,7 @@ class IssuedOp(NamedTuple):
     inputs: tuple  # (shape, dtype) of each tensor argument, in order
     outputs: tuple  # (shape, dtype, bytes of its storage) of each tensor output
     lane: str  # "compute", "gather", "reduce" or "gather completion": the stream it runs on
+    sources: tuple = ()  # with storage_flow: where each tensor argument's memory comes from
 
 
 def _tensor_leaves(value) -> list[torch.Tensor]:
@@ -44,26 +63,88 @@ def _tensor_leaves(value) -> list[torch.Tensor]:
 class OpSequence(TorchDispatchMode):
     """Records every op dispatched while ``enabled`` as an ``IssuedOp``, in order. Enter it
     after the modes that answer ops themselves (``HostSyncCounter`` answers reads of meta
-    values), so it sees each op as issued."""
+    values), so it sees each op as issued. ``storage_flow``: also record each argument's
+    ``sources`` ([Note: replay safety]); every storage seen is then kept alive until the
+    recorder is dropped, so that no two are ever confused (use it on meta tensors, or small
+    ones)."""
 
-    def __init__(self) -> None:
+    def __init__(self, storage_flow: bool = False) -> None:
         super().__init__()
         self.ops: list[IssuedOp] = []
         self.enabled = True
+        self.storage_flow = storage_flow
+        # storage key -> (number, the op index and output slot that made it in the current
+        # segment, or None) and the storages themselves, kept alive (see above)
+        self._seen: dict[int, tuple[int, tuple[int, int] | None]] = {}
+        self._alive: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.enabled:
-            inputs = tuple((tuple(t.shape), t.dtype) for t in _tensor_leaves((args, kwargs)))
+            arguments = _tensor_leaves((args, kwargs))
+            results = _tensor_leaves(out)
+            inputs = tuple((tuple(t.shape), t.dtype) for t in arguments)
             outputs = tuple((tuple(t.shape), t.dtype, t.untyped_storage().nbytes())
-                            for t in _tensor_leaves(out))
-            self.ops.append(IssuedOp(str(func), inputs, outputs, allocation_lane()))
+                            for t in results)
+            sources = self._flow(arguments, results) if self.storage_flow else ()
+            self.ops.append(IssuedOp(str(func), inputs, outputs, allocation_lane(), sources))
         return out
 
+    def _flow(self, arguments: list[torch.Tensor], results: list[torch.Tensor]) -> tuple:
+        if all(t.device.type == "cpu" for t in (*arguments, *results)):
+            # The host's own arithmetic (the simulated cluster's optimizer counts its steps
+            # on the CPU, where a capturable one counts on the device): not in a graph.
+            return ("host",) * len(arguments)
+        sources = []
+        for tensor in arguments:
+            number, made = self._entry(tensor.untyped_storage(), None)
+            sources.append(("made", *made) if made is not None else ("held", number))
+        argument_keys = {t.untyped_storage()._cdata for t in arguments}
+        for slot, tensor in enumerate(results):
+            storage = tensor.untyped_storage()
+            # An output in an argument's memory (in place, a view, out=) is not new memory.
+            if storage._cdata not in argument_keys:
+                self._entry(storage, (len(self.ops), slot))
+        return tuple(sources)
+
+    def _entry(self, storage, made: tuple | None, anew: bool = False) -> tuple:
+        key = storage._cdata
+        if anew or key not in self._seen:
+            self._seen[key] = (len(self._alive), made)
+            self._alive.append(storage)
+        return self._seen[key]
+
+    def _on_resize(self, storage, nbytes: int) -> None:
+        if self.enabled and nbytes > 0:
+            self._entry(storage, (len(self.ops), "resize"), anew=True)
+
+    def __enter__(self) -> OpSequence:
+        if self.storage_flow:
+            # UntypedStorage.resize_ is not dispatched: wrapped (chaining what is installed)
+            # while the recorder is on.
+            self._saved_resize = save_method(torch.UntypedStorage, "resize_")
+            previous = torch.UntypedStorage.resize_
+            recorder = self
+
+            def resize_(storage: torch.UntypedStorage, nbytes: int):
+                result = previous(storage, nbytes)
+                recorder._on_resize(storage, nbytes)
+                return result
+
+            torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        if self.storage_flow:
+            restore_method(torch.UntypedStorage, "resize_", self._saved_resize)
+        return super().__exit__(*exc)
+
     def take(self) -> list[IssuedOp]:
-        """The ops recorded since the last ``take``."""
+        """The ops recorded since the last ``take``, which starts a new segment: memory made
+        before it is held memory from then on."""
         ops, self.ops = self.ops, []
+        self._seen = {key: (number, None) for key, (number, _) in self._seen.items()}
         return ops
 
 

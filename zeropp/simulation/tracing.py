@@ -59,10 +59,10 @@ from torch.utils.flop_counter import flop_registry
 from zeropp.comm.streams import InlineExecution, Pending
 from zeropp.simulation.backend import _flat, _SimProcessGroup
 from zeropp.simulation.measure import (
-    _restore_method,
-    _save_method,
     _tensors,
     reads_device_value,
+    restore_method,
+    save_method,
 )
 from zeropp.simulation.trace import Collective, ComputeOp, Event, HostSync, Launch, Wait
 
@@ -277,7 +277,7 @@ class TraceRecorder:
 
     # -- patches ---------------------------------------------------------------------------
     def _patch(self, owner: type, name: str, make) -> None:
-        self._saved.append((owner, name, _save_method(owner, name)))
+        self._saved.append((owner, name, save_method(owner, name)))
         setattr(owner, name, make(getattr(owner, name)))
 
     def __enter__(self) -> TraceRecorder:
@@ -323,4 +323,4 @@ class TraceRecorder:
         finally:
             while self._saved:
                 owner, name, saved = self._saved.pop()
-                _restore_method(owner, name, saved)
+                restore_method(owner, name, saved)
