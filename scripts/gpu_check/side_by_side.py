@@ -31,8 +31,9 @@ time dynamo measured; which SDPA kernel the attention shape selects. One JSON (`
 and a table printed last.
 
 Budget (default run, one H100/H200): each system takes 20 steps (3 warm-up, 10 timed, the
-rest only for the loss check). A step is 16K tokens, 0.34 PFLOP by Megatron's count: 0.4 s
-at 40% MFU, 1.7 s at 10%, so 8-35 s of steps. The rest is fixed cost: ~10 s for Python,
+rest only for the loss check). A step is 16K tokens, 0.146 PFLOP by Megatron's count
+(8.9 GFLOP a token): on an H100 (989 TFLOP/s) 0.37 s at 40% MFU, 1.5 s at 10%, so 7-30 s
+of steps. The rest is fixed cost: ~10 s for Python,
 torch and CUDA, ~2 s to draw the initial values on the device, ~40-60 s for inductor to
 compile one block's forward and backward (the run starts from an empty inductor cache; the
 second compiled system may reuse kernels the first one built, which the JSON says, and
