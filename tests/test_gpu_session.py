@@ -110,6 +110,15 @@ def test_the_budget_skips_what_would_not_fit(tmp_path) -> None:
     assert all(argv[:1] == ["-c"] or argv[:1] == ["-"] for argv in lines)
 
 
+def test_the_side_by_side_budget_is_what_its_part_has_left(tmp_path) -> None:
+    """The side by side stops starting systems before its part's limit, cut to the session's
+    budget, would kill it (a fixed budget let it run past a cut limit and lose its JSON)."""
+    lines, _ = _run_session(tmp_path, budget_s=200)
+    side = next(argv for argv in lines if argv[1:2] == ["scripts.gpu_check.side_by_side"])
+    budget = int(side[side.index("--budget") + 1])
+    assert 150 <= budget <= 200 - 20
+
+
 class _Parsed(BaseException):
     """Raised in place of running a program once its command line has parsed."""
 

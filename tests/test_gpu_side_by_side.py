@@ -7,6 +7,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +42,8 @@ def test_cpu_smoke_runs_every_system_and_the_losses_agree(tmp_path, capsys):
     assert report["final_loss_max_relative_spread"] < 2e-3
     for name in ("zeropp_compiled", "fsdp2_compiled"):
         assert systems[name]["compile_seconds"] > 0, name
+    for name in expected_ok:  # nothing compiles while the steps are timed
+        assert systems[name]["graphs_compiled_in_timed_steps"] == 0, name
     # the table comes last, one row per system
     table = capsys.readouterr().out.strip().splitlines()[-len(bench.SYSTEMS) - 2:]
     assert table[1].split()[:2] == ["system", "status"]
@@ -58,3 +66,52 @@ def test_default_run_fits_its_budget():
     assert (config.num_layers, config.hidden_size, config.num_attention_heads,
             shape.seq_length) == (24, 2048, 16, 2048)
     assert (shape.warmup_steps, shape.timed_steps, shape.total_steps) == (3, 10, 20)
+
+
+def test_a_spent_budget_skips_every_system_and_says_so(tmp_path):
+    out = tmp_path / "side_by_side.json"
+    assert bench.main(["--cpu-smoke", "--budget", "0", "--out", str(out)]) == 0
+    systems = json.loads(out.read_text())["systems"]
+    assert [r["status"] for r in systems.values()] == ["skipped: 0 s of the budget left"] * len(
+        bench.SYSTEMS)
+
+
+def _processes_marked(mark: str) -> list[int]:
+    """Live processes whose environment holds ``MARK=mark`` (a run's workers inherit it)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"SIDE_BY_SIDE_TEST_MARK={mark}".encode() in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except OSError:  # ended meanwhile, or not ours to read
+            pass
+    return found
+
+
+def test_sigterm_stops_the_worker_and_keeps_the_report(tmp_path):
+    """The device call's time limit ends the run with SIGTERM: the running system's worker
+    (a session of its own, which the signal does not reach) is stopped, and the JSON says
+    which systems finished, which was stopped and which never started."""
+    out = tmp_path / "side_by_side.json"
+    root = Path(bench.__file__).resolve().parents[2]
+    mark = str(tmp_path)
+    run = subprocess.Popen([sys.executable, "-m", "scripts.gpu_check.side_by_side",
+                            "--cpu-smoke", "--systems", "zeropp_eager,fsdp2_eager",
+                            "--out", str(out)], cwd=root, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "SIDE_BY_SIDE_TEST_MARK": mark})
+    started = time.monotonic()
+    for line in run.stdout:
+        if "[side-by-side] zeropp_eager ..." in line:
+            break
+    time.sleep(2)  # the worker is importing torch or training
+    workers = [pid for pid in _processes_marked(mark) if pid != run.pid]
+    assert workers, "the worker is running"
+    run.send_signal(signal.SIGTERM)
+    run.communicate(timeout=60)
+    assert run.returncode == 0 and time.monotonic() - started < 120
+    systems = json.loads(out.read_text())["systems"]
+    assert systems["zeropp_eager"]["status"] == "stopped: SIGTERM reached the run"
+    assert systems["fsdp2_eager"]["status"] == "stopped: SIGTERM reached the run"
+    time.sleep(0.5)  # a killed process leaves /proc once reaped
+    assert [pid for pid in _processes_marked(mark) if pid != run.pid] == []

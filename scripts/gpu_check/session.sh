@@ -34,6 +34,11 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$O
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   >> "$OUTDIR/session.log" 2>&1
 
+limit_of() {  # limit_of SECONDS: a part's limit, cut to what is left of the session's budget
+  local left=$((BUDGET_S - SECONDS))
+  echo $(( $1 < left ? $1 : left ))
+}
+
 part() {  # part NAME SECONDS COMMAND...: run with a limit, log to WORK/NAME.log
   local name=$1 limit=$2; shift 2
   local left=$((BUDGET_S - SECONDS))
@@ -41,7 +46,7 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to WORK/NAME.log
     echo "$name: skipped, $left s of the session's $BUDGET_S s left" | tee -a "$OUTDIR/session.log"
     return 0
   fi
-  (( limit > left )) && limit=$left
+  limit=$(limit_of "$limit")
   local began=$SECONDS
   timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
   local status=$?
@@ -87,9 +92,12 @@ EOF
       part side_wheels 60 python3 -m pip install -q --no-index --no-deps --no-compile \
         --target /tmp/ds_site "$WHEELS"/*.whl
       mkdir -p "$WORK/side"
+      # Its own budget is what the part's limit leaves, less 20 s to stop a worker and
+      # write the JSON (SIGTERM at the limit also stops it and keeps what finished).
+      side_budget=$(( $(limit_of 380) - 20 ))
       part side 380 env PYTHONPATH="/tmp/ds_site${PYTHONPATH:+:$PYTHONPATH}" \
         python3 -m scripts.gpu_check.side_by_side --out "$WORK/side/side_by_side.json" \
-        --budget 360 --system-timeout 180
+        --budget $(( side_budget > 0 ? side_budget : 0 )) --system-timeout 180
       cp "$WORK/side/"*.json "$OUTDIR/" 2>/dev/null ;;
     profile)
       part profile 90 python3 -m scripts.bench.host_profile --out "$WORK/profile" --layers 2 \

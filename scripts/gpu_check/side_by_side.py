@@ -33,15 +33,17 @@ and a table printed last.
 Budget (default run, one H100/H200): each system takes 20 steps (3 warm-up, 10 timed, the
 rest only for the loss check). A step is 16K tokens, 0.146 PFLOP by Megatron's count
 (8.9 GFLOP a token): on an H100 (989 TFLOP/s) 0.37 s at 40% MFU, 1.5 s at 10%, so 7-30 s
-of steps. The rest is fixed cost: ~10 s for Python,
-torch and CUDA, ~2 s to draw the initial values on the device, ~40-60 s for inductor to
-compile one block's forward and backward (the run starts from an empty inductor cache; the
-second compiled system may reuse kernels the first one built, which the JSON says, and
-``--separate-compile-caches`` gives each its own), ~20 s of DeepSpeed start-up. About 25-50 s
-per eager system and 80-100 s per compiled one: 4-6 minutes for all five. Each system is
-stopped after ``--system-timeout`` (200 s), and no system starts once ``--budget`` (420 s)
-is spent, so with the wheels' install and the machine's start the call stays within 8
-minutes of device time; the systems run in the order above, the targets' comparisons first.
+of steps. The rest is fixed cost: ~10 s for Python, torch and CUDA, ~2 s to draw the
+initial values on the device, ~40-60 s for inductor to compile one block's forward and
+backward (the run starts from an empty inductor cache; the second compiled system may reuse
+kernels the first one built, which the JSON says, and ``--separate-compile-caches`` gives
+each its own), ~20 s of DeepSpeed start-up. About 25-50 s per eager system and 80-100 s per
+compiled one: 4-6 minutes for all five. Each system is stopped after ``--system-timeout``
+(200 s); none starts once ``--budget`` (420 s) leaves it less than it needs (100 s for a
+compiled system, 60 s for another), so with the wheels' install and the machine's start the
+call stays within 8 minutes of device time; the systems run in the order above, the
+targets' comparisons first. The JSON is rewritten after every system, and SIGTERM (a
+caller's time limit) stops the running system's worker and writes what finished.
 
 The GPU machine has no network and no DeepSpeed. Its wheels travel in ``.whl_ds/`` (ignored
 by git; ``bash scripts/gpu_check/wheels.sh`` prepares it on a machine with a registry:
@@ -77,6 +79,7 @@ import tempfile
 import time
 import traceback
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -267,14 +270,20 @@ class Fsdp2System:
 
 
 class DeepSpeedSystem:
+    NOTE = ("DeepSpeed casts the fp32 model to bf16 before ZeRO-3 makes its fp32 masters, so "
+            "its masters start as the bf16-rounded initial values (the others: fp32)")
+
     def __init__(self, shape: RunShape, device, compiled: bool) -> None:
         import deepspeed  # only this subprocess imports it
         import deepspeed.ops
         import torch
 
-        # DeepSpeed's CPU backend would JIT-build a shared-memory all-reduce it never uses
-        # in training; its own switch skips that build.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        if device.type == "cpu":
+            # DeepSpeed's CPU backend would JIT-build a shared-memory all-reduce it never
+            # uses in training; its own switch skips that build. (Reading the switch probes
+            # every op builder, seconds of compiler runs: on CUDA it is left alone, where
+            # that op is not built anyway.)
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         model = _gpt(shape, device)  # fp32: DeepSpeed casts and partitions it
         # The tied head reads the embedding table outside the embedding's forward: ZeRO-3
         # must gather it around the root too (DeepSpeed's documented API).
@@ -350,14 +359,26 @@ def _sdpa_backend(shape: RunShape, device) -> str:
 
     if device.type != "cuda":
         return "math (CPU)"
-    head_dim = shape.hidden_size // shape.num_attention_heads
-    q = torch.empty(shape.micro_batch, shape.num_attention_heads, shape.seq_length, head_dim,
-                    dtype=torch.bfloat16, device=device)
+    heads = shape.num_attention_heads
+    head_dim = shape.hidden_size // heads
+    # As the model calls it: q, k and v are transposed views of one QKV projection's output,
+    # which require grad (the flash kernel's choice reads strides and the backward).
+    qkv = torch.empty(shape.micro_batch, shape.seq_length, 3 * heads * head_dim,
+                      dtype=torch.bfloat16, device=device, requires_grad=True)
+    q, k, v = (part.view(shape.micro_batch, shape.seq_length, heads, head_dim).transpose(1, 2)
+               for part in qkv.split(heads * head_dim, dim=2))
     try:
-        choice = torch._fused_sdp_choice(q, q, q, is_causal=True)
+        choice = torch._fused_sdp_choice(q, k, v, is_causal=True)
         return torch.nn.attention.SDPBackend(choice).name
     except (AttributeError, RuntimeError, TypeError, ValueError) as error:  # private API
         return f"unknown ({type(error).__name__})"
+
+
+def _compiled_graphs() -> int:
+    """How many graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def run_one(name: str, shape: RunShape) -> dict[str, Any]:
@@ -377,6 +398,9 @@ def run_one(name: str, shape: RunShape) -> dict[str, Any]:
     built = time.perf_counter()
     batches = _batches(shape, device)
     if cuda:
+        # FSDP2 and DeepSpeed build the fp32 model on the GPU first: its cached blocks
+        # would count as reserved memory of the training.
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     losses = []
     sync()
@@ -385,6 +409,7 @@ def run_one(name: str, shape: RunShape) -> dict[str, Any]:
     for step in range(shape.total_steps):
         if step == shape.warmup_steps:
             sync()
+            graphs_before = _compiled_graphs()
             timed_start = time.perf_counter()
         inputs, labels = batches[step % len(batches)]
         losses.append(system.step(inputs, labels))
@@ -394,6 +419,7 @@ def run_one(name: str, shape: RunShape) -> dict[str, Any]:
         if step == shape.warmup_steps + shape.timed_steps - 1:
             sync()
             timed_end = time.perf_counter()
+            graphs_after = _compiled_graphs()
     loss_values = [float(v) for v in torch.stack(losses).float().cpu()]
     step_seconds = (timed_end - timed_start) / shape.timed_steps
     tokens_per_step = shape.micro_batch * shape.seq_length
@@ -405,9 +431,13 @@ def run_one(name: str, shape: RunShape) -> dict[str, Any]:
         "compile_seconds": system.compile_seconds(),
         "step_seconds": step_seconds,
         "tokens_per_second": tokens_per_step / step_seconds,
+        # dynamo graphs compiled during the timed steps (0 expected: a recompile there is
+        # compile time counted as training)
+        "graphs_compiled_in_timed_steps": graphs_after - graphs_before,
         "losses": loss_values,
         "final_loss": loss_values[-1],
         "sdpa_backend": _sdpa_backend(shape, device),
+        "note": getattr(system, "NOTE", None),
         "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
     }
     if cuda:
@@ -445,10 +475,13 @@ def _run_in_subprocess(name: str, shape: RunShape, timeout: float, smoke: bool,
         try:
             log, _ = worker.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
+            _stop(worker)
             log, _ = worker.communicate()
             return {"system": name, "status": f"timeout after {timeout:.0f} s",
                     "log_tail": log[-3000:]}
+        except BaseException:  # Stopped (SIGTERM), Ctrl-C: the worker must not outlive us
+            _stop(worker)
+            raise
         wall = time.perf_counter() - started
         if result_path.exists():
             result = json.loads(result_path.read_text())
@@ -460,8 +493,37 @@ def _run_in_subprocess(name: str, shape: RunShape, timeout: float, smoke: bool,
         return result
 
 
+def _stop(worker: subprocess.Popen) -> None:
+    """Kill a worker and its compile workers (a session of their own)."""
+    try:
+        os.killpg(worker.pid, signal.SIGKILL)
+    except ProcessLookupError:  # it ended by itself meanwhile
+        pass
+
+
+class Stopped(Exception):
+    """SIGTERM reached the run (the device call's time limit, say)."""
+
+
+def _raise_stopped(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the report is written next
+    raise Stopped
+
+
+def _minimum_seconds(name: str, smoke: bool) -> float:
+    """The least time left to start a system: a compiled one spends 40-60 s compiling
+    before its first step on a GPU, an eager one 20-40 s starting up and stepping."""
+    if smoke:
+        return 30.0
+    return 100.0 if name.endswith("_compiled") else 60.0
+
+
 def run_all(shape: RunShape, systems: list[str], system_timeout: float, budget: float,
-            smoke: bool, separate_compile_caches: bool = False) -> dict[str, Any]:
+            smoke: bool, separate_compile_caches: bool = False,
+            on_update: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every system in turn, in a subprocess of its own; ``on_update`` gets the report after
+    each (so a run stopped by SIGTERM, after ``signal.signal(SIGTERM, _raise_stopped)``,
+    still leaves what finished)."""
     from megatron_lite.model import GPTModel, flops_per_token
 
     config = shape.gpt_config()
@@ -484,17 +546,34 @@ def run_all(shape: RunShape, systems: list[str], system_timeout: float, budget: 
     }
     shared_cache = tempfile.TemporaryDirectory(prefix="side_by_side_inductor_")
     deadline = time.perf_counter() + budget
-    for name in systems:
-        left = deadline - time.perf_counter()
-        if left < 30:
-            report["systems"][name] = {"system": name, "status": "skipped: budget spent"}
-            continue
-        print(f"[side-by-side] {name} ...", flush=True)
-        result = _run_in_subprocess(name, shape, min(system_timeout, left), smoke,
-                                    None if separate_compile_caches else shared_cache.name)
-        report["systems"][name] = result
-        print(f"[side-by-side] {name}: {result.get('status')}", flush=True)
-    shared_cache.cleanup()
+    try:
+        for name in systems:
+            left = deadline - time.perf_counter()
+            if left < _minimum_seconds(name, smoke):
+                report["systems"][name] = {
+                    "system": name, "status": f"skipped: {max(left, 0):.0f} s of the budget left"}
+                continue
+            print(f"[side-by-side] {name} ...", flush=True)
+            result = _run_in_subprocess(name, shape, min(system_timeout, left), smoke,
+                                        None if separate_compile_caches else shared_cache.name)
+            report["systems"][name] = result
+            print(f"[side-by-side] {name}: {result.get('status')}", flush=True)
+            _summarize(report, flops)
+            if on_update is not None:
+                on_update(report)
+    except Stopped:  # the running system's worker is stopped already
+        for name in systems:
+            if name not in report["systems"]:
+                report["systems"][name] = {"system": name,
+                                           "status": "stopped: SIGTERM reached the run"}
+    finally:
+        shared_cache.cleanup()
+    _summarize(report, flops)
+    return report
+
+
+def _summarize(report: dict[str, Any], flops: float) -> None:
+    """The device, MFU and the losses' spread over the systems that finished."""
     ok = [r for r in report["systems"].values() if r.get("status") == "ok"]
     if ok:
         device = ok[0]["device_name"]
@@ -507,7 +586,6 @@ def run_all(shape: RunShape, systems: list[str], system_timeout: float, budget: 
         reference = ok[0]["final_loss"]
         report["final_loss_max_relative_spread"] = max(
             abs(r["final_loss"] - reference) / abs(reference) for r in ok)
-    return report
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -562,11 +640,18 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         parser.error(f"unknown system(s) {', '.join(unknown)}; expected {', '.join(SYSTEMS)}")
+    def write(report: dict[str, Any]) -> None:  # whole or not at all: a temporary, renamed
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            partial = args.out.with_name(args.out.name + ".partial")
+            partial.write_text(json.dumps(report, indent=1) + "\n")
+            os.replace(partial, args.out)
+
+    # The device call's time limit sends SIGTERM: the worker is stopped, the report kept.
+    signal.signal(signal.SIGTERM, _raise_stopped)
     report = run_all(shape, systems, args.system_timeout, args.budget, args.cpu_smoke,
-                     args.separate_compile_caches)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+                     args.separate_compile_caches, on_update=write)
+    write(report)
     print(format_table(report), flush=True)
     return 0
 
