@@ -123,8 +123,15 @@ def test_compile_block_refuses_in_one_line(block, named):
 def test_cuda_graphs_and_unknown_backends_are_refused():
     from zeropp.acceleration.compiled_blocks import CompileRefused, check_compile_settings
 
-    with pytest.raises(CompileRefused, match="CUDA graphs"):
-        check_compile_settings("inductor", {"mode": "reduce-overhead"})
+    for kwargs in ({"mode": "reduce-overhead"}, {"mode": "max-autotune"},
+                   {"options": {"triton.cudagraphs": True}}):
+        # max-autotune switches inductor's CUDA graphs on too (list_mode_options)
+        with pytest.raises(CompileRefused, match="CUDA graphs"):
+            check_compile_settings("inductor", kwargs)
+    with pytest.raises(CompileRefused, match="compile.kwargs.mode: Unrecognized mode"):
+        check_compile_settings("inductor", {"mode": "fastest"})
+    for mode in ("default", "max-autotune-no-cudagraphs"):
+        assert check_compile_settings("inductor", {"mode": mode}) == {"mode": mode}
     with pytest.raises(CompileRefused, match="not a torch.compile backend"):
         check_compile_settings("no-such-backend", {})
     assert check_compile_settings("inductor", {"fullgraph": True}) == {"fullgraph": True}

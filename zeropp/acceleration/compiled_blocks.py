@@ -44,6 +44,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch._inductor
 from torch import nn
 
 from zeropp.config import ConfigError
@@ -66,10 +67,20 @@ def check_compile_settings(backend: str, kwargs: Mapping[str, Any]) -> dict[str,
         raise CompileRefused(f"compile.kwargs: {', '.join(unknown)} not a torch.compile argument "
                              f"(known: {', '.join(COMPILE_KWARGS)})")
     options = dict(kwargs.get("options") or {})
-    if kwargs.get("mode") == "reduce-overhead" or options.get("triton.cudagraphs"):
-        raise CompileRefused("compile: CUDA graphs (mode reduce-overhead, triton.cudagraphs) "
-                             "are not supported: gathered weights move to new addresses at "
-                             "every gather, and a graph replays the old ones")
+    mode = kwargs.get("mode")
+    if mode is not None:
+        try:  # what the mode switches on: max-autotune turns on inductor's CUDA graphs too
+            options_of_mode = torch._inductor.list_mode_options(mode)
+        except RuntimeError as error:
+            raise CompileRefused(f"compile.kwargs.mode: {error}") from None
+    else:
+        options_of_mode = {}
+    if options_of_mode.get("triton.cudagraphs") or options.get("triton.cudagraphs"):
+        raise CompileRefused(f"compile: CUDA graphs ({'mode ' + mode if mode else 'options'} "
+                             "turns on triton.cudagraphs) are not supported over blocks: "
+                             "gathered weights move to new addresses at every gather, and a "
+                             "graph replays the old ones (max-autotune-no-cudagraphs tunes "
+                             "without them; --cuda-graph captures the whole iteration)")
     if kwargs.get("mode") is not None and options:
         raise CompileRefused("compile.kwargs: torch.compile takes mode or options, not both")
     if backend not in torch._dynamo.list_backends(exclude_tags=()):
