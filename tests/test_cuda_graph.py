@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,6 +198,110 @@ def test_the_device_schedule_writes_a_held_lr_tensor_in_place():
         schedule.step_on_device(torch.tensor(count))
         assert groups[0]["lr"] is held
         assert float(held) == schedule.get_lr(count)
+    # The host's step (at a log line or a checkpoint, with the count read back) writes into
+    # it too: a replaced tensor would leave the graph reading freed memory.
+    for count in (6, 13):
+        schedule.step(count)
+        assert groups[0]["lr"] is held and float(held) == schedule.get_lr(count)
+
+
+def test_every_schedule_and_a_checkpoint_load_keep_a_held_lr_tensor():
+    """Every writer of a group's lr goes through set_group_lr: DeepSpeed's schedules (their
+    own steps and set-up) and a checkpoint's load."""
+    import zeropp.checkpoints.checkpoint as checkpoint_module
+    from zeropp.acceleration.cuda_graph import set_group_lr
+    from zeropp.deepspeed_api.lr_schedules import OneCycle, WarmupLR
+
+    def optimizer(lr):
+        built = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=1e-3)
+        built.param_groups[0]["lr"] = lr
+        return built
+
+    schedules = (lambda o: WarmupLR(o, warmup_max_lr=1e-3, warmup_num_steps=4),
+                 lambda o: OneCycle(o, cycle_min_lr=1e-4, cycle_max_lr=1e-3,
+                                    cycle_first_step_size=3))
+    for make in schedules:  # the same schedule over a held tensor and over a float
+        held = torch.tensor(1e-3, dtype=torch.float64)
+        with_tensor, with_float = optimizer(held), optimizer(1e-3)
+        on_tensor, on_float = make(with_tensor), make(with_float)
+        for _ in range(2):
+            on_tensor.step()
+            on_float.step()
+        assert with_tensor.param_groups[0]["lr"] is held
+        assert float(held) == pytest.approx(with_float.param_groups[0]["lr"], rel=1e-12)
+    optimizer = with_tensor
+    set_group_lr(optimizer.param_groups[0], 5e-4)
+    assert optimizer.param_groups[0]["lr"] is held and float(held) == 5e-4
+    group = {"lr": 1e-3}
+    set_group_lr(group, 2e-3)  # a float stays a float
+    assert group["lr"] == 2e-3
+    source = Path(checkpoint_module.__file__).read_text()
+    assert "group.update(saved)" not in source and "set_group_lr(group, saved[\"lr\"])" in source
+
+
+class _Capturing:
+    """A stand-in capture context that says whether a capture is under way."""
+
+    def __init__(self) -> None:
+        self.active = False
+
+    @contextlib.contextmanager
+    def __call__(self, graph):
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+
+def graph_with_a_save_in_flight(rank, world):
+    from zeropp.acceleration.cuda_graph import CudaGraphOptions, IterationGraph
+
+    engine = _engine()
+    events = []
+    capturing = _Capturing()
+    stand_in = RerunGraph()
+    original_replay = stand_in.replay
+
+    def replay():
+        events.append("replay")
+        original_replay()
+
+    stand_in.replay = replay
+    runner = IterationGraph(engine, _iteration(engine), CudaGraphOptions(True, 1),
+                            graph_factory=lambda: stand_in, capture=capturing)
+    stand_in.owner = runner
+    # What an asynchronous save in flight sets: the next update waits for its copies.
+    engine.optimizer.before_update = lambda: events.append(
+        "wait inside the capture" if capturing.active else "wait")
+    data = toy_batches(4, 2, 3)
+    for step in data[:3]:
+        runner(*step)
+    events_so_far = list(events)
+    engine.optimizer.inner.param_groups[0]["lr"] = torch.tensor(1e-3, dtype=torch.float64)
+    try:
+        runner(*data[3])
+        refused = None
+    except RuntimeError as error:
+        refused = str(error)
+    engine.close()
+    return {"events": events_so_far, "refused": refused}
+
+
+def test_a_save_in_flight_is_waited_for_outside_the_capture_and_before_each_replay():
+    """An asynchronous checkpoint's copies must land before the next update writes the
+    masters: the eager step waits inside, a capture may not wait for outside work, and a
+    replay runs no Python, so the graph waits before capturing and before every replay.
+    And an lr tensor replaced after the capture is refused in one line, not replayed."""
+    (out,) = run_ranks(graph_with_a_save_in_flight, 1)
+    events = out["events"]
+    assert "wait inside the capture" not in events
+    # eager warm-up: the step's own wait; capture: the wait before it, and the stand-in's
+    # first replay (the capture ran the iteration); the next call: a wait before the replay
+    # (the stand-in replay then reruns the Python step, which waits again).
+    assert events[:4] == ["wait", "wait", "replay", "wait"] and events[4] == "replay"
+    assert out["refused"].startswith("cuda_graph: a param group's lr was replaced after the "
+                                     "capture") and "\n" not in out["refused"]
 
 
 def persistent_buffers_across_iterations(rank, world):

@@ -44,7 +44,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch._inductor
 from torch import nn
 
 from zeropp.config import ConfigError
@@ -69,6 +68,8 @@ def check_compile_settings(backend: str, kwargs: Mapping[str, Any]) -> dict[str,
     options = dict(kwargs.get("options") or {})
     mode = kwargs.get("mode")
     if mode is not None:
+        import torch._inductor  # (not at import: inductor is heavy, and compiling is opt-in)
+
         try:  # what the mode switches on: max-autotune turns on inductor's CUDA graphs too
             options_of_mode = torch._inductor.list_mode_options(mode)
         except RuntimeError as error:

@@ -27,9 +27,16 @@ What must hold for a replay to equal an eager iteration, and how it is kept:
 - No host read inside the iteration (a read during capture is an error from CUDA, so a
   violation cannot go unseen).
 - Tensors that change between iterations are updated in place: the learning rate is a device
-  tensor each param group holds (``AnnealingLR.step_on_device`` writes into it), step
-  counts and the skipped-step count live on the device and are added to in place.
+  tensor each param group holds (``AnnealingLR.step_on_device`` writes into it, and so does
+  every other writer of a group's lr, through ``set_group_lr``: the host's schedule step at a
+  log line or a checkpoint, DeepSpeed's schedules, a checkpoint's load; a replay refuses a
+  replaced one), step counts and the skipped-step count live on the device and are added to
+  in place.
 - The fused optimizer runs with ``capturable`` state.
+- An asynchronous checkpoint's copies of the masters and moments land before the next update
+  ([Note: asynchronous checkpoint saves]): the eager step waits for them inside, which a
+  capture may not do and a replay does not run, so the graph waits before the capture and
+  before every replay.
 Where one of these cannot hold (CPU, offload, a step decided on the host, a host-stepped lr
 schedule, fp16's dynamic loss scaler, whose window counts on the host), ``capture_blockers``
 names it, the engine says so in one line, and the iteration runs eagerly: nothing wrong is
@@ -40,6 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -150,6 +158,7 @@ class IterationGraph:
         self._static_inputs: tuple[torch.Tensor, ...] = ()
         self._static_outputs = None
         self._counters = HostCounters(engine)
+        self._lrs: list = []  # each param group's lr as the capture read it
         self.replays = 0
         if self.blockers:
             self._log("cuda_graph: running eagerly, the iteration cannot be captured: "
@@ -171,9 +180,14 @@ class IterationGraph:
             self._record(inputs)
         else:
             _check_same_inputs(self._static_inputs, inputs)
+            self._check_same_lrs()
             for static, given in zip(self._static_inputs, inputs, strict=True):
                 static.copy_(given, non_blocking=True)
             self._counters.apply()
+            # An asynchronous checkpoint's copies of the masters and moments come first:
+            # the eager step waits for them inside (``before_update``), a replay runs no
+            # Python, so the wait is issued here, before it.
+            self._wait_for_checkpoint_copy()
         self._graph.replay()
         self.replays += 1
         return _copied(self._static_outputs)
@@ -182,12 +196,36 @@ class IterationGraph:
         self._static_inputs = tuple(x.detach().clone() for x in inputs)
         graph = self._graph_factory()
         self._counters.begin()
-        with self._capture(graph):
-            self._static_outputs = self.fn(*self._static_inputs)
+        # A save in flight: its copies are waited for before the capture, and the step's own
+        # wait is left out of it (a capture may not wait for work outside it).
+        optimizer = self.engine.optimizer
+        self._wait_for_checkpoint_copy()
+        wait, optimizer.before_update = optimizer.before_update, None
+        try:
+            with self._capture(graph):
+                self._static_outputs = self.fn(*self._static_inputs)
+        finally:
+            if optimizer.before_update is None:
+                optimizer.before_update = wait
         self._counters.end()
+        # The lr tensors the graph reads: every later write must go into them.
+        self._lrs = [group["lr"] for group in optimizer.inner.param_groups]
         self._graph = graph
         self._log(f"cuda_graph: captured the iteration after {self.options.warmup_iterations} "
                   "eager ones; every later iteration is one graph launch")
+
+
+    def _wait_for_checkpoint_copy(self) -> None:
+        wait = self.engine.optimizer.before_update
+        if wait is not None:
+            wait()
+
+    def _check_same_lrs(self) -> None:
+        groups = self.engine.optimizer.inner.param_groups
+        if any(group["lr"] is not lr for group, lr in zip(groups, self._lrs, strict=True)):
+            raise RuntimeError("cuda_graph: a param group's lr was replaced after the capture, "
+                               "which replays read from the tensor they captured: set it "
+                               "with zeropp.acceleration.cuda_graph.set_group_lr (in place)")
 
 
 def _cuda_capture(graph):
@@ -212,6 +250,18 @@ def _prepare_optimizer_for_capture(engine) -> None:
         step = state.get("step")
         if isinstance(step, torch.Tensor) and step.device != engine.device:
             state["step"] = step.to(engine.device, torch.float32)
+
+
+def set_group_lr(group: dict[str, Any], lr: float) -> None:
+    """Set a param group's lr (every schedule and a checkpoint's load set it through this).
+    A 0-dim tensor held there (a device schedule's, or the one a captured iteration reads,
+    [Note: iteration graphs]) is written in place, never replaced: a replayed graph reads
+    the tensor it captured, so a new one would leave it stepping with memory freed since."""
+    held = group["lr"]
+    if isinstance(held, torch.Tensor) and held.dim() == 0:
+        held.fill_(lr)
+    else:
+        group["lr"] = lr
 
 
 def _check_same_inputs(static: tuple[torch.Tensor, ...], given: Sequence[torch.Tensor]) -> None:

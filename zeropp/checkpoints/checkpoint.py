@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from zeropp.acceleration.cuda_graph import set_group_lr
 from zeropp.checkpoints.checkpoint_files import CheckpointError, CheckpointStorageError, shard_file
 from zeropp.checkpoints.checkpoint_integrity import gather_checksums
 from zeropp.checkpoints.checkpoint_io import save_to_file
@@ -562,7 +563,9 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
     if load_optimizer_states:
         for group, saved in zip(optimizer.param_groups, reference["param_groups"],
                                 strict=False):
-            group.update(saved)
+            group.update({key: value for key, value in saved.items() if key != "lr"})
+            if "lr" in saved:  # a held lr tensor is written in place (set_group_lr)
+                set_group_lr(group, saved["lr"])
         engine.loss_scaler.load_state_dict(reference["loss_scaler"])
     if (load_lr_scheduler_states and engine.lr_scheduler is not None
             and reference["lr_scheduler"] is not None):

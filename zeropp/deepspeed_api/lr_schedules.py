@@ -23,6 +23,8 @@ from typing import Any, Protocol
 
 import torch
 
+from zeropp.acceleration.cuda_graph import set_group_lr
+
 DECAY_STYLES = ("constant", "linear", "cosine")
 
 
@@ -60,7 +62,7 @@ class ParamGroupSchedule(abc.ABC):
         """Write ``lr`` into every param group (groups split weight decay, not the lr)."""
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
-                group["lr"] = lr
+                set_group_lr(group, lr)
         return lr
 
     def get_last_lr(self) -> list[float]:
@@ -164,7 +166,8 @@ class AnnealingLR(ParamGroupSchedule):
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
                 if "max_lr" in group:
-                    group["lr"] = self.get_lr(iteration, group["max_lr"], group.get("min_lr"))
+                    set_group_lr(group, self.get_lr(iteration, group["max_lr"],
+                                                     group.get("min_lr")))
         return lr
 
     def step_on_device(self, iteration: torch.Tensor) -> None:
@@ -415,7 +418,7 @@ class OneCycle(ParamGroupSchedule):
         self.last_batch_iteration = last_batch_iteration
         if last_batch_iteration == -1:  # DeepSpeed starts at the cycle's floor
             for group, lr in zip(optimizer.param_groups, self.min_lrs, strict=True):
-                group["lr"] = lr
+                set_group_lr(group, lr)
             if self.cycle_momentum:
                 for group, mom in zip(optimizer.param_groups, self.min_moms, strict=True):
                     group["betas"] = (mom, 0.99)
@@ -471,7 +474,7 @@ class OneCycle(ParamGroupSchedule):
         momenta = self.get_mom()
         for index, (group, lr) in enumerate(zip(self.optimizer.param_groups, self.get_lr(),
                                                 strict=True)):
-            group["lr"] = lr
+            set_group_lr(group, lr)
             if momenta is not None:
                 group["betas"] = momenta[index]
 
