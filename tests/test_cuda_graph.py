@@ -339,3 +339,33 @@ def test_persistent_units_keep_their_memory_from_one_iteration_to_the_next():
     for out in run_ranks(persistent_buffers_across_iterations, 2):
         assert out["persistent"], "the toy model has persistent units (its norms)"
         assert out["freed"] == [] and out["same_memory"]
+
+
+def test_deepspeeds_host_side_options_block_the_capture_in_one_line_each():
+    """Options that read or wait for the GPU inside a step (DeepSpeed's unused-parameter
+    check, its synchronized throughput timer, its wall-clock breakdown) keep the iteration
+    eager, each said, on an engine that could otherwise be captured."""
+    from types import SimpleNamespace
+
+    from zeropp.acceleration.cuda_graph import capture_blockers
+    from zeropp.config import EngineConfig
+
+    def engine(config: dict, unused_check: bool = False):
+        return SimpleNamespace(
+            device=torch.device("cuda", 0), optimizer=SimpleNamespace(offloaded=False),
+            defers_step_outcome=True, loss_scaler=SimpleNamespace(dynamic=False),
+            lr_scheduler=None, sharded=SimpleNamespace(weight_deltas=None),
+            _params_with_gradient=set() if unused_check else None,
+            config=EngineConfig.from_json(config))
+
+    assert capture_blockers(engine({})) == []
+    assert capture_blockers(engine({"timers": {"throughput": {"synchronized": True}}})) == [
+        "timers.throughput.synchronized waits for the GPU at every step"]
+    assert capture_blockers(engine({"timers": {"throughput": {"enabled": False,
+                                                               "synchronized": True}}})) == []
+    assert capture_blockers(engine({"wall_clock_breakdown": True})) == [
+        "wall_clock_breakdown times every phase with CUDA events, which a replay does not "
+        "record"]
+    assert capture_blockers(engine({}, unused_check=True)) == [
+        "zero_optimization.ignore_unused_parameters false counts the unused parameters on "
+        "the host at every step"]

@@ -38,7 +38,8 @@ What must hold for a replay to equal an eager iteration, and how it is kept:
   capture may not do and a replay does not run, so the graph waits before the capture and
   before every replay.
 Where one of these cannot hold (CPU, offload, a step decided on the host, a host-stepped lr
-schedule, fp16's dynamic loss scaler, whose window counts on the host), ``capture_blockers``
+schedule, fp16's dynamic loss scaler, whose window counts on the host, DeepSpeed's unused
+parameter check, its synchronized throughput timer or its wall-clock breakdown), ``capture_blockers``
 names it, the engine says so in one line, and the iteration runs eagerly: nothing wrong is
 ever captured.
 """
@@ -89,6 +90,16 @@ def capture_blockers(engine) -> list[str]:
                        "device")
     if engine.sharded.weight_deltas is not None:
         reasons.append("weight deltas decide their keyframes on the host")
+    if getattr(engine, "_params_with_gradient", None) is not None:
+        reasons.append("zero_optimization.ignore_unused_parameters false counts the unused "
+                       "parameters on the host at every step")
+    config = getattr(engine, "config", None)
+    if config is not None and config.timers.throughput.enabled \
+            and config.timers.throughput.synchronized:
+        reasons.append("timers.throughput.synchronized waits for the GPU at every step")
+    if config is not None and config.wall_clock_breakdown:
+        reasons.append("wall_clock_breakdown times every phase with CUDA events, which a "
+                       "replay does not record")
     return reasons
 
 
