@@ -184,9 +184,11 @@ def test_the_cuda_graph_block_and_its_flags():
 def test_the_device_schedule_writes_a_held_lr_tensor_in_place():
     """A captured step reads the lr tensor it was captured with: the schedule must write the
     next lr into that tensor, not bind a new one."""
+    from zeropp.acceleration.cuda_graph import hold_lr
     from zeropp.deepspeed_api.lr_schedules import AnnealingLR
 
     held = torch.tensor(0.0, dtype=torch.float64)
+    hold_lr(held)  # as the capture's preparation marks it
     groups = [{"lr": held}]
 
     class Optimizer:
@@ -207,10 +209,12 @@ def test_the_device_schedule_writes_a_held_lr_tensor_in_place():
 
 def test_every_schedule_and_a_checkpoint_load_keep_a_held_lr_tensor():
     """Every writer of a group's lr goes through set_group_lr: DeepSpeed's schedules (their
-    own steps and set-up) and a checkpoint's load."""
+    own steps and set-up) and a checkpoint's load. A held tensor is written in place; one
+    not held (a device schedule's own, outside a graph) becomes a float again, as torch's
+    foreach optimizers need."""
     import zeropp.checkpoints.checkpoint as checkpoint_module
-    from zeropp.acceleration.cuda_graph import set_group_lr
-    from zeropp.deepspeed_api.lr_schedules import OneCycle, WarmupLR
+    from zeropp.acceleration.cuda_graph import hold_lr, set_group_lr
+    from zeropp.deepspeed_api.lr_schedules import OneCycle, WarmupLR, WarmupSchedule
 
     def optimizer(lr):
         built = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=1e-3)
@@ -220,8 +224,12 @@ def test_every_schedule_and_a_checkpoint_load_keep_a_held_lr_tensor():
     schedules = (lambda o: WarmupLR(o, warmup_max_lr=1e-3, warmup_num_steps=4),
                  lambda o: OneCycle(o, cycle_min_lr=1e-4, cycle_max_lr=1e-3,
                                     cycle_first_step_size=3))
+    schedules += (lambda o: WarmupSchedule(o, "WarmupCosineLR", {
+        "warmup_num_steps": 2, "total_num_steps": 10, "warmup_min_ratio": 0.0,
+        "cos_min_ratio": 0.1, "warmup_type": "linear"}),)
     for make in schedules:  # the same schedule over a held tensor and over a float
         held = torch.tensor(1e-3, dtype=torch.float64)
+        hold_lr(held)
         with_tensor, with_float = optimizer(held), optimizer(1e-3)
         on_tensor, on_float = make(with_tensor), make(with_float)
         for _ in range(2):
@@ -229,12 +237,16 @@ def test_every_schedule_and_a_checkpoint_load_keep_a_held_lr_tensor():
             on_float.step()
         assert with_tensor.param_groups[0]["lr"] is held
         assert float(held) == pytest.approx(with_float.param_groups[0]["lr"], rel=1e-12)
+        assert float(held) > 0  # (WarmupCosineLR once took its base lr by reference: 0)
     optimizer = with_tensor
     set_group_lr(optimizer.param_groups[0], 5e-4)
     assert optimizer.param_groups[0]["lr"] is held and float(held) == 5e-4
     group = {"lr": 1e-3}
     set_group_lr(group, 2e-3)  # a float stays a float
     assert group["lr"] == 2e-3
+    group = {"lr": torch.tensor(1e-3)}  # a tensor no graph reads: replaced
+    set_group_lr(group, 2e-3)
+    assert group["lr"] == 2e-3 and not isinstance(group["lr"], torch.Tensor)
     source = Path(checkpoint_module.__file__).read_text()
     assert "group.update(saved)" not in source and "set_group_lr(group, saved[\"lr\"])" in source
 
@@ -278,6 +290,11 @@ def graph_with_a_save_in_flight(rank, world):
     for step in data[:3]:
         runner(*step)
     events_so_far = list(events)
+    try:  # the state a replay reads may not be replaced by a load any more
+        engine.load_checkpoint("/nonexistent")
+        load_refused = None
+    except RuntimeError as error:
+        load_refused = str(error)
     engine.optimizer.inner.param_groups[0]["lr"] = torch.tensor(1e-3, dtype=torch.float64)
     try:
         runner(*data[3])
@@ -285,7 +302,7 @@ def graph_with_a_save_in_flight(rank, world):
     except RuntimeError as error:
         refused = str(error)
     engine.close()
-    return {"events": events_so_far, "refused": refused}
+    return {"events": events_so_far, "refused": refused, "load_refused": load_refused}
 
 
 def test_a_save_in_flight_is_waited_for_outside_the_capture_and_before_each_replay():
@@ -302,6 +319,36 @@ def test_a_save_in_flight_is_waited_for_outside_the_capture_and_before_each_repl
     assert events[:4] == ["wait", "wait", "replay", "wait"] and events[4] == "replay"
     assert out["refused"].startswith("cuda_graph: a param group's lr was replaced after the "
                                      "capture") and "\n" not in out["refused"]
+    assert out["load_refused"].startswith("load_checkpoint: this engine's iteration is "
+                                          "captured as a CUDA graph")
+
+
+def load_keeps_this_runs_step_flags(rank, world, root):
+    engine = _engine()
+    run = _iteration(engine)
+    data = toy_batches(1, 2, 3)
+    run(*data[0])
+    engine.save_checkpoint(root, tag="t")
+    lr_saved = engine.optimizer.inner.param_groups[0]["lr"]
+    engine.close()
+    engine = _engine()
+    group = engine.optimizer.inner.param_groups[0]
+    # As a CUDA graph's preparation sets them, in a run resuming one saved without a graph.
+    group["capturable"], group["foreach"] = True, False
+    engine.load_checkpoint(root, tag="t")
+    out = {"capturable": group["capturable"], "foreach": group["foreach"],
+           "lr": (float(group["lr"]), float(lr_saved)), "steps": engine.global_steps}
+    engine.close()
+    return out
+
+
+def test_a_checkpoint_load_keeps_how_this_run_steps(tmp_path):
+    """A load restores the hyperparameters, not the saving run's way of stepping: a run
+    resumed with --cuda-graph keeps capturable (else its capture fails), a GPU run resuming
+    a CPU checkpoint keeps its fused step."""
+    (out,) = run_ranks(load_keeps_this_runs_step_flags, 1, str(tmp_path))
+    assert out["capturable"] is True and out["foreach"] is False
+    assert out["lr"][0] == out["lr"][1] and out["steps"] == 1
 
 
 def persistent_buffers_across_iterations(rank, world):
@@ -369,3 +416,53 @@ def test_deepspeeds_host_side_options_block_the_capture_in_one_line_each():
     assert capture_blockers(engine({}, unused_check=True)) == [
         "zero_optimization.ignore_unused_parameters false counts the unused parameters on "
         "the host at every step"]
+
+
+class _LoggedEvent:
+    """Stands in for torch.cuda.Event: logs its records and synchronizes."""
+
+    made = 0
+
+    def __init__(self, log: list) -> None:
+        self.log, self.number = log, _LoggedEvent.made
+        _LoggedEvent.made += 1
+        self.recorded_at = None
+
+    def record(self) -> None:
+        self.recorded_at = len([e for e in self.log if e[0] == "record"]) + 1
+        self.log.append(("record", self.number))
+
+    def synchronize(self) -> None:
+        self.log.append(("wait for replay", self.recorded_at))
+
+
+def graph_run_ahead(rank, world):
+    from zeropp.acceleration.cuda_graph import MAX_REPLAYS_AHEAD, CudaGraphOptions, IterationGraph
+
+    engine = _engine()
+    log = []
+    stand_in = RerunGraph()
+    runner = IterationGraph(engine, _iteration(engine), CudaGraphOptions(True, 1),
+                            graph_factory=lambda: stand_in,
+                            capture=lambda graph: contextlib.nullcontext(),
+                            event_factory=lambda: _LoggedEvent(log))
+    stand_in.owner = runner
+    for step in toy_batches(7, 2, 3):
+        runner(*step)
+        log.append(("replays", runner.replays))
+    engine.close()
+    return {"log": log, "ahead": MAX_REPLAYS_AHEAD}
+
+
+def test_the_host_queues_at_most_two_replays_ahead_of_the_gpu():
+    """A replay is one launch: without a bound the host would run far ahead, and the next
+    read (a log line) would wait for every queued iteration at once. After replay r the host
+    waits for replay r - 2 to finish on the device."""
+    (out,) = run_ranks(graph_run_ahead, 1)
+    log, ahead = out["log"], out["ahead"]
+    waits = [entry[1] for entry in log if entry[0] == "wait for replay"]
+    replays = [entry[1] for entry in log if entry[0] == "replays"]
+    assert replays == [0, 1, 2, 3, 4, 5, 6]  # one warm-up, then capture and 5 replays
+    assert waits == [r - ahead for r in range(ahead + 1, 7)]
+    # three events, reused in turn, each recorded again only after its wait
+    assert sorted({entry[1] for entry in log if entry[0] == "record"}) == [0, 1, 2]

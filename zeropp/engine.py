@@ -75,6 +75,9 @@ class ZeroEngine:
         # the host buffers every save stages the shards in (kept: reused by the next save).
         self._pending_checkpoint = None
         self._checkpoint_staging = None
+        # Set once an IterationGraph has captured this engine's iteration: a replay reads
+        # the state where the capture found it, so a load may no longer replace it.
+        self.iteration_captured = False
         # DeepSpeed's own printouts and monitors (steps_per_print, wall_clock_breakdown, ...).
         from zeropp.reports import EngineReports, ThroughputTimer
 
@@ -606,6 +609,11 @@ class ZeroEngine:
         tag and no ``latest`` file: a warning and ``(None, None)``, as DeepSpeed answers.
         """
         from zeropp.checkpoints import checkpoint, checkpoint_integrity
+
+        if self.iteration_captured:
+            raise RuntimeError("load_checkpoint: this engine's iteration is captured as a CUDA "
+                               "graph, whose replays read the state a load would replace: load "
+                               "before the capture (at the start of training)")
 
         if not load_module_strict:
             raise ValueError("load_checkpoint(load_module_strict=False) is not supported: "

@@ -110,12 +110,13 @@ def read_model_args(path: Path) -> dict[str, int]:
 
 
 def build_gpt_engine(config: GPTConfig, device: torch.device, dtype: torch.dtype,
-                     quantization: QuantizationOptions, sharding: ShardingOptions):
+                     quantization: QuantizationOptions, sharding: ShardingOptions,
+                     lr: float = 1e-3):
     """The engine over a GPT built on the meta device (each rank materializes its shard),
     as the application builds it."""
     with torch.device("meta"):
         model = GPTModel(config)
-    return build_engine(model, lr=1e-3, weight_decay=0.01, gradient_clipping=1.0, dtype=dtype,
+    return build_engine(model, lr=lr, weight_decay=0.01, gradient_clipping=1.0, dtype=dtype,
                         loss_scaler=make_loss_scaler(dtype == torch.float16),
                         quantization=quantization, sharding=sharding, device=device)
 
@@ -373,7 +374,7 @@ def host_gpu_verdict(walls: list[float], gpu_spans: list[float], issues: list[fl
 
 def build_18b_block_engine(device: torch.device, num_layers: int, micro_batch: int,
                            hidden_size: int | None = None,
-                           num_attention_heads: int | None = None):
+                           num_attention_heads: int | None = None, lr: float = 1e-3):
     """(engine, tokens, config): the 18B's block shape (hidden size, heads, sequence) with
     `num_layers` layers, bf16 ZeRO++ with the tutorial's units and activation checkpointing,
     and one micro-batch of tokens on `device`."""
@@ -391,7 +392,7 @@ def build_18b_block_engine(device: torch.device, num_layers: int, micro_batch: i
     sharding = ShardingOptions(prefetch_bucket_numel=50_000_000,
                                max_live_numel=1_000_000_000, persistence_threshold=100_000,
                                max_reuse_distance=0, max_unit_numel=50_000_000)
-    engine = build_gpt_engine(config, device, torch.bfloat16, ZEROPP, sharding)
+    engine = build_gpt_engine(config, device, torch.bfloat16, ZEROPP, sharding, lr=lr)
     tokens = token_batches(1, micro_batch, seq, GPT2_VOCAB)[0].to(device)
     return engine, tokens, config
 

@@ -261,8 +261,16 @@ def skipped(key: str, reason: str) -> SectionResult:
     return SectionResult(key, "skip", 0.0, reason)
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    # A caller's time limit: SystemExit reaches run_section_in_child's BaseException path,
+    # which kills the running section (a session of its own, which the signal misses); the
+    # sections done so far are saved already.
+    raise SystemExit(128 + signum)
+
+
 def run_check(args: argparse.Namespace) -> int:
     began = time.perf_counter()
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / SECTIONS_DIR).mkdir(exist_ok=True)
     try:

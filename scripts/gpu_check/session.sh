@@ -7,7 +7,7 @@
 #   check  the GPU check's sections a (kernels bit-exact), b (kernel bandwidth at 1, 8 and
 #          64 MiB, host us per launch) and e (host against GPU at the 18B's block shape)
 #   graph  the iteration as one CUDA graph against eager (scripts.gpu_check.graph_check)
-#   train  the application with --cuda-graph against without (torchrun, bf16 ZeRO++, mock data)
+#   train  the application with --cuda-graph against without (torchrun, bf16 ZeRO-3, mock data)
 #   side   one GPU side by side: this engine, FSDP2, DeepSpeed (scripts.gpu_check.side_by_side;
 #          DeepSpeed's wheels carried in .whl_ds/, see that script's docstring)
 #   profile  the host's Python profile of one iteration (scripts.bench.host_profile)
@@ -48,7 +48,9 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to WORK/NAME.log
   fi
   limit=$(limit_of "$limit")
   local began=$SECONDS
-  timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
+  # SIGTERM at the limit (each part then stops its children and keeps what finished), and
+  # SIGKILL 10 s later if it has not ended.
+  timeout -k 10 "$limit" "$@" > "$WORK/$name.log" 2>&1
   local status=$?
   echo "$name: exit $status after $((SECONDS - began)) s" | tee -a "$OUTDIR/session.log"
   tail -n 25 "$WORK/$name.log"
@@ -58,7 +60,7 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to WORK/NAME.log
 for p in $PARTS; do
   case $p in
     check)
-      part check 200 env PYTHON=python3 bash scripts/gpu_check.sh --sections abe --budget-s 190 \
+      part check 200 env PYTHON=python3 bash scripts/gpu_check.sh --sections abe --budget-s 175 \
         --out "$WORK/gc"
       cp "$WORK/gc/gpu_check.json" "$OUTDIR/gpu_check.json" 2>/dev/null ;;
     graph)

@@ -68,10 +68,11 @@ def check_compile_settings(backend: str, kwargs: Mapping[str, Any]) -> dict[str,
     options = dict(kwargs.get("options") or {})
     mode = kwargs.get("mode")
     if mode is not None:
-        import torch._inductor  # (not at import: inductor is heavy, and compiling is opt-in)
+        # (not at import: inductor is heavy, and compiling is opt-in)
+        from torch._inductor import list_mode_options
 
         try:  # what the mode switches on: max-autotune turns on inductor's CUDA graphs too
-            options_of_mode = torch._inductor.list_mode_options(mode)
+            options_of_mode = list_mode_options(mode)
         except RuntimeError as error:
             raise CompileRefused(f"compile.kwargs.mode: {error}") from None
     else:

@@ -33,6 +33,9 @@ What must hold for a replay to equal an eager iteration, and how it is kept:
   replaced one), step counts and the skipped-step count live on the device and are added to
   in place.
 - The fused optimizer runs with ``capturable`` state.
+- The host queues at most ``MAX_REPLAYS_AHEAD`` replays ahead of the GPU (each replay records
+  an event, and the host waits for the one two replays back), so a later read waits for one
+  or two iterations, not for as many as CUDA's launch queue holds.
 - An asynchronous checkpoint's copies of the masters and moments land before the next update
   ([Note: asynchronous checkpoint saves]): the eager step waits for them inside, which a
   capture may not do and a replay does not run, so the graph waits before the capture and
@@ -46,6 +49,7 @@ ever captured.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +57,10 @@ from typing import Any
 import torch
 
 DEFAULT_WARMUP_ITERATIONS = 3
+# Replays the host may queue ahead of the GPU. A replay is one launch, so without a bound the
+# host would run up to CUDA's queue depth ahead, and a log line's read would then wait for
+# all of them at once (the watchdog, which times the host's steps, would see a stall).
+MAX_REPLAYS_AHEAD = 2
 
 
 @dataclass(frozen=True)
@@ -144,17 +152,20 @@ class HostCounters:
 
 class IterationGraph:
     """``fn(*inputs) -> tensor or tuple of tensors``, run eagerly for the warm-up, then
-    captured once and replayed ([Note: iteration graphs]).
+    captured once and replayed ([Note: iteration graphs]). The host queues at most
+    ``MAX_REPLAYS_AHEAD`` replays ahead of the GPU.
 
     ``inputs`` are device tensors of the same shapes and dtypes at every call (one per
     micro-batch, say). ``extra_blockers``: reasons the caller knows of why ``fn`` cannot be
     captured (said with the engine's). ``graph_factory`` and ``capture`` are for tests: the
-    CUDA graph and its capture context by default."""
+    CUDA graph and its capture context by default, and ``event_factory`` the events that
+    bound the run-ahead (CUDA events on CUDA; none elsewhere unless given)."""
 
     def __init__(self, engine, fn: Callable, options: CudaGraphOptions | None = None,
                  log: Callable[[str], None] | None = None,
                  graph_factory: Callable[[], object] | None = None,
-                 capture: Callable | None = None, extra_blockers: Sequence[str] = ()) -> None:
+                 capture: Callable | None = None, extra_blockers: Sequence[str] = (),
+                 event_factory: Callable[[], object] | None = None) -> None:
         self.engine = engine
         self.fn = fn
         self.options = options or CudaGraphOptions(enabled=True)
@@ -170,6 +181,12 @@ class IterationGraph:
         self._static_outputs = None
         self._counters = HostCounters(engine)
         self._lrs: list = []  # each param group's lr as the capture read it
+        if event_factory is None and engine.device.type == "cuda":
+            event_factory = torch.cuda.Event
+        # A ring: replay i records event i % len and waits for the one recorded
+        # MAX_REPLAYS_AHEAD replays before, which is the next to be recorded again.
+        self._replay_done = ([event_factory() for _ in range(MAX_REPLAYS_AHEAD + 1)]
+                             if event_factory is not None else [])
         self.replays = 0
         if self.blockers:
             self._log("cuda_graph: running eagerly, the iteration cannot be captured: "
@@ -201,6 +218,7 @@ class IterationGraph:
             self._wait_for_checkpoint_copy()
         self._graph.replay()
         self.replays += 1
+        self._bound_run_ahead()
         return _copied(self._static_outputs)
 
     def _record(self, inputs: Sequence[torch.Tensor]) -> None:
@@ -210,6 +228,9 @@ class IterationGraph:
         # A save in flight: its copies are waited for before the capture, and the step's own
         # wait is left out of it (a capture may not wait for work outside it).
         optimizer = self.engine.optimizer
+        # Again: a checkpoint loaded since the warm-up began may have brought step counts
+        # back to the host.
+        _prepare_optimizer_for_capture(self.engine)
         self._wait_for_checkpoint_copy()
         wait, optimizer.before_update = optimizer.before_update, None
         try:
@@ -219,12 +240,21 @@ class IterationGraph:
             if optimizer.before_update is None:
                 optimizer.before_update = wait
         self._counters.end()
+        self.engine.iteration_captured = True
         # The lr tensors the graph reads: every later write must go into them.
         self._lrs = [group["lr"] for group in optimizer.inner.param_groups]
         self._graph = graph
         self._log(f"cuda_graph: captured the iteration after {self.options.warmup_iterations} "
                   "eager ones; every later iteration is one graph launch")
 
+
+    def _bound_run_ahead(self) -> None:
+        ring = self._replay_done
+        if not ring:
+            return
+        ring[self.replays % len(ring)].record()
+        if self.replays > MAX_REPLAYS_AHEAD:
+            ring[(self.replays - MAX_REPLAYS_AHEAD) % len(ring)].synchronize()
 
     def _wait_for_checkpoint_copy(self) -> None:
         wait = self.engine.optimizer.before_update
@@ -257,19 +287,33 @@ def _prepare_optimizer_for_capture(engine) -> None:
             # The dtype each fused step reads a tensor lr in (as AnnealingLR's tables hold it).
             dtype = torch.float32 if on_cuda else torch.float64
             group["lr"] = torch.tensor(float(group["lr"]), dtype=dtype, device=engine.device)
+        hold_lr(group["lr"])
     for state in inner.state.values():
         step = state.get("step")
         if isinstance(step, torch.Tensor) and step.device != engine.device:
             state["step"] = step.to(engine.device, torch.float32)
 
 
+# The lr tensors captured iterations read, by id (with a weak reference, so a reused id is
+# not taken for one): ``set_group_lr`` writes these in place.
+_held_lrs: dict[int, weakref.ref] = {}
+
+
+def hold_lr(tensor: torch.Tensor) -> None:
+    """Mark a param group's 0-dim lr tensor as read by a captured iteration: from now on
+    ``set_group_lr`` writes into it instead of replacing it."""
+    _held_lrs[id(tensor)] = weakref.ref(tensor)
+
+
 def set_group_lr(group: dict[str, Any], lr: float) -> None:
     """Set a param group's lr (every schedule and a checkpoint's load set it through this).
-    A 0-dim tensor held there (a device schedule's, or the one a captured iteration reads,
-    [Note: iteration graphs]) is written in place, never replaced: a replayed graph reads
-    the tensor it captured, so a new one would leave it stepping with memory freed since."""
+    An lr tensor a captured iteration reads (``hold_lr``) is written in place, never
+    replaced: a replayed graph reads the tensor it captured, so a new one would leave it
+    stepping with memory freed since. Any other value is replaced by ``lr``, a float, as
+    torch's non-fused optimizers need."""
     held = group["lr"]
-    if isinstance(held, torch.Tensor) and held.dim() == 0:
+    ref = _held_lrs.get(id(held))
+    if ref is not None and ref() is held:
         held.fill_(lr)
     else:
         group["lr"] = lr

@@ -44,6 +44,9 @@ from zeropp.checkpoints.checkpoint_integrity import gather_checksums
 from zeropp.checkpoints.checkpoint_io import save_to_file
 from zeropp.flat_layout import FlatLayout
 
+# A param group's keys that say how torch's optimizer runs its step, not what it computes.
+_STEP_IMPLEMENTATION_KEYS = frozenset({"capturable", "fused", "foreach", "differentiable"})
+
 SHARD_FORMAT = "zeropp-shard-v1"
 
 
@@ -563,7 +566,10 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
     if load_optimizer_states:
         for group, saved in zip(optimizer.param_groups, reference["param_groups"],
                                 strict=False):
-            group.update({key: value for key, value in saved.items() if key != "lr"})
+            # The hyperparameters; how this run's optimizer steps (fused, foreach, capturable
+            # for a CUDA graph, ...) is this run's, whatever the saving run's was.
+            group.update({key: value for key, value in saved.items()
+                          if key != "lr" and key not in _STEP_IMPLEMENTATION_KEYS})
             if "lr" in saved:  # a held lr tensor is written in place (set_group_lr)
                 set_group_lr(group, saved["lr"])
         engine.loss_scaler.load_state_dict(reference["loss_scaler"])

@@ -247,7 +247,8 @@ class WarmupSchedule(ParamGroupSchedule):
         super().__init__(optimizer)
         self.kind = kind
         self.params = dict(params)
-        self.base_lr = optimizer.param_groups[0]["lr"]
+        # A number, not the group's value: an lr tensor is written in place by the steps.
+        self.base_lr = float(optimizer.param_groups[0]["lr"])
         # DeepSpeed's schedules start at iteration -1 (the warmup's floor) and the first step
         # moves them to iteration 0: the first two updates both run at the floor.
         self.last_step = -1
