@@ -481,6 +481,7 @@ def _run_in_subprocess(name: str, shape: RunShape, timeout: float, smoke: bool,
                     "log_tail": log[-3000:]}
         except BaseException:  # Stopped (SIGTERM), Ctrl-C: the worker must not outlive us
             _stop(worker)
+            worker.wait(timeout=30)  # gone, and reaped, before the report says so
             raise
         wall = time.perf_counter() - started
         if result_path.exists():
