@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -565,7 +566,9 @@ def test_run_check_writes_the_report_after_every_section(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(gpu_check, "describe_device", lambda: (fake_device(), {"torch": "x"}))
     monkeypatch.setattr(gpu_check, "run_section_in_child", fake_child)
+    before = signal.getsignal(signal.SIGTERM)
     assert gpu_check.run_check(check_args(tmp_path)) == 0
+    assert signal.getsignal(signal.SIGTERM) is before  # its SIGTERM handler is put back
     report = json.loads((tmp_path / REPORT_NAME).read_text())
     validate_report(report)
     assert report["complete"] and report["passed"] and report["kernel_rates"] == RATES

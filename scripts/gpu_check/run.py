@@ -264,13 +264,22 @@ def skipped(key: str, reason: str) -> SectionResult:
 def _exit_on_sigterm(signum, frame) -> None:
     # A caller's time limit: SystemExit reaches run_section_in_child's BaseException path,
     # which kills the running section (a session of its own, which the signal misses); the
-    # sections done so far are saved already.
+    # sections done so far are saved already. Once: timeout signals the group too.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 
 def run_check(args: argparse.Namespace) -> int:
+    # (The caller's handler comes back afterwards: run_check may run inside a test.)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _run_check(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_check(args: argparse.Namespace) -> int:
     began = time.perf_counter()
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / SECTIONS_DIR).mkdir(exist_ok=True)
     try:

@@ -481,7 +481,10 @@ def _run_in_subprocess(name: str, shape: RunShape, timeout: float, smoke: bool,
                     "log_tail": log[-3000:]}
         except BaseException:  # Stopped (SIGTERM), Ctrl-C: the worker must not outlive us
             _stop(worker)
-            worker.wait(timeout=30)  # gone, and reaped, before the report says so
+            try:
+                worker.wait(timeout=30)  # gone, and reaped, before the report says so
+            except subprocess.TimeoutExpired:
+                pass
             raise
         wall = time.perf_counter() - started
         if result_path.exists():
@@ -641,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         parser.error(f"unknown system(s) {', '.join(unknown)}; expected {', '.join(SYSTEMS)}")
+
     def write(report: dict[str, Any]) -> None:  # whole or not at all: a temporary, renamed
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -649,12 +653,21 @@ def main(argv: list[str] | None = None) -> int:
             os.replace(partial, args.out)
 
     # The device call's time limit sends SIGTERM: the worker is stopped, the report kept.
-    signal.signal(signal.SIGTERM, _raise_stopped)
-    report = run_all(shape, systems, args.system_timeout, args.budget, args.cpu_smoke,
-                     args.separate_compile_caches, on_update=write)
+    # (The caller's handler comes back afterwards: main may run inside a test's process.)
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        report = run_all(shape, systems, args.system_timeout, args.budget, args.cpu_smoke,
+                         args.separate_compile_caches, on_update=write)
+    except Stopped:  # before the first system started
+        report = {"systems": {name: {"system": name, "status": "stopped: SIGTERM reached the run"}
+                              for name in systems}}
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     write(report)
-    print(format_table(report), flush=True)
-    return 0
+    if "device" in report:
+        print(format_table(report), flush=True)
+    stopped = any(r.get("status", "").startswith("stopped") for r in report["systems"].values())
+    return 128 + signal.SIGTERM if stopped else 0
 
 
 def _worker(args: argparse.Namespace) -> int:

@@ -67,6 +67,8 @@ def check_compile_settings(backend: str, kwargs: Mapping[str, Any]) -> dict[str,
                              f"(known: {', '.join(COMPILE_KWARGS)})")
     options = dict(kwargs.get("options") or {})
     mode = kwargs.get("mode")
+    if mode is not None and (not isinstance(mode, str) or not mode):
+        raise CompileRefused(f"compile.kwargs.mode: expected a mode's name, got {mode!r}")
     if mode is not None:
         # (not at import: inductor is heavy, and compiling is opt-in)
         from torch._inductor import list_mode_options
@@ -78,8 +80,9 @@ def check_compile_settings(backend: str, kwargs: Mapping[str, Any]) -> dict[str,
     else:
         options_of_mode = {}
     if options_of_mode.get("triton.cudagraphs") or options.get("triton.cudagraphs"):
-        raise CompileRefused(f"compile: CUDA graphs ({'mode ' + mode if mode else 'options'} "
-                             "turns on triton.cudagraphs) are not supported over blocks: "
+        source = f"mode {mode}" if options_of_mode.get("triton.cudagraphs") else "options"
+        raise CompileRefused(f"compile: CUDA graphs ({source} turns on triton.cudagraphs) are "
+                             "not supported over blocks: "
                              "gathered weights move to new addresses at every gather, and a "
                              "graph replays the old ones (max-autotune-no-cudagraphs tunes "
                              "without them; --cuda-graph captures the whole iteration)")

@@ -263,7 +263,8 @@ class IterationGraph:
 
     def _check_same_lrs(self) -> None:
         groups = self.engine.optimizer.inner.param_groups
-        if any(group["lr"] is not lr for group, lr in zip(groups, self._lrs, strict=True)):
+        if len(groups) != len(self._lrs) or any(
+                group["lr"] is not lr for group, lr in zip(groups, self._lrs, strict=True)):
             raise RuntimeError("cuda_graph: a param group's lr was replaced after the capture, "
                                "which replays read from the tensor they captured: set it "
                                "with zeropp.acceleration.cuda_graph.set_group_lr (in place)")
