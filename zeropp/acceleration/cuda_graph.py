@@ -303,7 +303,9 @@ _held_lrs: dict[int, weakref.ref] = {}
 def hold_lr(tensor: torch.Tensor) -> None:
     """Mark a param group's 0-dim lr tensor as read by a captured iteration: from now on
     ``set_group_lr`` writes into it instead of replacing it."""
-    _held_lrs[id(tensor)] = weakref.ref(tensor)
+    key = id(tensor)
+    # The entry goes with the tensor (the callback runs before its id can be reused).
+    _held_lrs[key] = weakref.ref(tensor, lambda _, key=key: _held_lrs.pop(key, None))
 
 
 def set_group_lr(group: dict[str, Any], lr: float) -> None:
