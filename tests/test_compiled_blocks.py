@@ -132,6 +132,8 @@ def test_cuda_graphs_and_unknown_backends_are_refused():
         check_compile_settings("inductor", {"mode": "fastest"})
     with pytest.raises(CompileRefused, match="expected a mode's name"):
         check_compile_settings("inductor", {"mode": ""})
+    with pytest.raises(CompileRefused, match="compile.backend=cudagraphs: CUDA graphs"):
+        check_compile_settings("cudagraphs", {})
     for mode in ("default", "max-autotune-no-cudagraphs"):
         assert check_compile_settings("inductor", {"mode": mode}) == {"mode": mode}
     with pytest.raises(CompileRefused, match="not a torch.compile backend"):

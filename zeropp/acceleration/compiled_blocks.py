@@ -79,6 +79,11 @@ def check_compile_settings(backend: str, kwargs: Mapping[str, Any]) -> dict[str,
             raise CompileRefused(f"compile.kwargs.mode: {error}") from None
     else:
         options_of_mode = {}
+    if backend == "cudagraphs":  # dynamo's backend that only records CUDA graphs
+        raise CompileRefused("compile.backend=cudagraphs: CUDA graphs are not supported over "
+                             "blocks: gathered weights move to new addresses at every gather, "
+                             "and a graph replays the old ones (--cuda-graph captures the "
+                             "whole iteration)")
     if options_of_mode.get("triton.cudagraphs") or options.get("triton.cudagraphs"):
         source = f"mode {mode}" if options_of_mode.get("triton.cudagraphs") else "options"
         raise CompileRefused(f"compile: CUDA graphs ({source} turns on triton.cudagraphs) are "
