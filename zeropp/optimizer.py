@@ -390,7 +390,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         (skipped where ``found_inf``, a device flag its fused step reads), then the masters
         cast into the working shards."""
         self._opt_called = True
-        self._wait_for_checkpoint_copy()
+        self.wait_for_checkpoint_copy()
         try:
             with self._allocating_state():  # the host's work when offloaded
                 self._gradients_fp32().mul_(grad_multiplier)
@@ -425,7 +425,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     # (``bind_client_schedule``) has nothing to warn about.
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
-    def _wait_for_checkpoint_copy(self) -> None:
+    def wait_for_checkpoint_copy(self) -> None:
         # [Note: asynchronous checkpoint saves]: the masters and moments may change only once
         # an asynchronous save has copied them.
         if self.before_update is not None:
@@ -506,7 +506,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         copied (the caller may reuse them): into the state tensors the optimizer already holds
         where their shapes match, so a load into a trained engine allocates nothing."""
         start, end = self.unit_ranges[index]
-        self._wait_for_checkpoint_copy()
+        self.wait_for_checkpoint_copy()
         with torch.no_grad():
             self.units[index].shard.copy_(master)
             self.master_flat[start:end].copy_(master)

@@ -45,6 +45,7 @@ from scripts.gpu_check.report import (
     median_seconds,
     merge_intervals,
     one_line,
+    write_json_atomically,
 )
 from zeropp.comm.streams import COMPLETION_LANES
 from zeropp.deepspeed_api.initialize import QuantizationOptions, build_engine, make_loss_scaler
@@ -238,9 +239,7 @@ def cpu_reference_main(steps: int, out_path: Path) -> int:
         result = tiny_gpt_losses(torch.device("cpu"), steps)
     finally:
         dist.destroy_process_group()
-    partial = out_path.with_name(out_path.name + ".partial")
-    partial.write_text(json.dumps(result))
-    os.replace(partial, out_path)
+    write_json_atomically(out_path, result)
     return 0
 
 

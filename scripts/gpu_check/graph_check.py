@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import signal
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from scripts.gpu_check.report import sigterm_raises, write_json_atomically
 
 LOSS_RTOL = 2e-3
 HOST_FRACTION_TARGET = 0.10
@@ -83,56 +83,21 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: no CUDA device: the graph check needs one", file=sys.stderr)
         return 3
-    from scripts.gpu_check.engine import (
-        GPT2_VOCAB,
-        build_18b_block_engine,
-        ensure_process_group,
-        free_memory,
-        token_batches,
-        train_iteration,
-    )
-    from zeropp.acceleration.cuda_graph import CudaGraphOptions, IterationGraph, capture_blockers
+    from scripts.gpu_check.engine import ensure_process_group
 
     args.out.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     ensure_process_group("nccl")
     device = torch.device("cuda", torch.cuda.current_device())
     results: dict = {"layers": args.layers, "micro_batch": args.micro_batch,
                      "iterations": args.iterations, "warmup": args.warmup, "lr": args.lr,
                      "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     _write(args.out, results)  # something to read even if the first build is stopped
-    for mode in ("eager", "graphed"):
-        free_memory()
-        torch.manual_seed(0)
-        engine, tokens, config = build_18b_block_engine(device, args.layers, args.micro_batch,
-                                                        lr=args.lr)
-        seq = tokens.shape[1] - 1
-        batches = token_batches(args.iterations, args.micro_batch, seq, GPT2_VOCAB).to(device)
-        call = functools.partial(train_iteration, engine)
-        graph = None
-        if mode == "graphed":
-            results["blockers"] = capture_blockers(engine)
-            graph = call = IterationGraph(engine, call, CudaGraphOptions(True, args.warmup),
-                                          log=lambda line: print(line, flush=True))
-        torch.cuda.reset_peak_memory_stats()
-        try:
-            results[mode] = _train(engine, batches, call)
-            results[mode]["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            if graph is not None:
-                results[mode]["captured"] = graph.captured
-                results[mode]["replays"] = graph.replays
-        except BaseException as error:  # the report says what failed (SIGTERM included)
-            results[mode] = {"error": f"{type(error).__name__}: {error}"}
-            print(f"{mode}: {type(error).__name__}: {error}", flush=True)
-            if not isinstance(error, Exception):
+    try:
+        with sigterm_raises():  # the session's time limit: SystemExit, the report kept
+            for mode in ("eager", "graphed"):
+                _run_mode(mode, args, device, results)
                 _write(args.out, results)
-                raise
-        finally:
-            try:  # a failed capture may leave work the close cannot finish
-                engine.close()
-            except Exception as error:  # noqa: BLE001
-                results.setdefault(f"{mode}_close_error", f"{type(error).__name__}: {error}")
-            del engine, call, graph
+    finally:
         _write(args.out, results)
     report = _verdict(results, skip=args.warmup + 1)
     _write(args.out, results)
@@ -140,16 +105,51 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if results.get("passed") else 1
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: timeout signals the group too
-    raise SystemExit(128 + signum)
+def _run_mode(mode: str, args: argparse.Namespace, device: torch.device, results: dict) -> None:
+    """Build the engine and train it ``mode`` ("eager" or "graphed"), into ``results[mode]``."""
+    from scripts.gpu_check.engine import (
+        GPT2_VOCAB,
+        build_18b_block_engine,
+        free_memory,
+        token_batches,
+        train_iteration,
+    )
+    from zeropp.acceleration.cuda_graph import CudaGraphOptions, IterationGraph, capture_blockers
+
+    free_memory()
+    torch.manual_seed(0)
+    engine, tokens, config = build_18b_block_engine(device, args.layers, args.micro_batch,
+                                                    lr=args.lr)
+    seq = tokens.shape[1] - 1
+    batches = token_batches(args.iterations, args.micro_batch, seq, GPT2_VOCAB).to(device)
+    call = functools.partial(train_iteration, engine)
+    graph = None
+    if mode == "graphed":
+        results["blockers"] = capture_blockers(engine)
+        graph = call = IterationGraph(engine, call, CudaGraphOptions(True, args.warmup),
+                                      log=lambda line: print(line, flush=True))
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        results[mode] = _train(engine, batches, call)
+        results[mode]["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if graph is not None:
+            results[mode]["captured"] = graph.captured
+            results[mode]["replays"] = graph.replays
+    except BaseException as error:  # the report says what failed (SIGTERM included)
+        results[mode] = {"error": f"{type(error).__name__}: {error}"}
+        print(f"{mode}: {type(error).__name__}: {error}", flush=True)
+        if not isinstance(error, Exception):
+            raise
+    finally:
+        try:  # a failed capture may leave work the close cannot finish
+            engine.close()
+        except Exception as error:  # noqa: BLE001
+            results.setdefault(f"{mode}_close_error", f"{type(error).__name__}: {error}")
 
 
 def _write(out: Path, results: dict) -> None:
-    """The report as it stands, whole or not at all (a temporary, renamed)."""
-    partial = out / (REPORT_NAME + ".partial")
-    partial.write_text(json.dumps(results, indent=2))
-    partial.replace(out / REPORT_NAME)
+    """The report as it stands, whole or not at all."""
+    write_json_atomically(out / REPORT_NAME, results, indent=2)
 
 
 def _verdict(results: dict, skip: int) -> str:

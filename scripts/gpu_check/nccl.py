@@ -39,7 +39,7 @@ from scripts.gpu_check.engine import (
     train_iteration,
     worker_main,
 )
-from scripts.gpu_check.report import Outcome, one_line
+from scripts.gpu_check.report import Outcome, one_line, write_json_atomically
 
 SANITIZER_ENV = {"TORCH_CUDA_SANITIZER": "1"}  # the environment of section f's process
 RANKS = 2
@@ -183,9 +183,7 @@ def rank_main(steps: int, out_path: Path) -> int:
     finally:
         engine.close()
         dist.destroy_process_group()
-    partial = out_path.with_name(out_path.name + ".partial")
-    partial.write_text(json.dumps({"device": str(device), "losses": losses}))
-    os.replace(partial, out_path)
+    write_json_atomically(out_path, {"device": str(device), "losses": losses})
     return 0
 
 

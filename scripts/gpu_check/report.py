@@ -22,10 +22,12 @@ import math
 import os
 import platform
 import re
+import signal
 import statistics
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -514,15 +516,39 @@ def validate_report(report: Any) -> None:
                  "device.peak_memory_bandwidth.bytes_per_second must be a positive number")
 
 
+def write_json_atomically(path: Path, value: Any, **dumps: Any) -> None:
+    """``json.dumps(value, **dumps)`` into ``path`` through a temporary renamed over it: a
+    reader never sees half a file, also when the writer is killed while writing."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(value, **dumps) + "\n")
+    os.replace(partial, path)
+
+
+@contextmanager
+def sigterm_raises(error: Callable[[int], BaseException] = lambda signum: SystemExit(
+        128 + signum)):
+    """While inside, the first SIGTERM (a caller's time limit: GNU timeout signals the
+    process and then its group) raises ``error(signum)`` where the program is, so its
+    ``finally`` and ``except`` blocks stop children and write what finished; later ones are
+    ignored. The caller's handler comes back on exit (these run inside tests' processes)."""
+    def handler(signum, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise error(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def write_report(report: dict[str, Any], out_dir: Path) -> Path:
     """Validate and write `out_dir/gpu_check.json`, atomically (a reader never sees half a
     report, also when the check is killed while writing)."""
     validate_report(report)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / REPORT_NAME
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(report, indent=1, sort_keys=False, allow_nan=False) + "\n")
-    os.replace(partial, path)
+    write_json_atomically(path, report, indent=1, sort_keys=False, allow_nan=False)
     return path
 
 

@@ -53,6 +53,8 @@ from scripts.gpu_check.report import (
     one_line,
     render_table,
     run_section,
+    sigterm_raises,
+    write_json_atomically,
     write_report,
 )
 
@@ -186,7 +188,6 @@ def result_path(out_dir: Path, key: str) -> Path:
 
 def run_section_here(key: str, out_dir: Path, quick: bool, limit_s: float | None) -> int:
     """Child mode: run one section and write its result next to the report."""
-    import json
 
     result = run_section(key, section_function(key, out_dir, quick, limit_s))
     try:
@@ -197,9 +198,7 @@ def run_section_here(key: str, out_dir: Path, quick: bool, limit_s: float | None
         print(f"warning: destroying the process group failed: {error}", file=sys.stderr)
     path = result_path(out_dir, key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(json_safe(result.to_dict()), indent=1, allow_nan=False))
-    os.replace(partial, path)
+    write_json_atomically(path, json_safe(result.to_dict()), indent=1, allow_nan=False)
     if result.traceback:
         print(result.traceback, file=sys.stderr)
     return 0
@@ -261,21 +260,12 @@ def skipped(key: str, reason: str) -> SectionResult:
     return SectionResult(key, "skip", 0.0, reason)
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-    # A caller's time limit: SystemExit reaches run_section_in_child's BaseException path,
-    # which kills the running section (a session of its own, which the signal misses); the
-    # sections done so far are saved already. Once: timeout signals the group too.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise SystemExit(128 + signum)
-
-
 def run_check(args: argparse.Namespace) -> int:
-    # (The caller's handler comes back afterwards: run_check may run inside a test.)
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
+    # SIGTERM (a caller's time limit) raises SystemExit, whose way through
+    # run_section_in_child kills the running section (a session of its own, which the signal
+    # misses); the sections done so far are saved already.
+    with sigterm_raises():
         return _run_check(args)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _run_check(args: argparse.Namespace) -> int:

@@ -84,6 +84,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from scripts.gpu_check.report import sigterm_raises, write_json_atomically
+
 # In the order they run: what the targets compare first (this engine compiled against
 # FSDP2 compiled and DeepSpeed), so a run cut short by its budget still answers them.
 SYSTEMS = ("zeropp_compiled", "fsdp2_compiled", "deepspeed_zero3", "zeropp_eager",
@@ -270,8 +272,10 @@ class Fsdp2System:
 
 
 class DeepSpeedSystem:
-    NOTE = ("DeepSpeed casts the fp32 model to bf16 before ZeRO-3 makes its fp32 masters, so "
-            "its masters start as the bf16-rounded initial values (the others: fp32)")
+    NOTE = ("DeepSpeed 0.19.8's engine casts the fp32 model to bf16 "
+            "(_cast_module_mixed_precision) before ZeRO-3 makes its fp32 masters, so its masters "
+            "should start as the bf16-rounded initial values (the others: fp32); read in its "
+            "source, not measured")
 
     def __init__(self, shape: RunShape, device, compiled: bool) -> None:
         import deepspeed  # only this subprocess imports it
@@ -509,11 +513,6 @@ class Stopped(Exception):
     """SIGTERM reached the run (the device call's time limit, say)."""
 
 
-def _raise_stopped(signum, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the report is written next
-    raise Stopped
-
-
 def _minimum_seconds(name: str, smoke: bool) -> float:
     """The least time left to start a system: a compiled one spends 40-60 s compiling
     before its first step on a GPU, an eager one 20-40 s starting up and stepping."""
@@ -526,8 +525,7 @@ def run_all(shape: RunShape, systems: list[str], system_timeout: float, budget: 
             smoke: bool, separate_compile_caches: bool = False,
             on_update: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Every system in turn, in a subprocess of its own; ``on_update`` gets the report after
-    each (so a run stopped by SIGTERM, after ``signal.signal(SIGTERM, _raise_stopped)``,
-    still leaves what finished)."""
+    each (so a run stopped by SIGTERM, raising ``Stopped``, still leaves what finished)."""
     from megatron_lite.model import GPTModel, flops_per_token
 
     config = shape.gpt_config()
@@ -645,24 +643,19 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown system(s) {', '.join(unknown)}; expected {', '.join(SYSTEMS)}")
 
-    def write(report: dict[str, Any]) -> None:  # whole or not at all: a temporary, renamed
+    def write(report: dict[str, Any]) -> None:  # whole or not at all
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            partial = args.out.with_name(args.out.name + ".partial")
-            partial.write_text(json.dumps(report, indent=1) + "\n")
-            os.replace(partial, args.out)
+            write_json_atomically(args.out, report, indent=1)
 
     # The device call's time limit sends SIGTERM: the worker is stopped, the report kept.
-    # (The caller's handler comes back afterwards: main may run inside a test's process.)
-    previous = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
-        report = run_all(shape, systems, args.system_timeout, args.budget, args.cpu_smoke,
-                         args.separate_compile_caches, on_update=write)
+        with sigterm_raises(lambda signum: Stopped()):
+            report = run_all(shape, systems, args.system_timeout, args.budget,
+                             args.cpu_smoke, args.separate_compile_caches, on_update=write)
     except Stopped:  # before the first system started
         report = {"systems": {name: {"system": name, "status": "stopped: SIGTERM reached the run"}
                               for name in systems}}
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     write(report)
     if "device" in report:
         print(format_table(report), flush=True)

@@ -69,6 +69,7 @@ def check_compile_settings(backend: str, kwargs: Mapping[str, Any]) -> dict[str,
     mode = kwargs.get("mode")
     if mode is not None and (not isinstance(mode, str) or not mode):
         raise CompileRefused(f"compile.kwargs.mode: expected a mode's name, got {mode!r}")
+    options_of_mode = {}
     if mode is not None:
         # (not at import: inductor is heavy, and compiling is opt-in)
         from torch._inductor import list_mode_options
@@ -77,8 +78,6 @@ def check_compile_settings(backend: str, kwargs: Mapping[str, Any]) -> dict[str,
             options_of_mode = list_mode_options(mode)
         except RuntimeError as error:
             raise CompileRefused(f"compile.kwargs.mode: {error}") from None
-    else:
-        options_of_mode = {}
     if backend == "cudagraphs":  # dynamo's backend that only records CUDA graphs
         raise CompileRefused("compile.backend=cudagraphs: CUDA graphs are not supported over "
                              "blocks: gathered weights move to new addresses at every gather, "
@@ -87,11 +86,11 @@ def check_compile_settings(backend: str, kwargs: Mapping[str, Any]) -> dict[str,
     if options_of_mode.get("triton.cudagraphs") or options.get("triton.cudagraphs"):
         source = f"mode {mode}" if options_of_mode.get("triton.cudagraphs") else "options"
         raise CompileRefused(f"compile: CUDA graphs ({source} turns on triton.cudagraphs) are "
-                             "not supported over blocks: "
-                             "gathered weights move to new addresses at every gather, and a "
-                             "graph replays the old ones (max-autotune-no-cudagraphs tunes "
-                             "without them; --cuda-graph captures the whole iteration)")
-    if kwargs.get("mode") is not None and options:
+                             "not supported over blocks: gathered weights move to new "
+                             "addresses at every gather, and a graph replays the old ones "
+                             "(max-autotune-no-cudagraphs tunes without them; --cuda-graph "
+                             "captures the whole iteration)")
+    if mode is not None and options:
         raise CompileRefused("compile.kwargs: torch.compile takes mode or options, not both")
     if backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise CompileRefused(f"compile.backend={backend!r} is not a torch.compile backend "

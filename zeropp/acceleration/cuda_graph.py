@@ -215,7 +215,7 @@ class IterationGraph:
             # An asynchronous checkpoint's copies of the masters and moments come first:
             # the eager step waits for them inside (``before_update``), a replay runs no
             # Python, so the wait is issued here, before it.
-            self._wait_for_checkpoint_copy()
+            self.engine.optimizer.wait_for_checkpoint_copy()
         self._graph.replay()
         self.replays += 1
         self._bound_run_ahead()
@@ -225,13 +225,13 @@ class IterationGraph:
         self._static_inputs = tuple(x.detach().clone() for x in inputs)
         graph = self._graph_factory()
         self._counters.begin()
-        # A save in flight: its copies are waited for before the capture, and the step's own
-        # wait is left out of it (a capture may not wait for work outside it).
-        optimizer = self.engine.optimizer
         # Again: a checkpoint loaded since the warm-up began may have brought step counts
         # back to the host.
         _prepare_optimizer_for_capture(self.engine)
-        self._wait_for_checkpoint_copy()
+        # A save in flight: its copies are waited for before the capture, and the step's own
+        # wait is left out of it (a capture may not wait for work outside it).
+        optimizer = self.engine.optimizer
+        optimizer.wait_for_checkpoint_copy()
         wait, optimizer.before_update = optimizer.before_update, None
         try:
             with self._capture(graph):
@@ -247,7 +247,6 @@ class IterationGraph:
         self._log(f"cuda_graph: captured the iteration after {self.options.warmup_iterations} "
                   "eager ones; every later iteration is one graph launch")
 
-
     def _bound_run_ahead(self) -> None:
         ring = self._replay_done
         if not ring:
@@ -255,11 +254,6 @@ class IterationGraph:
         ring[self.replays % len(ring)].record()
         if self.replays > MAX_REPLAYS_AHEAD:
             ring[(self.replays - MAX_REPLAYS_AHEAD) % len(ring)].synchronize()
-
-    def _wait_for_checkpoint_copy(self) -> None:
-        wait = self.engine.optimizer.before_update
-        if wait is not None:
-            wait()
 
     def _check_same_lrs(self) -> None:
         groups = self.engine.optimizer.inner.param_groups

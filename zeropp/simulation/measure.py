@@ -150,6 +150,24 @@ def restore_method(owner: type, name: str, saved: tuple[bool, Any]) -> None:
         delattr(owner, name)  # it was inherited from torch's C base class
 
 
+def wrap_storage_resize(after: Callable[[torch.UntypedStorage, int], None]) -> tuple[bool, Any]:
+    """Wrap ``UntypedStorage.resize_``, which no dispatch mode sees, so that
+    ``after(storage, nbytes)`` runs after every call (chaining whatever is installed, e.g. an
+    outer recorder's wrapper). Returns what ``restore_method(torch.UntypedStorage,
+    "resize_", ...)`` takes to undo it."""
+    saved = save_method(torch.UntypedStorage, "resize_")
+    previous = torch.UntypedStorage.resize_
+
+    @functools.wraps(previous)
+    def resize_(storage: torch.UntypedStorage, nbytes: int):
+        result = previous(storage, nbytes)
+        after(storage, nbytes)
+        return result
+
+    torch.UntypedStorage.resize_ = resize_
+    return saved
+
+
 # ---- memory --------------------------------------------------------------------------------
 class _Entry:
     __slots__ = ("nbytes", "category", "lane", "ref")
@@ -338,18 +356,8 @@ class MemoryTracker(TorchDispatchMode):
             self._resized(entry, st.nbytes())
 
     def __enter__(self) -> MemoryTracker:
-        # UntypedStorage.resize_ is not dispatched, so wrap it (chaining whatever is installed,
-        # e.g. an outer tracker's wrapper) and restore it on exit.
-        self._saved_resize.append(save_method(torch.UntypedStorage, "resize_"))
-        prev = torch.UntypedStorage.resize_
-
-        @functools.wraps(prev)
-        def resize_(st: torch.UntypedStorage, size: int):
-            result = prev(st, size)
-            self._on_resize(st)
-            return result
-
-        torch.UntypedStorage.resize_ = resize_
+        # UntypedStorage.resize_ is not dispatched: wrapped, and restored on exit.
+        self._saved_resize.append(wrap_storage_resize(lambda st, _: self._on_resize(st)))
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:

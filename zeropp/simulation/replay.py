@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zeropp.comm.streams import allocation_lane
-from zeropp.simulation.measure import restore_method, save_method
+from zeropp.simulation.measure import restore_method, wrap_storage_resize
 
 
 class IssuedOp(NamedTuple):
@@ -73,9 +73,9 @@ class OpSequence(TorchDispatchMode):
         self.ops: list[IssuedOp] = []
         self.enabled = True
         self.storage_flow = storage_flow
-        # storage key -> (number, the op index and output slot that made it in the current
-        # segment, or None) and the storages themselves, kept alive (see above)
-        self._seen: dict[int, tuple[int, tuple[int, int] | None]] = {}
+        # storage key -> (number, the op index and output slot, or "resize", that made it in
+        # the current segment, or None) and the storages themselves, kept alive (see above)
+        self._seen: dict[int, tuple[int, tuple[int, int | str] | None]] = {}
         self._alive: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -96,11 +96,12 @@ class OpSequence(TorchDispatchMode):
             # The host's own arithmetic (the simulated cluster's optimizer counts its steps
             # on the CPU, where a capturable one counts on the device): not in a graph.
             return ("host",) * len(arguments)
+        storages = [t.untyped_storage() for t in arguments]
         sources = []
-        for tensor in arguments:
-            number, made = self._entry(tensor.untyped_storage(), None)
+        for storage in storages:
+            number, made = self._entry(storage, None)
             sources.append(("made", *made) if made is not None else ("held", number))
-        argument_keys = {t.untyped_storage()._cdata for t in arguments}
+        argument_keys = {storage._cdata for storage in storages}
         for slot, tensor in enumerate(results):
             storage = tensor.untyped_storage()
             # An output in an argument's memory (in place, a view, out=) is not new memory.
@@ -120,19 +121,8 @@ class OpSequence(TorchDispatchMode):
             self._entry(storage, (len(self.ops), "resize"), anew=True)
 
     def __enter__(self) -> OpSequence:
-        if self.storage_flow:
-            # UntypedStorage.resize_ is not dispatched: wrapped (chaining what is installed)
-            # while the recorder is on.
-            self._saved_resize = save_method(torch.UntypedStorage, "resize_")
-            previous = torch.UntypedStorage.resize_
-            recorder = self
-
-            def resize_(storage: torch.UntypedStorage, nbytes: int):
-                result = previous(storage, nbytes)
-                recorder._on_resize(storage, nbytes)
-                return result
-
-            torch.UntypedStorage.resize_ = resize_
+        if self.storage_flow:  # UntypedStorage.resize_ is not dispatched: wrapped while on
+            self._saved_resize = wrap_storage_resize(self._on_resize)
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
